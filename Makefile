@@ -1,0 +1,31 @@
+# The README's two commands: `make train` and `make test`. Each sets up .venv on first use.
+# `pip install torch==2.13.0` takes the CPU wheel where one is provided locally (this machine's
+# pip find-links) and PyPI's CUDA build on a GPU machine; nothing is reinstalled while the
+# stamp is newer than pyproject.toml.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.chunkzero-installed
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?= -n auto
+
+.PHONY: setup train test clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/chunkzero train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+clean-venv:
+	rm -rf $(VENV)

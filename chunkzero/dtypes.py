@@ -1,0 +1,56 @@
+"""Dtype names shared by both backends (numpy has no bfloat16, so dtypes are plain strings)."""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+
+ITEMSIZE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "bool": 1,
+}
+"""Bytes per element of every dtype a chunk may hold."""
+
+_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp64": "float64",
+    "double": "float64",
+    "long": "int64",
+    "int": "int32",
+}
+
+
+def canonical_dtype(dtype: object) -> str:
+    """Return the canonical name (``"float32"``, ``"bfloat16"`` …) of a dtype.
+
+    Accepts strings (``"fp16"``, ``"torch.float16"``, ``"float16"``), numpy dtypes, torch and jax
+    dtypes (anything whose ``str()`` ends in the name).
+
+    Raises:
+        ConfigError: the dtype is not one chunks can hold.
+    """
+    name = str(dtype)
+    for prefix in ("torch.", "dtype(", "<class 'numpy.", "jnp."):
+        name = name.replace(prefix, "")
+    name = name.strip("')\"")
+    name = _ALIASES.get(name, name)
+    if name not in ITEMSIZE_BYTES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {sorted(ITEMSIZE_BYTES)}")
+    return name
+
+
+def itemsize_bytes(dtype: object) -> int:
+    """Bytes per element of ``dtype``."""
+    return ITEMSIZE_BYTES[canonical_dtype(dtype)]

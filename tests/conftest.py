@@ -1,0 +1,12 @@
+"""Test-suite set-up shared by every test directory.
+
+JAX must see 8 simulated CPU devices, so XLA_FLAGS is set here, before anything imports jax.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

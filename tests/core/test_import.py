@@ -1,0 +1,12 @@
+import subprocess
+import sys
+
+
+def test_core_imports_no_framework():
+    code = (
+        "import sys, chunkzero, chunkzero.layout, chunkzero.states, chunkzero.search, chunkzero.cost\n"
+        "bad = [m for m in ('torch', 'jax', 'flax', 'orbax', 'optax') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"chunkzero imported frameworks: {out.stdout.strip()}"
