@@ -1,0 +1,235 @@
+"""The checkpoint metadata schema shared by both backends (DESIGN.md §5).
+
+One step is one standard Orbax checkpoint directory ``<root>/<step>/`` with two items:
+
+* ``state`` — a PyTree of 1-D global arrays, each a whole chunk (padded to the chunk's size at
+  save time):
+
+  ``{"params": {"chunk_0000": f32[size], ...},                 # fp32 master chunks
+     "optim": {"exp_avg": {"chunk_0000": f32[size], ...}, ...}}  # one subtree per optimizer-state key``
+
+  Trainable chunks are stored as fp32 masters whatever the compute precision; frozen chunks in
+  their own dtype and without optimizer state. Keep-gathered chunks are written once.
+* ``meta`` — a JSON document validated by :class:`CheckpointMeta` (never unpickled).
+
+A plain ``orbax.checkpoint`` user restores ``state`` as numpy, or with target shardings on any
+device count (padding differs between world sizes; restore with ``global_shape`` of the new size,
+or slice ``[:utilized]``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CheckpointFormatError, LayoutFormatError
+from .layout import ChunkInfo, ChunkLayout
+
+CHECKPOINT_FORMAT = "chunkzero.checkpoint"
+CHECKPOINT_VERSION = 1
+STATE_ITEM = "state"
+META_ITEM = "meta"
+PARAMS_KEY = "params"
+OPTIM_KEY = "optim"
+MIXED_PRECISIONS = ("fp32", "bf16", "fp16")
+
+_CHUNK_KEY = re.compile(r"^chunk_(\d{4,})$")
+
+
+def chunk_key(index: int) -> str:
+    """Key of chunk ``index`` in the ``state`` tree: ``chunk_0000``, ``chunk_0001`` …"""
+    return f"chunk_{index:04d}"
+
+
+def chunk_index(key: str) -> int:
+    """Inverse of :func:`chunk_key`.
+
+    Raises:
+        CheckpointFormatError: ``key`` is not a chunk key.
+    """
+    m = _CHUNK_KEY.match(key)
+    if not m:
+        raise CheckpointFormatError(f"{key!r} is not a chunk key (expected chunk_NNNN)")
+    return int(m.group(1))
+
+
+def param_array_dtype(chunk: ChunkInfo) -> str:
+    """Dtype a chunk's ``params`` array is saved in: fp32 master for trainable chunks, else its own."""
+    return "float32" if chunk.requires_grad else chunk.dtype
+
+
+@dataclass
+class OptimizerMeta:
+    """The optimizer part of the metadata.
+
+    Attributes:
+        class_name: fully qualified class, e.g. ``"torch.optim.AdamW"`` or ``"optax.adamw"``.
+        hyperparameters: JSON-able hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay`` …).
+        state_keys: names of per-element state arrays stored under ``optim`` (e.g. ``exp_avg``).
+        step: number of optimizer steps taken (Adam's bias-correction count).
+    """
+
+    class_name: str
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    state_keys: list[str] = field(default_factory=list)
+    step: int = 0
+
+
+@dataclass
+class CheckpointMeta:
+    """Everything in a checkpoint besides the chunk arrays.
+
+    Attributes:
+        step: training step of the checkpoint.
+        layout: the :class:`ChunkLayout` at save time (its ``world_size`` is the saving world size).
+        mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+        optimizer: :class:`OptimizerMeta`, or ``None`` for a parameters-only checkpoint.
+        loss_scaler: dynamic loss-scaler state (``scale``, ``growth_tracker``, ``hysteresis_tracker`` …).
+        model_config: JSON-able model configuration, to rebuild the model.
+        data_position: JSON-able data-loader position, to resume the data stream.
+        rng_states: one JSON-able RNG-state dict per saving rank (or ``None``).
+        extra: anything else the caller passed (JSON-able).
+    """
+
+    step: int
+    layout: ChunkLayout
+    mixed_precision: str = "fp32"
+    optimizer: OptimizerMeta | None = None
+    loss_scaler: dict[str, Any] | None = None
+    model_config: dict[str, Any] | None = None
+    data_position: dict[str, Any] | None = None
+    rng_states: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "mixed_precision": self.mixed_precision,
+            "layout": self.layout.to_dict(),
+            "optimizer": None
+            if self.optimizer is None
+            else {
+                "class_name": self.optimizer.class_name,
+                "hyperparameters": self.optimizer.hyperparameters,
+                "state_keys": list(self.optimizer.state_keys),
+                "step": self.optimizer.step,
+            },
+            "loss_scaler": self.loss_scaler,
+            "model_config": self.model_config,
+            "data_position": self.data_position,
+            "rng_states": self.rng_states,
+            "extra": self.extra,
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, source: str = "meta") -> CheckpointMeta:
+        """Validate and parse a metadata document.
+
+        Args:
+            source: where the document came from (a file path), used in error messages.
+
+        Raises:
+            CheckpointFormatError: a field is missing, mistyped or inconsistent, or the version is
+                newer than this chunkzero reads; the message names ``source`` and the field.
+        """
+
+        def bad(name: str, why: str) -> CheckpointFormatError:
+            return CheckpointFormatError(f"{source}: field {name!r}: {why}")
+
+        if not isinstance(doc, dict):
+            raise bad("<document>", f"expected an object, got {type(doc).__name__}")
+
+        def get(name: str, kinds, optional: bool = False):
+            if name not in doc:
+                raise bad(name, "missing")
+            value = doc[name]
+            if value is None and optional:
+                return None
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _tuple(kinds)):
+                raise bad(name, f"expected {_kind_names(kinds)}, got {type(value).__name__}")
+            return value
+
+        if get("format", str) != CHECKPOINT_FORMAT:
+            raise bad("format", f"expected {CHECKPOINT_FORMAT!r}, got {doc['format']!r}")
+        version = get("version", int)
+        if not 1 <= version <= CHECKPOINT_VERSION:
+            raise bad("version", f"version {version} is not supported (this chunkzero reads up to {CHECKPOINT_VERSION})")
+        step = get("step", int)
+        if step < 0:
+            raise bad("step", f"must be >= 0, got {step}")
+        try:
+            layout = ChunkLayout.from_dict(get("layout", dict))
+        except LayoutFormatError as e:
+            raise bad(f"layout.{e.field}", str(e)) from None
+        if get("world_size", int) != layout.world_size:
+            raise bad("world_size", f"{doc['world_size']} differs from the layout's world size {layout.world_size}")
+        mp = get("mixed_precision", str)
+        if mp not in MIXED_PRECISIONS:
+            raise bad("mixed_precision", f"expected one of {MIXED_PRECISIONS}, got {mp!r}")
+        optimizer = None
+        od = get("optimizer", dict, optional=True)
+        if od is not None:
+            for key, kinds in (("class_name", str), ("hyperparameters", dict), ("state_keys", list), ("step", int)):
+                if key not in od or not isinstance(od[key], kinds) or isinstance(od[key], bool):
+                    raise bad(f"optimizer.{key}", f"missing or not {kinds.__name__}")
+            if not all(isinstance(k, str) for k in od["state_keys"]):
+                raise bad("optimizer.state_keys", "must be a list of strings")
+            optimizer = OptimizerMeta(od["class_name"], od["hyperparameters"], list(od["state_keys"]), od["step"])
+        rng = get("rng_states", list, optional=True)
+        if rng is not None and not all(isinstance(r, dict) for r in rng):
+            raise bad("rng_states", "must be a list of objects, one per rank")
+        return cls(
+            step=step,
+            layout=layout,
+            mixed_precision=mp,
+            optimizer=optimizer,
+            loss_scaler=get("loss_scaler", dict, optional=True),
+            model_config=get("model_config", dict, optional=True),
+            data_position=get("data_position", dict, optional=True),
+            rng_states=rng,
+            extra=get("extra", dict, optional=True),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = "meta") -> CheckpointMeta:
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointFormatError(f"{source}: not valid JSON ({e})") from None
+        return cls.from_dict(doc, source=source)
+
+    def expected_arrays(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+        """Every array the ``state`` item must hold: ``path -> (global shape, dtype)``.
+
+        Paths are tuples of tree keys, e.g. ``("params", "chunk_0003")`` or
+        ``("optim", "exp_avg", "chunk_0003")``.
+        """
+        out: dict[tuple[str, ...], tuple[tuple[int, ...], str]] = {}
+        for c in self.layout.chunks:
+            out[(PARAMS_KEY, chunk_key(c.index))] = ((c.size,), param_array_dtype(c))
+        if self.optimizer is not None:
+            for key in self.optimizer.state_keys:
+                for c in self.layout.chunks:
+                    if c.requires_grad:
+                        out[(OPTIM_KEY, key, chunk_key(c.index))] = ((c.size,), "float32")
+        return out
+
+
+def _tuple(kinds) -> tuple:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _kind_names(kinds) -> str:
+    return " or ".join(k.__name__ for k in _tuple(kinds))

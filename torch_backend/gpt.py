@@ -1,0 +1,195 @@
+"""A byte-level GPT in plain nanoGPT style (Karpathy, https://github.com/karpathy/nanoGPT).
+
+Parameter names match Hugging Face GPT-2's where the structure is the same
+(``transformer.wte.weight``, ``transformer.h.0.attn.c_attn.weight`` …), but linear layers are
+``nn.Linear`` (weight shape ``(out_features, in_features)``) where HF uses ``Conv1D`` ``(in, out)``.
+``lm_head.weight`` is tied to ``transformer.wte.weight``. The JAX backend mirrors this model.
+
+Shapes: ``idx`` is ``int64[B, T]`` of byte values (``T <= block_size``); logits are
+``float[B, T, vocab_size]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from chunkzero.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model hyper-parameters. ``vocab_size`` 256 means byte-level tokens."""
+
+    block_size: int = 256
+    vocab_size: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True
+    layer_norm_eps: float = 1e-5
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GPTConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown GPT config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64),
+    "gpt-small": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+}
+"""Byte-level GPT sizes by name (GPT-2 shapes with a 256-token vocabulary)."""
+
+
+def gpt_config(name: str) -> GPTConfig:
+    """The :class:`GPTConfig` called ``name``.
+
+    Raises:
+        ConfigError: naming the unknown model and listing the known ones.
+    """
+    try:
+        return GPT_CONFIGS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model {name!r}; known: {', '.join(GPT_CONFIGS)}") from None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        if config.n_embd % config.n_head:
+            raise ConfigError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2 architecture (pre-LayerNorm, learned positions, tied output head).
+
+    Args:
+        config: a :class:`GPTConfig`.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied (GPT-2, Press & Wolf 2017)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Parameters counted once (the tied head is not counted twice)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``float[B, T, vocab_size]`` for tokens ``int64[B, T]``.
+
+        Raises:
+            ConfigError: ``T`` exceeds ``block_size``.
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ConfigError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after ``idx`` (``int64[B, T]``); returns ``int64[B, T+max_new_tokens]``."""
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, block_size: int | None = None,
+             temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Autoregressive sampling with any callable returning logits ``[B, T, V]`` (a GPT or a ZeroDDP-wrapped GPT).
+
+    All ranks of a data-parallel group must call it together (the wrapped model gathers chunks).
+    """
+    if block_size is None:
+        block_size = getattr(model, "config", getattr(getattr(model, "module", None), "config", None)).block_size
+    for _ in range(max_new_tokens):
+        idx_cond = idx[:, -block_size:]
+        logits = model(idx_cond)[:, -1, :].float() / max(temperature, 1e-8)
+        if top_k is not None:
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("inf")
+        probs = F.softmax(logits, dim=-1)
+        idx = torch.cat((idx, torch.multinomial(probs, num_samples=1, generator=generator)), dim=1)
+    return idx
