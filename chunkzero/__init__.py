@@ -16,12 +16,25 @@ from .errors import (
     ShapeMismatchError,
     UnusedParameterError,
 )
+from .configs import model_specs
+from .cost import StrategyCost, chunk_zero3_cost, compare_strategies, ddp_cost, fsdp_cost
 from .layout import ChunkInfo, ChunkLayout, TensorPlacement, TensorSpec
+from .search import SearchResult, build_layout, gemini_search, search_chunk_size
 from .states import LEGAL_TRANSITIONS, ChunkStates, TensorState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "SearchResult",
+    "StrategyCost",
+    "build_layout",
+    "chunk_zero3_cost",
+    "compare_strategies",
+    "ddp_cost",
+    "fsdp_cost",
+    "gemini_search",
+    "model_specs",
+    "search_chunk_size",
     "ChunkInfo",
     "ChunkLayout",
     "ChunkStates",

@@ -41,10 +41,12 @@ def canonical_dtype(dtype: object) -> str:
     Raises:
         ConfigError: the dtype is not one chunks can hold.
     """
-    name = str(dtype)
-    for prefix in ("torch.", "dtype(", "<class 'numpy.", "jnp."):
-        name = name.replace(prefix, "")
-    name = name.strip("')\"")
+    if isinstance(dtype, type):  # numpy / jax scalar types: np.float32, jnp.bfloat16
+        name = dtype.__name__
+    elif isinstance(getattr(dtype, "name", None), str):  # numpy and jax dtypes
+        name = dtype.name
+    else:  # strings and torch dtypes ("torch.float16")
+        name = str(dtype).removeprefix("torch.")
     name = _ALIASES.get(name, name)
     if name not in ITEMSIZE_BYTES:
         raise ConfigError(f"unsupported dtype {dtype!r}; expected one of {sorted(ITEMSIZE_BYTES)}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,11 +55,15 @@ class TensorSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"tensor spec name must be a non-empty string, got {self.name!r}")
         try:
-            shape = tuple(int(d) for d in self.shape)
+            if isinstance(self.shape, (str, bytes)):
+                raise TypeError
+            shape = tuple(operator.index(d) for d in self.shape)  # ints only: no silent 2.5 -> 2
         except TypeError:
             raise ConfigError(f"tensor {self.name!r}: shape must be a sequence of ints, got {self.shape!r}") from None
         if any(d < 0 for d in shape):
             raise ConfigError(f"tensor {self.name!r}: negative dimension in shape {shape}")
+        if isinstance(self.aliases, str) or not all(isinstance(a, str) and a for a in self.aliases):
+            raise ConfigError(f"tensor {self.name!r}: aliases must be a sequence of non-empty names, got {self.aliases!r}")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         object.__setattr__(self, "aliases", tuple(self.aliases))
@@ -475,12 +480,20 @@ class ChunkLayout:
 
     def _validate(self) -> None:
         names: set[str] = set()
+        listed = [set(c.tensor_names) for c in self.chunks]
         for i, t in enumerate(self.tensors):
             for n in t.names:
                 if n in names:
                     raise LayoutFormatError(f"tensors[{i}].name", f"name {n!r} appears twice")
                 names.add(n)
+            if not 0 <= t.chunk < len(self.chunks) or t.name not in listed[t.chunk]:
+                raise LayoutFormatError(f"tensors[{i}].chunk", f"tensor {t.name!r} is not listed in chunk {t.chunk}")
         for i, c in enumerate(self.chunks):
+            if c.index != i:
+                raise LayoutFormatError(f"chunks[{i}].index", f"expected {i}, got {c.index}")
+            for n in c.tensor_names:
+                if n not in self._by_name or self._by_name[n].name != n or self._by_name[n].chunk != i:
+                    raise LayoutFormatError(f"chunks[{i}].tensor_names", f"{n!r} is not a tensor placed in chunk {i}")
             members = sorted(self.chunk_tensors(c.index), key=lambda t: t.offset)
             pos = 0
             for t in members:
@@ -491,11 +504,16 @@ class ChunkLayout:
                     )
                 if t.dtype != c.dtype:
                     raise LayoutFormatError(f"chunks[{i}].dtype", f"chunk is {c.dtype} but tensor {t.name!r} is {t.dtype}")
+                if t.requires_grad != c.requires_grad:
+                    raise LayoutFormatError(
+                        f"chunks[{i}].requires_grad",
+                        f"chunk has requires_grad={c.requires_grad} but tensor {t.name!r} has {t.requires_grad}",
+                    )
                 pos = t.end
             if c.utilized != pos:
                 raise LayoutFormatError(f"chunks[{i}].utilized", f"is {c.utilized} but its tensors hold {pos} elements")
-            if c.size < c.utilized:
-                raise LayoutFormatError(f"chunks[{i}].size", f"size {c.size} is below utilized {c.utilized}")
+            if c.size < max(c.utilized, 1):
+                raise LayoutFormatError(f"chunks[{i}].size", f"size {c.size} is below utilized {c.utilized} (or below 1)")
             if not c.keep_gathered and c.size % self.world_size:
                 raise LayoutFormatError(f"chunks[{i}].size", f"size {c.size} is not a multiple of world size {self.world_size}")
 

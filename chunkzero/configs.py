@@ -1,0 +1,177 @@
+"""Size-only model configurations: the ordered tensor list of a model, without any framework.
+
+Each config yields ``list[TensorSpec]`` in parameter order (module registration order, what
+``model.named_parameters()`` returns, tied weights once with the other name as an alias), so the
+chunk-size search and the cost model can be run on models far too big to instantiate here.
+
+Registered names (:data:`MODEL_CONFIGS`):
+
+- ``"gpt2"`` — Hugging Face GPT-2 small (Radford et al. 2019): vocab 50257, 1024 positions,
+  12 layers, d 768, 12 heads; 124,439,808 parameters. HF parameter names; HF ``Conv1D`` weights are
+  ``(in, out)`` (``attn.c_attn.weight`` is ``(768, 2304)``); ``lm_head.weight`` is an alias of
+  ``transformer.wte.weight``.
+- ``"gpt2-medium"`` — the same with 24 layers, d 1024, 16 heads; 354,823,168 parameters.
+- ``"llama-1b"`` — a Llama-style 1B config (Touvron et al. 2023; HF ``LlamaForCausalLM`` names):
+  vocab 32000, d 2048, 16 layers, 32 heads and 32 key/value heads (no GQA), SwiGLU intermediate
+  5632, RMSNorm (weight only, no biases), untied ``lm_head``; 953,223,168 parameters.
+- ``"gpt-tiny"``, ``"gpt-small"`` — the byte-level nanoGPT-style model of ``torch_backend.gpt``
+  (vocab 256, ``nn.Linear`` weights ``(out, in)``, biases, tied head). Note that
+  ``torch_backend.gpt.GPT_CONFIGS`` also has byte-level entries named ``"gpt2"``/``"gpt2-medium"``;
+  here those names mean the real Hugging Face GPT-2 sizes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .layout import TensorSpec
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters that determine a model's tensor shapes.
+
+    Attributes:
+        family: ``"hf-gpt2"`` (HF GPT-2, Conv1D ``(in, out)`` weights), ``"nanogpt"`` (nn.Linear
+            ``(out, in)`` weights) or ``"llama"`` (HF Llama).
+        vocab_size: token vocabulary.
+        n_positions: learned positions (GPT families; unused by Llama, which uses RoPE).
+        n_layer, n_head, n_embd: depth, attention heads, hidden size ``d``.
+        n_kv_head: key/value heads (Llama; equals ``n_head`` when there is no GQA).
+        intermediate_size: MLP hidden size (``4·d`` for GPT-2; Llama's SwiGLU width).
+        tie_embeddings: the output head shares the token-embedding matrix.
+    """
+
+    family: str
+    vocab_size: int
+    n_positions: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    intermediate_size: int
+    n_kv_head: int = 0
+    tie_embeddings: bool = True
+
+    @property
+    def hidden_size(self) -> int:
+        """``d``; Gemini's recommended search interval (``hidden_dim``)."""
+        return self.n_embd
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "gpt2": ModelConfig("hf-gpt2", 50257, 1024, 12, 12, 768, 4 * 768),
+    "gpt2-medium": ModelConfig("hf-gpt2", 50257, 1024, 24, 16, 1024, 4 * 1024),
+    "llama-1b": ModelConfig("llama", 32000, 0, 16, 32, 2048, 5632, n_kv_head=32, tie_embeddings=False),
+    "gpt-tiny": ModelConfig("nanogpt", 256, 128, 2, 2, 64, 4 * 64),
+    "gpt-small": ModelConfig("nanogpt", 256, 256, 6, 6, 384, 4 * 384),
+}
+"""Every named size-only model config (the one registry of names)."""
+
+
+def model_config(name: str) -> ModelConfig:
+    """The :class:`ModelConfig` called ``name``.
+
+    Raises:
+        ConfigError: naming the unknown model and listing the known ones.
+    """
+    try:
+        return MODEL_CONFIGS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}") from None
+
+
+def model_specs(name: str | ModelConfig, dtype: str = "float32") -> list[TensorSpec]:
+    """The tensors of model ``name`` in parameter order, as :class:`TensorSpec` of ``dtype``.
+
+    Args:
+        name: a key of :data:`MODEL_CONFIGS` or a :class:`ModelConfig`.
+        dtype: dtype given to every tensor (``"float32"``, ``"bf16"`` …).
+
+    Returns:
+        One spec per unique tensor; a tied head is the alias ``lm_head.weight`` of
+        ``transformer.wte.weight``.
+
+    Raises:
+        ConfigError: unknown name, family or dtype.
+    """
+    cfg = name if isinstance(name, ModelConfig) else model_config(name)
+    builders = {"hf-gpt2": _gpt_specs, "nanogpt": _gpt_specs, "llama": _llama_specs}
+    try:
+        build = builders[cfg.family]
+    except KeyError:
+        raise ConfigError(f"unknown model family {cfg.family!r}; known: {', '.join(builders)}") from None
+    return [TensorSpec(n, s, dtype, aliases) for n, s, aliases in build(cfg)]
+
+
+def param_numel(name: str | ModelConfig) -> int:
+    """Parameters of the model (tied tensors counted once)."""
+    return sum(s.numel for s in model_specs(name))
+
+
+def _linear(prefix: str, cfg: ModelConfig, d_in: int, d_out: int, bias: bool = True):
+    """A projection ``d_in -> d_out``: HF Conv1D stores ``(in, out)``, nn.Linear ``(out, in)``."""
+    shape = (d_in, d_out) if cfg.family == "hf-gpt2" else (d_out, d_in)
+    out = [(f"{prefix}.weight", shape, ())]
+    if bias:
+        out.append((f"{prefix}.bias", (d_out,), ()))
+    return out
+
+
+def _gpt_specs(cfg: ModelConfig):
+    d = cfg.n_embd
+    head = ("lm_head.weight",) if cfg.tie_embeddings else ()
+    specs = [
+        ("transformer.wte.weight", (cfg.vocab_size, d), head),
+        ("transformer.wpe.weight", (cfg.n_positions, d), ()),
+    ]
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}"
+        specs += [(f"{p}.ln_1.weight", (d,), ()), (f"{p}.ln_1.bias", (d,), ())]
+        specs += _linear(f"{p}.attn.c_attn", cfg, d, 3 * d)
+        specs += _linear(f"{p}.attn.c_proj", cfg, d, d)
+        specs += [(f"{p}.ln_2.weight", (d,), ()), (f"{p}.ln_2.bias", (d,), ())]
+        specs += _linear(f"{p}.mlp.c_fc", cfg, d, cfg.intermediate_size)
+        specs += _linear(f"{p}.mlp.c_proj", cfg, cfg.intermediate_size, d)
+    specs += [("transformer.ln_f.weight", (d,), ()), ("transformer.ln_f.bias", (d,), ())]
+    if not cfg.tie_embeddings:
+        specs.append(("lm_head.weight", (cfg.vocab_size, d), ()))
+    return specs
+
+
+def _llama_specs(cfg: ModelConfig):
+    d = cfg.n_embd
+    if d % cfg.n_head:
+        raise ConfigError(f"n_embd {d} is not divisible by n_head {cfg.n_head}")
+    kv = (cfg.n_kv_head or cfg.n_head) * (d // cfg.n_head)
+    head = ("lm_head.weight",) if cfg.tie_embeddings else ()
+    specs = [("model.embed_tokens.weight", (cfg.vocab_size, d), head)]
+    for i in range(cfg.n_layer):  # HF LlamaDecoderLayer registers self_attn, mlp, then the two norms
+        p = f"model.layers.{i}"
+        specs += _linear(f"{p}.self_attn.q_proj", cfg, d, d, bias=False)
+        specs += _linear(f"{p}.self_attn.k_proj", cfg, d, kv, bias=False)
+        specs += _linear(f"{p}.self_attn.v_proj", cfg, d, kv, bias=False)
+        specs += _linear(f"{p}.self_attn.o_proj", cfg, d, d, bias=False)
+        specs += _linear(f"{p}.mlp.gate_proj", cfg, d, cfg.intermediate_size, bias=False)
+        specs += _linear(f"{p}.mlp.up_proj", cfg, d, cfg.intermediate_size, bias=False)
+        specs += _linear(f"{p}.mlp.down_proj", cfg, cfg.intermediate_size, d, bias=False)
+        specs += [(f"{p}.input_layernorm.weight", (d,), ()), (f"{p}.post_attention_layernorm.weight", (d,), ())]
+    specs.append(("model.norm.weight", (d,), ()))
+    if not cfg.tie_embeddings:
+        specs.append(("lm_head.weight", (cfg.vocab_size, d), ()))
+    return specs
+
+
+_BLOCK_RE = re.compile(r"^(.*?\.(?:h|layers)\.\d+)\.")
+
+
+def transformer_block_unit(name: str) -> str:
+    """The FSDP wrapping unit of tensor ``name``: its transformer block (``"transformer.h.3"``,
+    ``"model.layers.3"``) or ``"root"`` for everything outside the blocks (embeddings, final norm,
+    head) — the usual FSDP2 recipe of ``fully_shard`` on every block, then on the root module."""
+    m = _BLOCK_RE.match(name)
+    return m.group(1) if m else "root"
+
+
+__all__ = ["MODEL_CONFIGS", "ModelConfig", "model_config", "model_specs", "param_numel", "transformer_block_unit"]
