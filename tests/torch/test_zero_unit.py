@@ -1,0 +1,132 @@
+"""In-process checks of ZeroDDP / ZeroOptimizer pieces that need no process group (fast)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_cases
+from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
+from torch_backend import DynamicLossScaler, ZeroDDP, ZeroOptimizer
+from torch_backend import collectives
+
+
+def test_collectives_use_the_current_names():
+    """torch 2.13 renamed the flat collectives; the old names warn, so the new ones are picked."""
+    if hasattr(dist, "all_gather_single"):
+        assert collectives._ALL_GATHER_FLAT is dist.all_gather_single
+        assert collectives._REDUCE_SCATTER_FLAT is dist.reduce_scatter_single
+    else:
+        assert collectives._ALL_GATHER_FLAT is dist.all_gather_into_tensor
+    assert collectives.default_backend("cpu") == "gloo"
+    assert collectives.default_backend("cuda:0") == "nccl"
+
+
+def test_single_process_without_process_group_matches_torch():
+    """No torch.distributed init: W=1, every chunk resident; 3 Adam steps equal plain torch exactly."""
+    module = zero_cases.Odd()
+    ref = copy.deepcopy(module)
+    model = ZeroDDP(module, chunk_size=100, keep_gathered=["ln.weight", "ln.bias"])
+    assert model.world_size == 1 and model.rank == 0 and model.process_group is None
+    optim = ZeroOptimizer(model, torch.optim.Adam, lr=1e-2)
+    ropt = torch.optim.Adam([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for batch in zero_cases.batches("odd", 3, 4):
+        loss = zero_cases.odd_loss(model, batch)
+        optim.backward(loss)
+        assert optim.step()
+        optim.zero_grad()
+        rloss = zero_cases.odd_loss(ref, batch)
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        assert loss.item() == rloss.item()
+    zero_cases.assert_state_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0)
+    # parameters keep their shapes and are the module's own objects
+    assert model.module.w.shape == (8, 8) and model.module.a.weight.dtype == torch.float32
+
+
+def test_unused_parameter_error_names_it_single_process():
+    model = ZeroDDP(zero_cases.Odd(with_unused=True), chunk_size=100)
+    (batch,) = zero_cases.batches("odd", 1, 2)
+    with pytest.raises(UnusedParameterError, match=r"pass: unused\."):
+        zero_cases.odd_loss(model, batch).backward()
+    # the model is usable afterwards: the next backward raises again, not an illegal transition
+    with pytest.raises(UnusedParameterError):
+        zero_cases.odd_loss(model, batch).backward()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(mixed_precision="fp8"),
+        dict(chunk_size=0),
+        dict(chunk_size=2.5),
+        dict(offload_optim_frac=1.5),
+        dict(offload_param_frac=-0.1),
+        dict(keep_gathered=3),
+    ],
+)
+def test_bad_arguments_raise_config_error(kwargs):
+    with pytest.raises(ConfigError):
+        ZeroDDP(zero_cases.Odd(), **kwargs)
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError):
+        ZeroDDP("not a module")
+    with pytest.raises(ConfigError, match="no parameters"):
+        ZeroDDP(torch.nn.ReLU())
+    with pytest.raises(ConfigError):
+        ZeroOptimizer(zero_cases.Odd())
+    model = ZeroDDP(zero_cases.Odd(), chunk_size=100)
+    with pytest.raises(ConfigError, match="max_norm"):
+        ZeroOptimizer(model, max_norm=-1.0)
+    with pytest.raises(ShapeMismatchError, match="chunk 0"):
+        model.load_master_shard(0, torch.zeros(3))
+    optim = ZeroOptimizer(model, lr=1e-3)
+    frozen = next(c.index for c in model.chunks if not c.requires_grad)
+    with pytest.raises(ConfigError, match="frozen"):
+        optim.shard_state(frozen)
+
+
+def test_loss_scaler_hysteresis_and_growth():
+    s = DynamicLossScaler(2.0**4, growth_interval=2, hysteresis=2, min_scale=2.0)
+    s.update(True)
+    assert s.scale == 16.0  # hysteresis 2: first overflow tolerated
+    s.update(True)
+    assert s.scale == 8.0
+    s.update(True)
+    assert s.scale == 4.0  # stays in back-off until a growth refills the hysteresis
+    s.update(False)
+    s.update(False)
+    assert s.scale == 8.0 and s.hysteresis_tracker == 2
+    one = DynamicLossScaler(2.0**4, hysteresis=1, min_scale=4.0)
+    for expect in (8.0, 4.0, 4.0):
+        one.update(True)
+        assert one.scale == expect
+    restored = DynamicLossScaler()
+    restored.load_state_dict(one.state_dict())
+    assert restored.state_dict() == one.state_dict()
+    with pytest.raises(ConfigError):
+        DynamicLossScaler(hysteresis=0)
+
+
+def test_bf16_single_process_and_memory_report():
+    module = zero_cases.tiny_gpt2()
+    model = ZeroDDP(module, chunk_size=1500, mixed_precision="bf16", offload_optim_frac=0.3)
+    optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    batch = zero_cases.batches("gpt2", 1, 2)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        loss = zero_cases.gpt2_loss(model, batch)
+    optim.backward(loss)
+    assert optim.step()
+    report = model.memory_report()
+    kinds = report.bytes["cpu"]
+    assert kinds["optimizer_states"] > 0 and kinds["fp32_master"] > 0 and kinds["gradients"] > 0
+    assert len(report.offload_optim_chunks) == -(-len(model.chunks) * 3 // 10)
+    assert "optimizer_states" in str(report)
+    optim.zero_grad()
+    assert model.memory_report().total("gradients") == 0

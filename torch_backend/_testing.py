@@ -1,0 +1,88 @@
+"""Run a function on ``world_size`` spawned processes with a gloo process group (tests, benchmarks).
+
+``run_distributed(fn, world_size, *args)`` spawns one process per rank, initializes
+``torch.distributed`` with gloo through a file store (no port to pick, no race), calls
+``fn(rank, world_size, *args)`` and returns every rank's return value (which must be picklable),
+in rank order. A failing rank's traceback is re-raised in the caller; a run that takes longer than
+``timeout`` seconds is killed and raises :class:`TimeoutError`, so a hung collective never hangs
+the test suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed"]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple, env: dict, timeout: float,
+           backend: str = "gloo"):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(env.get("CHUNKZERO_TEST_THREADS", "1")))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, env: dict | None = None,
+                    backend: str = "gloo") -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank.
+
+    Args:
+        fn: a module-level (picklable) function.
+        timeout: seconds for the whole run; the processes are killed past it.
+        env: extra environment variables for the children (``HF_HUB_OFFLINE=1`` is always set).
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank ``r`` uses GPU ``r % device_count``).
+
+    Raises:
+        TimeoutError: the run exceeded ``timeout``.
+        torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback in the message).
+    """
+    child_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="chunkzero-dist-") as tmp:
+        init_file = os.path.join(tmp, "store")
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, init_file, tmp, args, child_env, timeout, backend),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in ctx.processes:
+                    p.join(5)
+                raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)} (world size {world_size}) exceeded {timeout}s")
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(tmp, f"{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
