@@ -1,0 +1,79 @@
+"""JAX/Flax backend: the chunk layout as sharded ``jax.Array`` s, chunkzero checkpoints through
+Orbax on any device count, and a Flax NNX GPT identical to the torch one.
+
+```python
+from jax_backend import make_mesh, restore_chunks, unflatten
+mesh = make_mesh(4)                                    # 1-D mesh, axis "dp", AxisType.Auto
+chunks, layout = restore_chunks("runs/ckpt/100", mesh) # 1-D chunk arrays, NamedSharding P('dp')
+params = unflatten(chunks, layout)                     # nested dict of full-shaped arrays
+```
+"""
+
+from .checkpoint import (
+    RestoredCheckpoint,
+    abstract_state,
+    restore_checkpoint,
+    restore_chunks,
+    restore_optimizer_chunks,
+    save_checkpoint,
+)
+from .gpt import (
+    GPT,
+    GPT_CONFIGS,
+    GPTConfig,
+    check_layout,
+    flax_to_torch,
+    gpt_config,
+    gpt_from_chunks,
+    gpt_from_torch,
+    hf_gpt2_to_flax,
+    hf_gpt2_to_torch,
+    init_gpt,
+    load_hf_gpt2,
+    logits,
+    param_specs,
+    restore_gpt,
+    torch_to_flax,
+)
+from .layout import flatten, flatten_optimizer, nest, shard_chunks, unflatten, unflatten_optimizer
+from .mesh import DEFAULT_AXIS, chunk_sharding, make_mesh, mesh_world_size
+from .optim import adam_state_from_chunks, adam_state_to_chunks, adamw_from_meta, adamw_step
+
+__all__ = [
+    "DEFAULT_AXIS",
+    "GPT",
+    "GPTConfig",
+    "GPT_CONFIGS",
+    "RestoredCheckpoint",
+    "abstract_state",
+    "adam_state_from_chunks",
+    "adam_state_to_chunks",
+    "adamw_from_meta",
+    "adamw_step",
+    "check_layout",
+    "chunk_sharding",
+    "flatten",
+    "flatten_optimizer",
+    "flax_to_torch",
+    "gpt_config",
+    "gpt_from_chunks",
+    "gpt_from_torch",
+    "hf_gpt2_to_flax",
+    "init_gpt",
+    "logits",
+    "hf_gpt2_to_torch",
+    "load_hf_gpt2",
+    "make_mesh",
+    "mesh_world_size",
+    "nest",
+    "param_specs",
+    "restore_checkpoint",
+    "restore_chunks",
+    "restore_gpt",
+    "restore_optimizer_chunks",
+    "save_checkpoint",
+    "shard_chunks",
+    "torch_to_flax",
+    "unflatten",
+    "unflatten_optimizer",
+]
