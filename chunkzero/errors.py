@@ -47,6 +47,11 @@ class ConfigError(ChunkZeroError, ValueError):
     """An argument or configuration value is invalid; the message names it."""
 
 
+class DataError(ConfigError):
+    """The training data cannot be used: a missing path, an empty directory, a corpus shorter than one
+    sequence, token ids the model cannot embed. The message names the path and the numbers."""
+
+
 class UnusedParameterError(ChunkZeroError, RuntimeError):
     """A parameter received no gradient in a step (and ``find_unused_parameters`` is off)."""
 
