@@ -1,24 +1,436 @@
-"""The ``chunkzero`` command line. Each command imports its backend lazily."""
+"""The ``chunkzero`` command line. Each command imports its backend lazily.
+
+Adding a command: write ``_add_<name>(sub)`` that creates its sub-parser and sets
+``func=<handler>`` (a function ``(args) -> exit code``), then list it in :data:`COMMANDS`.
+A handler reports bad input with :func:`fail` (one line on stderr, exit code 2).
+
+This module imports no framework (torch, jax …) at import time, so ``chunkzero --help`` is fast
+and ``import chunkzero`` stays framework-free.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
+from collections.abc import Callable
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr and exit code 2."""
+
+    def error(self, message: str):  # noqa: D102 - argparse API
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def fail(prog: str, message: str) -> int:
+    """Print ``<prog>: error: <message>`` as one line on stderr; return exit code 2."""
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+# ================================================================================================ train
+
+TRAIN_DEFAULTS = dict(
+    model="gpt-tiny", device="auto", engine="zero", steps=600, batch_size=16, seq_len=128, grad_accum=1,
+    lr=3e-3, min_lr_ratio=0.1, warmup=50, weight_decay=0.1, max_norm=1.0, mixed_precision="fp32",
+    seed=1337, eval_interval=100, eval_batches=8, val_fraction=0.05, prompt="def ", sample_tokens=200,
+    temperature=0.8, top_k=40, timeout_s=45.0, save_interval=0,
+)
+"""``chunkzero train``'s defaults; ``torch_backend.train.TrainConfig`` has the same (a test checks)."""
+
+TRAIN_EPILOG = """\
+examples:
+  chunkzero train                                   # the default run: stdlib source, gpt-tiny, 2 CPU workers
+  chunkzero train --data notes/ --steps 2000 --out runs/notes
+  chunkzero train --model gpt-small --mixed-precision bf16 --nproc 8   # one worker per GPU
+  chunkzero train --data train.bin --model ./my-hf-model               # nanoGPT tokens, a local HF model
+  torchrun --nproc-per-node 8 -m chunkzero.cli train --model gpt2      # under torchrun: no relaunch
+  torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST --master-port 29500 \\
+      -m chunkzero.cli train --model gpt2                              # (and --node-rank 1 on the other)
+
+workers: one per GPU with NCCL, else 2 CPU processes with gloo (--nproc: at most one per GPU, or one per
+available CPU core but at least 2). Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) the command runs as
+that worker and --nproc is ignored.
+outputs in --out: metrics.jsonl, loss.png, sample.txt, summary.txt/.json, config.json, train.log.
+exit codes: 0 done, 1 a worker failed (the message names the rank), 2 bad input, 130 interrupted.
+"""
+
+
+def _add_train(sub) -> None:
+    d = TRAIN_DEFAULTS
+    p = sub.add_parser(
+        "train", help="train a model with chunk ZeRO-3 data parallelism (the main job)",
+        description="Train a causal language model with chunk-based ZeRO-3 data parallelism on real text:\n"
+                    "by default the byte-level gpt-tiny on the Python standard library's source, with 2 CPU\n"
+                    "workers (or one per GPU).",
+        epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("data")
+    g.add_argument("--data", nargs="+", metavar="PATH",
+                   help="text files, directories of them (searched recursively; binary files skipped), or one "
+                        "pre-tokenized uint16 .bin file (nanoGPT format; a train.bin uses a val.bin beside it). "
+                        "Default: the *.py files of Python's standard library (about 12 MB)")
+    g.add_argument("--val-fraction", type=float, default=d["val_fraction"], metavar="F",
+                   help="fraction of files (by a hash of their path) held out for validation (default %(default)s)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=d["model"], metavar="NAME|DIR",
+                   help="byte-level GPT size (gpt-tiny, gpt-small, gpt2, gpt2-medium) or a local Hugging Face "
+                        "causal-LM directory (config.json + safetensors; its tokenizer is used if present). "
+                        "Default %(default)s")
+    g.add_argument("--mixed-precision", choices=("fp32", "bf16", "fp16"), default=d["mixed_precision"],
+                   help="parameter/compute precision; bf16 and fp16 keep fp32 master chunks, fp16 adds dynamic "
+                        "loss scaling (default %(default)s)")
+    g.add_argument("--chunk-size", type=_positive_int, metavar="NUMEL",
+                   help="chunk size in elements (default: searched to minimise padding)")
+    g.add_argument("--engine", choices=("zero", "ddp"), default=d["engine"],
+                   help="zero: chunk ZeRO-3 (ZeroDDP + ZeroOptimizer); ddp: plain PyTorch DDP + AdamW in fp32, a "
+                        "baseline for comparison (default %(default)s)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=_positive_int, default=d["steps"], metavar="N",
+                   help="optimizer steps (default %(default)s)")
+    g.add_argument("--batch-size", type=_positive_int, default=d["batch_size"], metavar="N",
+                   help="sequences per worker per micro-batch (default %(default)s)")
+    g.add_argument("--seq-len", type=_positive_int, default=d["seq_len"], metavar="N",
+                   help="tokens per sequence, at most the model's block size (default %(default)s)")
+    g.add_argument("--grad-accum", type=_positive_int, default=d["grad_accum"], metavar="N",
+                   help="micro-batches per optimizer step (default %(default)s)")
+    g.add_argument("--lr", type=_positive_float, default=d["lr"], metavar="F",
+                   help="peak learning rate of AdamW (default %(default)s)")
+    g.add_argument("--warmup", type=_nonneg_int, default=d["warmup"], metavar="N",
+                   help="linear warm-up steps, then cosine decay to lr × --min-lr-ratio (default %(default)s)")
+    g.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"], metavar="F",
+                   help="final learning rate as a fraction of --lr (default %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=d["weight_decay"], metavar="F",
+                   help="AdamW weight decay (default %(default)s)")
+    g.add_argument("--max-norm", type=float, default=d["max_norm"], metavar="F",
+                   help="gradient clipping by global norm; 0 disables (default %(default)s)")
+    g.add_argument("--seed", type=int, default=d["seed"],
+                   help="seed of the initialisation and the data stream; the same seed and world size give the "
+                        "same loss sequence (default %(default)s)")
+    g = p.add_argument_group("workers")
+    g.add_argument("--nproc", type=_positive_int, metavar="N",
+                   help="workers to launch on this machine (default: one per GPU, or 2 on CPU)")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d["device"],
+                   help="auto: CUDA when available, else CPU (default %(default)s)")
+    g.add_argument("--timeout", dest="timeout_s", type=_positive_float, default=d["timeout_s"], metavar="SECONDS",
+                   help="collective timeout: a worker waiting longer for the others gives up, so a dead worker "
+                        "ends the run (default %(default)s)")
+    g = p.add_argument_group("reporting")
+    g.add_argument("--out", metavar="DIR",
+                   help="output directory (default: a fresh runs/<YYYYmmdd-HHMMSS>); refused if it holds another "
+                        "run unless --overwrite")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (removes its metrics, plots, logs and checkpoints)")
+    g.add_argument("--eval-interval", type=_positive_int, default=d["eval_interval"], metavar="K",
+                   help="validation loss every K steps, and at step 0 and the last step (default %(default)s)")
+    g.add_argument("--eval-batches", type=_positive_int, default=d["eval_batches"], metavar="N",
+                   help="fixed validation micro-batches per worker (default %(default)s)")
+    g.add_argument("--prompt", default=d["prompt"], help="prompt of the text sample at the end (default %(default)r)")
+    g.add_argument("--sample-tokens", type=_nonneg_int, default=d["sample_tokens"], metavar="N",
+                   help="tokens to sample at the end; 0 skips the sample (default %(default)s)")
+    g.add_argument("--temperature", type=_positive_float, default=d["temperature"], metavar="F",
+                   help="sampling temperature (default %(default)s)")
+    g.add_argument("--top-k", type=_positive_int, default=d["top_k"], metavar="K",
+                   help="sample among the K most likely tokens (default %(default)s)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save-interval", type=_nonneg_int, default=d["save_interval"], metavar="N",
+                   help="every N steps and at the last step, save an Orbax checkpoint (sharded, asynchronous) to "
+                        "--out/checkpoints/<step>, keeping the newest 3 (default %(default)s: none)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint: parameters, optimizer state, loss "
+                        "scaler, RNG states and data position (any world size); --steps is the total")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``chunkzero train``: validate, then launch the workers (or be one, under torchrun)."""
+    import dataclasses
+
+    from chunkzero.errors import ChunkZeroError
+
+    prog = "chunkzero train"
+    from torch_backend import launch as launcher  # lazily: imports torch
+    from torch_backend import train as trainer
+
+    fields = {f.name for f in dataclasses.fields(trainer.TrainConfig)}
+    cfg = trainer.TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+    if launcher.running_under_torchrun():
+        import os
+
+        result = trainer.worker_main(cfg)
+        if result["status"] == "error":
+            if os.environ.get("RANK") == "0":
+                fail(prog, result["message"])
+            return EXIT_BAD_INPUT
+        return EXIT_OK
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    log = logging.getLogger("chunkzero.cli")
+    t0 = time.perf_counter()
+    try:
+        cfg, corpus = trainer.validate(cfg)
+    except ChunkZeroError as e:
+        return fail(prog, str(e))
+    del corpus
+    log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, cfg.out)
+    try:
+        results = launcher.launch(trainer.worker_main, (cfg,), cfg.nproc)
+    except launcher.WorkerFailure as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # e.g. torch's SignalException when the launcher is told to stop
+        if type(e).__name__ == "SignalException":
+            print(f"{prog}: stopped by a signal ({e})", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        raise
+    errors = [r["message"] for r in results.values() if r.get("status") == "error"]
+    if errors:
+        return fail(prog, errors[0])
+    log.info("chunkzero train: done in %.1f s (including start-up); outputs in %s",
+             time.perf_counter() - t0, cfg.out)
+    return EXIT_OK
+
+
+# ================================================================================================ export, inspect
+
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export", help="chunk checkpoint -> Orbax parameter tree or Hugging Face safetensors (streaming)",
+        description="Write a chunk checkpoint's parameters as full-shaped tensors named by module path, reading "
+                    "one chunk at a time: an Orbax checkpoint of the nested parameter tree (restore it with "
+                    "orbax.checkpoint.StandardCheckpointer().restore), or Hugging Face safetensors "
+                    "(model.safetensors, or shards + model.safetensors.index.json; config.json for HF models).",
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint root (latest step) or one step's directory")
+    p.add_argument("--format", required=True, choices=("orbax-params", "safetensors"), help="output format")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="cast floating tensors (default: as saved, fp32 masters)")
+    p.add_argument("--step", type=_nonneg_int, help="step under a checkpoint root (default: the latest)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="safetensors: split into shards above this size, e.g. 5GB, 500MB (default %(default)s)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``chunkzero export``: stream a checkpoint's parameters to OUT."""
+    from chunkzero.errors import ChunkZeroError
+
+    try:
+        from torch_backend.export import export_checkpoint  # lazily: imports torch and orbax
+
+        t0 = time.perf_counter()
+        r = export_checkpoint(args.checkpoint, args.out, format=args.format, dtype=args.dtype, step=args.step,
+                              max_shard_size=args.max_shard_size)
+    except ChunkZeroError as e:
+        return fail("chunkzero export", str(e))
+    print(f"exported step {r.step}: {r.tensors} tensors, {r.total_bytes:,} bytes, {r.format} -> {r.out} "
+          f"({len(r.files)} files, {time.perf_counter() - t0:.1f} s)")
+    return EXIT_OK
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser(
+        "inspect", help="what a checkpoint holds (step, world size, chunks, tensors), without loading its arrays",
+        description="Describe a chunk checkpoint from its metadata: step, world size, chunk size, optimizer, "
+                    "chunks and tensors with dtypes and sizes. No array is read.",
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint root (latest step) or one step's directory")
+    p.add_argument("--step", type=_nonneg_int, help="step under a checkpoint root (default: the latest)")
+    p.add_argument("--json", action="store_true", help="print the description as JSON")
+    p.add_argument("--all", action="store_true", help="list every tensor (default: the first 50)")
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``chunkzero inspect``: print a checkpoint's description."""
+    import json
+
+    from chunkzero.errors import ChunkZeroError
+
+    try:
+        from torch_backend.export import format_inspection, inspect_checkpoint
+
+        info = inspect_checkpoint(args.checkpoint, args.step)
+    except ChunkZeroError as e:
+        return fail("chunkzero inspect", str(e))
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info, max_tensors=None if args.all else 50))
+    return EXIT_OK
+
+
+# ================================================================================================ layout
+
+LAYOUT_EPILOG = """\
+examples:
+  chunkzero layout --model gpt2-medium --world-size 8                  # the cost model's prediction
+  chunkzero layout --model gpt2-medium --world-size 8 --measure        # + compiled memory and HLO collectives
+  chunkzero layout --model gpt-small --world-size 4 --measure --time-steps 3 --plot layout.png
+
+--measure compiles each strategy's JAX training step for abstract inputs on W simulated CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=W and JAX_PLATFORMS=cpu are set unless JAX_PLATFORMS
+is already set); nothing is allocated. --time-steps runs real steps: small models only.
+"""
+
+
+def _add_layout(sub) -> None:
+    p = sub.add_parser(
+        "layout", help="compare chunk ZeRO-3 vs per-parameter FSDP vs DDP for a model and world size",
+        description="Per-device memory, collectives, bytes sent and padding of chunk-based ZeRO-3, per-parameter "
+                    "FSDP and DDP for one model and world size: the cost model's prediction, and with --measure "
+                    "the compiled JAX training steps' memory_analysis() and HLO collectives next to it.",
+        epilog=LAYOUT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="gpt2-medium", metavar="NAME",
+                   help="a size-only model config of chunkzero.configs: gpt2, gpt2-medium (Hugging Face sizes, "
+                        "vocab 50257), llama-1b, gpt-tiny, gpt-small (default %(default)s)")
+    p.add_argument("--world-size", type=_positive_int, default=8, metavar="W",
+                   help="data-parallel devices (default %(default)s)")
+    p.add_argument("--chunk-size", type=_positive_int, metavar="NUMEL",
+                   help="chunk capacity in elements (default: searched to minimise padding and waste)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="parameter/gradient precision; fp32 masters and AdamW states either way (default %(default)s)")
+    p.add_argument("--measure", action="store_true",
+                   help="compile each strategy's step on W simulated devices and add the measured columns")
+    p.add_argument("--batch-size", type=_positive_int, metavar="N",
+                   help="global batch of the measured step, divisible by W (default: W)")
+    p.add_argument("--seq-len", type=_positive_int, default=128, metavar="N",
+                   help="tokens per sequence of the measured step (default %(default)s)")
+    p.add_argument("--time-steps", type=_nonneg_int, default=0, metavar="N",
+                   help="with --measure, also time N real steps (allocates the model: small models only)")
+    p.add_argument("--plot", metavar="FILE", help="write the chunk map and per-device memory bars (PNG, PDF, SVG …)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    p.set_defaults(func=cmd_layout)
+
+
+def _layout_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["layout", "--model", args.model, "--world-size", str(args.world_size), "--precision", args.precision,
+            "--seq-len", str(args.seq_len), "--time-steps", str(args.time_steps)]
+    for flag, value in (("--chunk-size", args.chunk_size), ("--batch-size", args.batch_size), ("--plot", args.plot)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--measure"] if args.measure else []) + (["--json"] if args.json else [])
+
+
+def _simulated_devices_env(world_size: int, env: dict) -> dict:
+    """``env`` with ``--xla_force_host_platform_device_count=world_size`` in XLA_FLAGS (replacing any
+    other count) and JAX_PLATFORMS=cpu unless set."""
+    import re
+
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
+    env = dict(env)
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={world_size}"])
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    """``chunkzero layout``: print the comparison table (and measure / plot)."""
+    import json
+    import os
+    import subprocess
+
+    from chunkzero.configs import MODEL_CONFIGS
+    from chunkzero.errors import ChunkZeroError
+
+    prog = "chunkzero layout"
+    if args.model not in MODEL_CONFIGS:
+        return fail(prog, f"unknown model {args.model!r}; known: {', '.join(MODEL_CONFIGS)}")
+    if args.time_steps and not args.measure:
+        return fail(prog, "--time-steps needs --measure")
+    if args.batch_size is not None and args.batch_size % args.world_size:
+        return fail(prog, f"--batch-size {args.batch_size} is not divisible by --world-size {args.world_size}")
+    if args.measure:
+        if "jax" in sys.modules:  # jax already initialised (e.g. called in-process): measure in a fresh process
+            import jax
+
+            if jax.device_count() < args.world_size:
+                env = _simulated_devices_env(args.world_size, os.environ)
+                return subprocess.run([sys.executable, "-m", "chunkzero.cli", *_layout_argv(args)], env=env).returncode
+        else:
+            os.environ.update(_simulated_devices_env(args.world_size, os.environ))
+    try:
+        from jax_backend.analysis import compare_layouts  # lazily: imports jax
+
+        cmp = compare_layouts(args.model, args.world_size, chunk_size=args.chunk_size, precision=args.precision,
+                              measure=args.measure, batch_size=args.batch_size, seq_len=args.seq_len,
+                              time_steps=args.time_steps)
+    except ChunkZeroError as e:
+        return fail(prog, str(e))
+    if args.json:
+        print(json.dumps({"model": cmp.model, "world_size": cmp.world_size, "precision": cmp.precision,
+                          "chunk_size": cmp.layout.chunk_size, "num_chunks": len(cmp.layout.chunks),
+                          "batch_size": cmp.batch_size, "seq_len": cmp.seq_len,
+                          "rows": [r.as_dict() for r in cmp.rows]}, indent=2))
+    else:
+        print(cmp.table())
+    if args.plot:
+        try:
+            cmp.plot(args.plot)
+        except (OSError, ValueError) as e:
+            return fail(prog, f"cannot write plot {args.plot!r}: {e}")
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return EXIT_OK
+
+
+# ================================================================================================ parser
+
+COMMANDS: list[Callable] = [_add_train, _add_export, _add_inspect, _add_layout]
+"""Sub-command registrars, in ``--help`` order."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chunkzero", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train a model with chunk ZeRO-3 data parallelism")
+    parser = OneLineParser(prog="chunkzero", description=__doc__.splitlines()[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "train":
-        print("chunkzero train: not implemented yet", file=sys.stderr)
-        return 2
-    return 0
+    return args.func(args)
 
 
 if __name__ == "__main__":

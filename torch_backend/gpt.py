@@ -178,7 +178,8 @@ class GPT(nn.Module):
 @torch.no_grad()
 def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, block_size: int | None = None,
              temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Autoregressive sampling with any callable returning logits ``[B, T, V]`` (a GPT or a ZeroDDP-wrapped GPT).
+    """Autoregressive sampling with any callable returning logits ``[B, T, V]`` (a GPT or a ZeroDDP-wrapped GPT)
+    or a Hugging Face ``ModelOutput`` with ``.logits`` (then pass ``block_size``).
 
     All ranks of a data-parallel group must call it together (the wrapped model gathers chunks).
     """
@@ -186,7 +187,8 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, block_
         block_size = getattr(model, "config", getattr(getattr(model, "module", None), "config", None)).block_size
     for _ in range(max_new_tokens):
         idx_cond = idx[:, -block_size:]
-        logits = model(idx_cond)[:, -1, :].float() / max(temperature, 1e-8)
+        out = model(idx_cond)
+        logits = getattr(out, "logits", out)[:, -1, :].float() / max(temperature, 1e-8)  # tensor or HF ModelOutput
         if top_k is not None:
             v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
             logits[logits < v[:, [-1]]] = -float("inf")

@@ -1,0 +1,64 @@
+"""Running ``chunkzero train`` as a user would, in subprocesses, for the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+SMALL = ["--model", "gpt-tiny", "--seq-len", "32", "--batch-size", "4", "--warmup", "2", "--eval-batches", "2",
+         "--sample-tokens", "16", "--lr", "3e-3"]
+"""A run small enough for 2 CPU cores: gpt-tiny, 32-token sequences, 4 per worker."""
+
+CORPUS_FILES = ["argparse.py", "textwrap.py", "string.py", "shlex.py", "json/decoder.py", "json/encoder.py"]
+
+
+def make_corpus(dest: Path) -> Path:
+    """A small real corpus (~200 KB of standard-library source) in ``dest``."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    dest.mkdir(parents=True, exist_ok=True)
+    for rel in CORPUS_FILES:
+        shutil.copy(stdlib / rel, dest / rel.replace("/", "_"))
+    return dest
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment of a fresh shell: no torchrun variables inherited, the repository importable."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                        "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def chunkzero_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "chunkzero.cli", *args]
+
+
+def run_train(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(chunkzero_cmd("train", *args), cwd=cwd, env=env or clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
+    """``(train records, val records)`` of ``out/metrics.jsonl``."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "val"]
+
+
+def describe(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"

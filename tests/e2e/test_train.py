@@ -1,0 +1,255 @@
+"""``chunkzero train`` end to end: real processes, real gloo workers, a small real corpus.
+
+Each test launches the command as a user would (``python -m chunkzero.cli train ...``); nothing is
+asserted about wall-clock speed except the bound on stopping after a worker dies (60 s, the issue's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, make_corpus, read_metrics, run_train
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def held_run(tmp_path) -> Path:
+    out = tmp_path / "earlier"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n')
+    (out / "loss.png").write_bytes(PNG_MAGIC + b"earlier")
+    return out
+
+
+def _check_run(out: Path, steps: int, world_size: int) -> tuple[list[dict], list[dict]]:
+    train, val = read_metrics(out)
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert val[0]["step"] == 0 and val[-1]["step"] == steps
+    for r in train:
+        assert {"loss", "lr", "loss_scale", "tokens", "tokens_per_s"} <= set(r)
+    assert val[-1]["val_loss"] < val[0]["val_loss"] - 0.5, f"validation loss did not fall: {val}"
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert (out / "loss.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "sample.txt").read_text().strip()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == world_size and summary["steps"] == steps
+    assert len(summary["peak_memory"]) == world_size
+    assert "val loss" in (out / "summary.txt").read_text()
+    assert sorted(p.name for p in (out / "pids").iterdir()) == [f"rank{r}.pid" for r in range(world_size)]
+    return train, val
+
+
+def test_train_two_gloo_workers(corpus, tmp_path, held_run):
+    """The main path; ``--out`` holds an earlier run, which ``--overwrite`` replaces."""
+    out = held_run
+    proc = run_train("--data", str(corpus), *SMALL, "--steps", "24", "--eval-interval", "12", "--nproc", "2",
+                     "--out", str(out), "--overwrite", cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    _check_run(out, steps=24, world_size=2)
+    assert (out / "loss.png").read_bytes() != PNG_MAGIC + b"earlier"
+    config = json.loads((out / "config.json").read_text())
+    assert config["engine"] == "zero" and config["world_size"] == 2
+    assert "summary" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_same_seed_same_world_size_same_losses(corpus, tmp_path):
+    args = ["--data", str(corpus), *SMALL, "--steps", "8", "--eval-interval", "4", "--sample-tokens", "0",
+            "--seed", "7"]
+    losses = []
+    for name in ("a", "b"):
+        proc = run_train(*args, "--out", str(tmp_path / name), cwd=tmp_path)
+        assert proc.returncode == 0, describe(proc)
+        train, val = read_metrics(tmp_path / name)
+        losses.append(([r["loss"] for r in train], [r["val_loss"] for r in val]))
+    assert losses[0] == losses[1]
+    assert len(set(losses[0][0])) > 1
+
+
+def test_torchrun_two_nodes_on_a_bin_token_file(corpus, tmp_path):
+    """Two torchrun "nodes" on this machine (static rendezvous on localhost), one worker each, reading a
+    nanoGPT-format train.bin with its val.bin."""
+    import numpy as np
+
+    data = b"".join(p.read_bytes() for p in sorted(corpus.iterdir()))
+    np.frombuffer(data, dtype=np.uint8).astype(np.uint16).tofile(tmp_path / "train.bin")
+    np.frombuffer(data[:20_000], dtype=np.uint8).astype(np.uint16).tofile(tmp_path / "val.bin")
+    out = tmp_path / "run"
+    port = str(free_port())
+    procs = []
+    for node_rank in ("1", "0"):
+        cmd = [chunkzero_cmd()[0], "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", node_rank,
+               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+               "-m", "chunkzero.cli", "train", "--data", str(tmp_path / "train.bin"), *SMALL, "--steps", "16",
+               "--eval-interval", "8", "--out", str(out)]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    try:
+        results = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for node, p, (stdout, stderr) in zip(("1", "0"), procs, results):
+        trace = stderr[stderr.find("Traceback"):][:4000] if "Traceback" in stderr else stderr[-5000:]
+        assert p.returncode == 0, f"node {node}: exit {p.returncode}\n{stdout[-2000:]}\n{trace}"
+    _check_run(out, steps=16, world_size=2)
+    assert json.loads((out / "summary.json").read_text())["data"]["val_tokens"] == 20_000
+
+
+def test_hugging_face_model_directory(corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf-model")
+    assert (tmp_path / "hf-model" / "model.safetensors").is_file()
+    out = tmp_path / "run"
+    proc = run_train("--data", str(corpus), *SMALL, "--model", str(tmp_path / "hf-model"), "--steps", "16",
+                     "--eval-interval", "8", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    _check_run(out, steps=16, world_size=2)
+
+
+# ------------------------------------------------------------------------------------------ a dying worker
+
+def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
+    out = tmp_path / "run"
+    bound_s = 60.0
+    proc = subprocess.Popen(chunkzero_cmd("train", "--data", str(corpus), *SMALL, "--steps", "100000",
+                                          "--eval-interval", "100000", "--sample-tokens", "0", "--out", str(out)),
+                            cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "metrics.jsonl").exists() and (out / "pids" / "rank1.pid").exists():
+                if sum(1 for _ in open(out / "metrics.jsonl")) >= 4:
+                    break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before the worker could be killed:\n" + proc.stderr.read()
+        pid = int((out / "pids" / "rank1.pid").read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=bound_s + 30)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert stopped_after < bound_s, f"the run took {stopped_after:.0f} s to stop"
+    assert proc.returncode not in (0, 2), stderr
+    last = [ln for ln in stderr.splitlines() if "error" in ln][-1]
+    assert "worker rank 1" in last and "SIGKILL" in last, stderr[-3000:]
+    assert f"pid {pid}" in last
+
+
+def test_killed_worker_under_torchrun(corpus, tmp_path):
+    """Under torchrun the same death ends the run (torchrun's agent reports the rank), within the bound."""
+    out = tmp_path / "run"
+    cmd = [chunkzero_cmd()[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "chunkzero.cli", "train", "--data", str(corpus), *SMALL, "--steps", "100000",
+           "--eval-interval", "100000", "--sample-tokens", "0", "--out", str(out)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(CHUNKZERO_TEST_KILL="1:3"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    train, _ = read_metrics(out)
+    assert len(train) <= 4  # it stopped right after rank 1 died at step 3
+    root_cause = proc.stderr.split("Root Cause")[-1]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause) and "SIGKILL" in root_cause, proc.stderr[-3000:]
+    assert time.monotonic() - start < 240
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+BAD_INPUTS = {
+    "missing path": (["--data", "{tmp}/nope"], "does not exist: {tmp}/nope"),
+    "empty directory": (["--data", "{tmp}/empty"], "holds no text files: {tmp}/empty"),
+    "corpus shorter than one sequence": (["--data", "{tmp}/short.txt"], "shorter than one sequence"),
+    "too many workers": (["--nproc", "4096"], "--nproc 4096 is more than this machine allows"),
+    "unknown model": (["--model", "gpt-enormous"], "unknown model 'gpt-enormous'"),
+    "fp16 where it cannot run": (["--mixed-precision", "fp16"], "--mixed-precision fp16 cannot run on cpu"),
+    "out holds another run": (["--out", "{tmp}/earlier"], "holds another run (metrics.jsonl)"),
+    "seq len beyond block size": (["--seq-len", "4096"], "--seq-len 4096 exceeds the block size 128"),
+    "bad number": (["--steps", "0"], "--steps: must be >= 1"),
+    "missing model directory": (["--model", "./no-such-model"], "--model directory ./no-such-model does not exist"),
+    "bin ids beyond vocabulary": (["--data", "{tmp}/wide.bin"], "token id 300 is not below"),
+}
+
+
+def _bad_input_files(tmp_path: Path) -> None:
+    import numpy as np
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "short.txt").write_text("print(1)\n")
+    np.array([1, 2, 300] * 100, dtype=np.uint16).tofile(tmp_path / "wide.bin")
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_one_line_exit_2(case, tmp_path, held_run, monkeypatch, capsys):
+    """In-process (the checks run in the launcher, before any worker): message, exit code, nothing touched."""
+    from chunkzero.cli import main
+
+    _bad_input_files(tmp_path)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    if "fp16" in case:
+        monkeypatch.setenv("CHUNKZERO_TEST_UNSUPPORTED_PRECISION", "fp16")
+    monkeypatch.chdir(tmp_path)
+    args, expected = BAD_INPUTS[case]
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "fresh")]
+    if "--steps" not in args:
+        args += ["--steps", "2"]
+    before = {p.name: p.read_bytes() for p in held_run.iterdir()}
+    try:
+        code = main(["train", *args])
+    except SystemExit as e:  # argparse's own checks
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("chunkzero train: error: ")
+    assert expected.format(tmp=tmp_path) in lines[0]
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "runs").exists()  # nothing created
+    assert {p.name: p.read_bytes() for p in held_run.iterdir()} == before  # nothing overwritten
+
+
+def test_bad_input_from_the_command_line(tmp_path, held_run):
+    """The same through a real process: one line on stderr, exit code 2, no traceback."""
+    before = {p.name: p.read_bytes() for p in held_run.iterdir()}
+    proc = run_train("--out", str(held_run), "--steps", "2", cwd=tmp_path)
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip() == (f"chunkzero train: error: --out {held_run} holds another run (metrics.jsonl); "
+                                   "choose another --out or pass --overwrite")
+    assert proc.stdout == ""
+    assert {p.name: p.read_bytes() for p in held_run.iterdir()} == before
+
+
+def test_bad_input_under_torchrun(tmp_path):
+    """Under torchrun the workers validate themselves: rank 0 prints the one line, all exit 2."""
+    cmd = [chunkzero_cmd()[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "chunkzero.cli", "train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.count(f"chunkzero train: error: --data path does not exist: {tmp_path}/nope") == 1
+    assert "exitcode  : 2" in proc.stderr or "exitcode: 2" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,137 @@
+"""The pieces of ``chunkzero train`` in-process (no workers): data, schedule, CLI, failure messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from chunkzero.errors import DataError
+
+
+def test_cli_imports_no_framework_and_help_works():
+    code = ("import sys, chunkzero.cli as c\n"
+            "p = c.build_parser(); p.parse_args(['train'])\n"
+            "print(','.join(m for m in ('torch', 'jax', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+    h = subprocess.run([sys.executable, "-m", "chunkzero.cli", "train", "--help"], capture_output=True, text=True)
+    assert h.returncode == 0
+    for flag in ("--data", "--model", "--nproc", "--steps", "--batch-size", "--seq-len", "--lr", "--mixed-precision",
+                 "--chunk-size", "--out", "--seed", "--eval-interval", "--grad-accum", "--warmup"):
+        assert flag in h.stdout
+
+
+def test_cli_defaults_are_train_config_defaults():
+    from chunkzero.cli import build_parser
+    from torch_backend.train import TrainConfig
+
+    args = vars(build_parser().parse_args(["train"]))
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in args:
+            assert args[f.name] == getattr(defaults, f.name), f.name
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from torch_backend.train import TrainConfig, lr_at
+
+    cfg = TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg) for s in range(100)]
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))  # rising during warm-up
+    assert lrs[10] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # then decaying
+    assert lrs[-1] == pytest.approx(1e-4)
+
+
+# ------------------------------------------------------------------------------------------ data
+
+def _write(tmp_path, files: dict[str, bytes]):
+    for rel, data in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+
+
+def test_text_corpus_split_by_file_is_deterministic(tmp_path):
+    from torch_backend.data import is_val_file, load_corpus
+
+    files = {f"d/m{i}.py": (f"# module {i}\n" * 40).encode() for i in range(60)}
+    files["d/.hidden"] = b"secret" * 100
+    files["d/blob.bin.dat"] = b"\0\1\2" * 100  # binary: skipped
+    _write(tmp_path, files)
+    a = load_corpus([str(tmp_path / "d")], seq_len=16, val_fraction=0.2)
+    b = load_corpus([str(tmp_path / "d")], seq_len=16, val_fraction=0.2)
+    assert np.array_equal(a.train, b.train) and np.array_equal(a.val, b.val)
+    n_val = sum(is_val_file(f"d/m{i}.py", 0.2) for i in range(60))
+    assert 0 < n_val < 60
+    assert a.val.size == sum(len(files[f"d/m{i}.py"]) for i in range(60) if is_val_file(f"d/m{i}.py", 0.2))
+    assert a.train.size + a.val.size == sum(len(files[f"d/m{i}.py"]) for i in range(60))
+    assert a.train.dtype == np.uint8 and a.vocab_size == 256
+
+
+def test_small_corpus_falls_back_to_a_positional_split(tmp_path):
+    from torch_backend.data import load_corpus
+
+    _write(tmp_path, {"one.txt": b"x" * 1000})
+    c = load_corpus([str(tmp_path / "one.txt")], seq_len=16, val_fraction=0.1)
+    assert c.train.size == 900 and c.val.size == 100
+    with pytest.raises(DataError, match="shorter than one sequence"):
+        load_corpus([str(tmp_path / "one.txt")], seq_len=1000)
+
+
+def test_default_corpus_is_the_standard_library():
+    from torch_backend.data import find_text_files
+
+    files = find_text_files(None)
+    assert len(files) > 300
+    assert all(f.rel.endswith(".py") for f in files)
+    assert not any(part in ("site-packages", "test") for f in files for part in f.rel.split("/")[:-1])
+    assert 5e6 < sum(f.size_bytes for f in files) < 40e6
+
+
+def test_batches_are_deterministic_and_differ_per_rank():
+    from torch_backend.data import BatchSampler, val_batches
+
+    tokens = np.arange(10_000, dtype=np.uint16) % 251
+    make = lambda rank: BatchSampler(tokens, seq_len=8, batch_size=3, rank=rank, world_size=2, seed=5)  # noqa: E731
+    r0, r0b, r1 = make(0), make(0), make(1)
+    x0, y0 = r0.next()
+    x0b, _ = r0b.next()
+    x1, _ = r1.next()
+    assert x0.shape == (3, 8) and x0.dtype.is_floating_point is False
+    assert (x0 == x0b).all() and not (x0 == x1).all()
+    assert (x0[:, 1:] == y0[:, :-1]).all()
+    # resumable from a JSON-able position
+    for _ in range(4):
+        r0.next()
+    state = json.loads(json.dumps(r0.state_dict()))
+    expected = r0.next()
+    resumed = make(0)
+    resumed.load_state_dict(state)
+    assert all((a == b).all() for a, b in zip(resumed.next(), expected))
+    with pytest.raises(DataError, match="seed"):
+        resumed.load_state_dict({"seed": 6, "index": 0})
+    v1 = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_batches=3)
+    v1b = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_batches=3)
+    assert len(v1) == 3 and all((a[0] == b[0]).all() for a, b in zip(v1, v1b))
+
+
+# ------------------------------------------------------------------------------------------ failures
+
+def test_failure_message_names_the_killed_rank_not_the_consequence():
+    from torch_backend.launch import EXIT_PEER_LOST, describe_failure
+
+    f = lambda rank, code, ts: SimpleNamespace(local_rank=rank, pid=100 + rank, exitcode=code, timestamp=ts,  # noqa: E731
+                                               message="")
+    err = describe_failure({0: f(0, EXIT_PEER_LOST, 10), 1: f(1, -signal.SIGKILL, 11)})
+    assert err.rank == 1
+    assert str(err).startswith("worker rank 1 (local rank 1, pid 101) was killed by SIGKILL")
+    err = describe_failure({2: f(2, 1, 12), 3: f(3, 1, 11)})
+    assert err.rank == 3 and "exited with code 1" in str(err)

@@ -1,0 +1,119 @@
+"""Starting the workers of a run, with torch's elastic launch API (what ``torchrun`` itself uses).
+
+``chunkzero train`` calls :func:`launch` when it is not already a worker: it starts ``nproc`` local
+workers through :func:`torch.distributed.launcher.api.elastic_launch` with a ``c10d`` rendezvous on a
+free local port (``torchrun --standalone``'s set-up), ``max_restarts=0``, and the agent polling its
+workers every ``monitor_interval_s`` seconds. When one worker dies (killed, out of memory, crashed)
+the agent stops the others and :func:`launch` raises :class:`WorkerFailure` whose message names the
+rank that failed first.
+
+Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` are set) nothing is launched:
+:func:`running_under_torchrun` tells the CLI to run the worker in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import uuid
+from typing import Any, Callable
+
+from chunkzero.errors import ChunkZeroError
+
+EXIT_PEER_LOST = 3  # keep equal to torch_backend.train.EXIT_PEER_LOST (a consequence, never the cause)
+
+
+class WorkerFailure(ChunkZeroError, RuntimeError):
+    """A worker process failed; ``rank`` is the one that failed first (the cause), ``exitcode`` its code."""
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None):
+        self.rank = rank
+        self.exitcode = exitcode
+        super().__init__(message)
+
+
+def running_under_torchrun() -> bool:
+    """Whether this process is already a worker of a launched group (``torchrun`` or an agent)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _describe_exit(exitcode: int) -> str:
+    if exitcode == EXIT_PEER_LOST:
+        return "lost contact with another worker, which stopped without a report (on another node?)"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (killed by the operating system, e.g. out of memory, or by a user)" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {exitcode}"
+
+
+def _first_line(text: str | None) -> str:
+    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def describe_failure(failures: dict[int, Any]) -> WorkerFailure:
+    """One message naming the rank that failed first, from elastic's ``{global rank: ProcessFailure}``.
+
+    A rank that exited with :data:`EXIT_PEER_LOST` only saw another one vanish, so it is never the
+    cause when another failure is known; among the rest, the earliest wins, then the lowest rank.
+    """
+    def key(item):
+        rank, f = item
+        return (f.exitcode == EXIT_PEER_LOST, f.timestamp, rank)
+
+    rank, f = min(failures.items(), key=key)
+    msg = f"worker rank {rank} (local rank {f.local_rank}, pid {f.pid}) {_describe_exit(f.exitcode)}"
+    detail = ""
+    if f.exitcode > 0 and f.exitcode != EXIT_PEER_LOST:
+        message = getattr(f, "message", "")
+        if isinstance(message, dict):  # elastic's error file: {"message": "...", "extraInfo": {...}}
+            message = message.get("message", "")
+        detail = _first_line(message if isinstance(message, str) else str(message or ""))
+        if detail and detail != "<N/A>":
+            msg += f": {detail}"
+    others = sorted(r for r in failures if r != rank)
+    if others:
+        msg += f"; then rank(s) {', '.join(map(str, others))} stopped"
+    return WorkerFailure(msg + "; the run was stopped", rank=rank, exitcode=f.exitcode)
+
+
+def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_interval_s: float = 0.5,
+           shutdown_timeout_s: int = 10) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` in ``nproc`` local worker processes; ``{rank: return value}``.
+
+    ``entrypoint`` must be a module-level function (workers are started with ``spawn``). Each worker
+    finds ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in its environment.
+
+    Raises:
+        WorkerFailure: a worker failed; the message names the first failing rank.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, once
+    # A worker killed by a signal leaves its multiprocessing semaphore to the resource tracker, which
+    # would warn about it at exit; the failure is already reported above.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"chunkzero-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free port, like torchrun --standalone
+        max_restarts=0,
+        monitor_interval=monitor_interval_s,
+        start_method="spawn",
+    )
+    if hasattr(config, "shutdown_timeout"):
+        config.shutdown_timeout = shutdown_timeout_s
+    try:
+        return elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as e:
+        raise describe_failure(e.failures) from None
