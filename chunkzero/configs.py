@@ -23,7 +23,9 @@ Registered names (:data:`MODEL_CONFIGS`):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from .errors import ConfigError
 from .layout import TensorSpec
@@ -175,3 +177,71 @@ def transformer_block_unit(name: str) -> str:
 
 
 __all__ = ["MODEL_CONFIGS", "ModelConfig", "model_config", "model_specs", "param_numel", "transformer_block_unit"]
+
+
+# ---------------------------------------------------------------------------- the byte-level GPT
+@dataclass(frozen=True)
+class GPTConfig:
+    """Hyper-parameters of the byte-level GPT that both backends build (``torch_backend.gpt.GPT`` and
+    ``jax_backend.gpt.GPT``). ``vocab_size`` 256 means byte-level tokens; ``block_size`` is the
+    longest sequence in tokens; ``layer_norm_eps`` is LayerNorm's epsilon."""
+
+    block_size: int = 256
+    vocab_size: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True
+    layer_norm_eps: float = 1e-5
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
+        """Raises: ConfigError naming unknown keys."""
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown GPT config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64),
+    "gpt-small": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+}
+"""Byte-level GPT sizes by name (GPT-2 shapes with a 256-token vocabulary) — the models
+``chunkzero train --model`` builds. Not the size-only :data:`MODEL_CONFIGS`, where ``"gpt2"`` is
+Hugging Face GPT-2 with its 50257-token vocabulary."""
+
+
+def gpt_config(name: str) -> GPTConfig:
+    """The :class:`GPTConfig` called ``name``.
+
+    Raises:
+        ConfigError: naming the unknown model and listing the known ones.
+    """
+    try:
+        return GPT_CONFIGS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model {name!r}; known: {', '.join(GPT_CONFIGS)}") from None
+
+
+def as_gpt_config(config: Any) -> GPTConfig:
+    """A :class:`GPTConfig` from a GPTConfig, a dict, a name, or any object with ``to_dict()``.
+
+    Raises:
+        ConfigError: unknown name or keys, or an unsupported type.
+    """
+    if isinstance(config, GPTConfig):
+        return config
+    if isinstance(config, str):
+        return gpt_config(config)
+    if isinstance(config, Mapping):
+        return GPTConfig.from_dict(config)
+    if hasattr(config, "to_dict"):
+        return GPTConfig.from_dict(config.to_dict())
+    raise ConfigError(f"expected a GPTConfig, a dict or a model name, got {type(config).__name__}")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from chunkzero.configs import GPT_CONFIGS, GPTConfig, as_gpt_config, gpt_config  # noqa: F401 (re-exported)
 from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
 from chunkzero.layout import ChunkLayout, TensorSpec
 
@@ -49,70 +50,8 @@ from .mesh import DEFAULT_AXIS
 
 
 # ---------------------------------------------------------------------------- configuration
-@dataclass(frozen=True)
-class GPTConfig:
-    """Model hyper-parameters (the same fields and defaults as ``torch_backend.gpt.GPTConfig``).
-
-    ``vocab_size`` 256 means byte-level tokens; ``layer_norm_eps`` is LayerNorm's epsilon.
-    """
-
-    block_size: int = 256
-    vocab_size: int = 256
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    dropout: float = 0.0
-    bias: bool = True
-    layer_norm_eps: float = 1e-5
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
-        """Raises: ConfigError naming unknown keys."""
-        unknown = set(d) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"unknown GPT config keys: {sorted(unknown)}")
-        return cls(**d)
-
-
-GPT_CONFIGS: dict[str, GPTConfig] = {
-    "gpt-tiny": GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64),
-    "gpt-small": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
-    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-}
-"""Byte-level GPT sizes by name (GPT-2 shapes with a 256-token vocabulary), as in ``torch_backend.gpt``."""
-
-
-def gpt_config(name: str) -> GPTConfig:
-    """The :class:`GPTConfig` called ``name``.
-
-    Raises:
-        ConfigError: naming the unknown model and listing the known ones.
-    """
-    try:
-        return GPT_CONFIGS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r}; known: {', '.join(GPT_CONFIGS)}") from None
-
-
-def as_config(config: Any) -> GPTConfig:
-    """A :class:`GPTConfig` from a GPTConfig, a torch ``GPTConfig`` (same fields), a dict or a name.
-
-    Raises:
-        ConfigError: unknown name or keys.
-    """
-    if isinstance(config, GPTConfig):
-        return config
-    if isinstance(config, str):
-        return gpt_config(config)
-    if isinstance(config, Mapping):
-        return GPTConfig.from_dict(config)
-    if hasattr(config, "to_dict"):
-        return GPTConfig.from_dict(config.to_dict())
-    raise ConfigError(f"expected a GPTConfig, a dict or a model name, got {type(config).__name__}")
+# One GPTConfig for both backends, defined in the framework-free core.
+as_config = as_gpt_config
 
 
 # ---------------------------------------------------------------------------- model

@@ -12,59 +12,13 @@ Shapes: ``idx`` is ``int64[B, T]`` of byte values (``T <= block_size``); logits 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from chunkzero.configs import GPT_CONFIGS, GPTConfig, gpt_config  # noqa: F401 (re-exported)
 from chunkzero.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    """Model hyper-parameters. ``vocab_size`` 256 means byte-level tokens."""
-
-    block_size: int = 256
-    vocab_size: int = 256
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    dropout: float = 0.0
-    bias: bool = True
-    layer_norm_eps: float = 1e-5
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> GPTConfig:
-        known = set(cls.__dataclass_fields__)
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"unknown GPT config keys: {sorted(unknown)}")
-        return cls(**d)
-
-
-GPT_CONFIGS: dict[str, GPTConfig] = {
-    "gpt-tiny": GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64),
-    "gpt-small": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
-    "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-}
-"""Byte-level GPT sizes by name (GPT-2 shapes with a 256-token vocabulary)."""
-
-
-def gpt_config(name: str) -> GPTConfig:
-    """The :class:`GPTConfig` called ``name``.
-
-    Raises:
-        ConfigError: naming the unknown model and listing the known ones.
-    """
-    try:
-        return GPT_CONFIGS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r}; known: {', '.join(GPT_CONFIGS)}") from None
 
 
 class CausalSelfAttention(nn.Module):
