@@ -14,16 +14,30 @@ writes each shard from the process that holds it (OCDBT, one data sub-tree per p
 keep-gathered chunk is replicated (``P()``) and written once. Orbax writes into a temporary directory
 and renames it on commit, so a save killed midway leaves the previous step as the latest.
 
-**Load** (each rank alone, no collective). A rank computes, from the saved layout and its model's
-layout, which element ranges of which saved arrays make up each of its shards — by tensor name, so
-the world size *and* the chunk size may differ — and reads exactly those slices with TensorStore
-(the storage library Orbax writes with, opened through Orbax's own read spec). Contiguous pieces are
-coalesced into one read. Why slices rather than ``CheckpointManager.restore`` with a target sharding:
-a target ``NamedSharding`` can only express "my 1/W of this array", which is right when only the
-world size changes but not when the chunk size changes (a new shard is then made of pieces of several
-saved chunks at arbitrary offsets); slices express both, need no ``jax.distributed`` (a load is not a
-collective), and read no byte that the rank does not own beyond TensorStore's storage-chunk
-granularity (one saved shard). Plain Orbax users do use target shardings — see ``README.md``.
+**Load** (each rank reads alone; one all-reduce at the end to agree that every rank succeeded). A rank
+computes, from the saved layout and its model's layout, which element ranges of which saved arrays make
+up each of its shards — by tensor name, so the world size *and* the chunk size may differ
+(:func:`read_plan`) — and reads them with TensorStore (the storage library Orbax writes with, opened
+through Orbax's own read spec), by saved shard: each saved shard that overlaps the rank's ranges is read
+once — exactly its own shard when nothing changed — its checksum verified, and its pieces placed; a
+saved shard that maps whole onto a live CPU shard is copied there directly by TensorStore.
+
+Why TensorStore slices rather than ``CheckpointManager.restore`` with a target sharding over a mesh of
+the current processes: a ``NamedSharding`` can only say "my 1/W of this array", which fits when only the
+world size changes but not when the chunk size changes (a new shard is then pieces of several saved
+chunks at arbitrary offsets, which would need a restore followed by an all-to-all between ranks).
+Slices express both cases, need no ``jax.distributed`` (a load is not a JAX collective), never gather a
+full chunk, and read no more from disk than a sharded restore does: TensorStore decodes whole storage
+chunks, and Orbax's storage chunk is the saving rank's shard. Plain Orbax users do use target
+shardings — see the snippet in ``README.md``.
+
+**Integrity.** Every saved shard's checksum (:func:`chunkzero.checkpoint.shard_checksum` over its valid
+elements) is gathered into the metadata at save time and checked at load and export, so a flipped bit
+in an uncompressed array is reported with the array, saving rank and element range.
+
+**Asynchronous saves** return once JAX holds a copy of the shards; the write and commit continue on
+Orbax's threads. The next save, a load of the same directory, :func:`wait_until_finished` or the
+process's exit (a hook that runs before Python stops its thread pools) waits for them.
 
 Nothing here unpickles: metadata is JSON validated by ``CheckpointMeta.from_dict``, arrays are
 TensorStore/zarr, RNG states are JSON (torch's byte states as base64).
@@ -35,7 +49,6 @@ import atexit
 import base64
 import json
 import logging
-import math
 import os
 import random
 import socket
@@ -63,7 +76,12 @@ from chunkzero.checkpoint import (
     shard_checksum,
 )
 from chunkzero.dtypes import canonical_dtype
-from chunkzero.errors import CheckpointError, CheckpointFormatError, ConfigError, ShapeMismatchError
+from chunkzero.errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    ConfigError,
+    ShapeMismatchError,
+)
 from chunkzero.layout import ChunkLayout
 
 logger = logging.getLogger("chunkzero.checkpoint")
@@ -75,20 +93,20 @@ META_FILENAME = "metadata"
 """File Orbax's ``JsonSave`` writes inside the ``meta`` item directory."""
 
 __all__ = [
-    "save_checkpoint",
-    "load_checkpoint",
-    "wait_until_finished",
+    "ChunkReader",
+    "ReadPiece",
     "checkpoint_steps",
     "latest_step",
-    "resolve_step_dir",
+    "load_checkpoint",
     "read_meta",
-    "write_shards",
-    "read_shards",
     "read_plan",
-    "ReadPiece",
-    "ChunkReader",
+    "read_shards",
+    "resolve_step_dir",
     "rng_state",
+    "save_checkpoint",
     "set_rng_state",
+    "wait_until_finished",
+    "write_shards",
 ]
 
 
@@ -563,8 +581,6 @@ def check_compatible(saved: ChunkLayout, target: ChunkLayout, *, source: str = "
         s = _saved_tensor(saved, t.name, t.aliases, source)
         if s.shape != t.shape:
             raise ShapeMismatchError(t.name, t.shape, s.shape, f"model vs {source}")
-        if s.requires_grad != t.requires_grad and (s.dtype != t.dtype):
-            raise CheckpointError(f"tensor {t.name!r}: saved as {s.dtype} (frozen={not s.requires_grad}), model has {t.dtype}")
         matched.add(s.name)
     extra = [n for n in saved.names if n not in matched]
     if extra:
@@ -794,7 +810,8 @@ class ChunkReader:
                 flush()
             users = by_shard[key]
             p, out = users[0]
-            if len(users) == 1 and out.in_place and p.src_start <= a and b <= p.src_stop:
+            if (len(users) == 1 and out.in_place and p.src_start <= a and b <= p.src_stop
+                    and np.dtype(store.dtype.numpy_dtype) == out.dtype):
                 # the whole saved shard lands in one live buffer: TensorStore copies it there directly
                 d = p.dst_offset + a - p.src_start
                 view = out.array[d : d + b - a]
@@ -867,7 +884,16 @@ def read_shards(
         if c.requires_grad:
             for k in optim_keys:
                 optim_targets[k][c.index] = Target(n, np.float32, into.get((OPTIM_KEY, k, chunk_key(c.index))))
-                plan += [(p, optim_targets[k][c.index]) for p in read_plan(meta.layout, target, c.index, rank, (OPTIM_KEY, k))]
+                optim_pieces = read_plan(meta.layout, target, c.index, rank, (OPTIM_KEY, k))
+                for p in optim_pieces:
+                    if not meta.layout.chunks[chunk_index(p.array[-1])].requires_grad:
+                        frozen = [t.name for t in meta.layout.chunk_tensors(chunk_index(p.array[-1]))]
+                        raise CheckpointError(
+                            f"tensor(s) {', '.join(map(repr, frozen[:3]))} are trainable in the model but were frozen "
+                            f"in the checkpoint {str(step_dir)!r}, which holds no optimizer state for them "
+                            "(load with optimizer=None)"
+                        )
+                plan += [(p, optim_targets[k][c.index]) for p in optim_pieces]
     reader.read_into(plan)
     for c in target.chunks:  # live buffers: the padding beyond the valid elements becomes zero
         valid = target.valid_length(c.index, rank)

@@ -1,0 +1,155 @@
+"""Atomic, asynchronous and bounded saves: kill -9 of one rank mid-save, async save committed at exit,
+keep-last-N, no overwriting. Shard-level writers (``write_shards``) in fresh processes, so no model
+is needed and the arrays can be big enough for a kill to land mid-write."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from chunkzero.checkpoint import CheckpointMeta
+from chunkzero.errors import CheckpointError, ConfigError
+from chunkzero.layout import ChunkLayout, TensorSpec
+from torch_backend.checkpoint import (
+    checkpoint_steps,
+    latest_step,
+    read_meta,
+    read_shards,
+    write_shards,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WRITER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import numpy as np
+    from chunkzero.checkpoint import CheckpointMeta
+    from chunkzero.layout import ChunkLayout, TensorSpec
+    from torch_backend.checkpoint import checkpoint_steps, wait_until_finished, write_shards
+
+    rank, world, coordinator, root, step, numel, kill = sys.argv[1:8]
+    rank, world, step, numel, kill = int(rank), int(world), int(step), int(numel), kill == "1"
+    layout = ChunkLayout.build([TensorSpec(f"w{i}", (numel,)) for i in range(4)], numel, world)
+    shards = {c.index: np.full(layout.shard_numel(c.index), 10 * step + rank, np.float32) for c in layout.chunks}
+    t0 = time.perf_counter()
+    write_shards(root, CheckpointMeta(step=step, layout=layout), rank, shards, coordinator=coordinator, async_save=True)
+    returned = time.perf_counter() - t0
+    print(f"handed over in {returned:.3f} s; committed already: {step in checkpoint_steps(root)}", flush=True)
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-write: the shards are still being written
+    if os.environ.get("WAIT") == "1":
+        wait_until_finished()
+        print("committed", flush=True)
+    # else: exit at once; the pending save completes in the atexit handler
+    """
+)
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    return env
+
+
+def _start(rank, world, port, root, step, numel, kill=False, wait=True):
+    env = _env()
+    env["WAIT"] = "1" if wait else "0"
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(rank), str(world), f"127.0.0.1:{port}", str(root), str(step), str(numel), "1" if kill else "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _expected(root, step):
+    meta = read_meta(root, step)
+    target = meta.layout.relayout(1)
+    params, _ = read_shards(root / str(step), meta, target, 0)
+    return meta, params
+
+
+def test_kill9_of_one_rank_mid_save_keeps_previous_step(tmp_path):
+    root = tmp_path / "ckpt"
+    numel = 4_000_000  # 4 arrays x 2 ranks x 8 MB: the write outlives the kill
+    port = _free_port()
+    ranks = [_start(r, 2, port, root, 1, numel) for r in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    assert checkpoint_steps(root) == [1]
+
+    port = _free_port()
+    ranks = [_start(0, 2, port, root, 2, numel), _start(1, 2, port, root, 2, numel, kill=True)]
+    ranks[1].wait(timeout=240)
+    assert ranks[1].returncode == -signal.SIGKILL
+    try:  # rank 0 can never commit without rank 1; the launcher would now stop it
+        out0 = ranks[0].communicate(timeout=5)[0]
+    except subprocess.TimeoutExpired:
+        ranks[0].kill()
+        out0 = ranks[0].communicate()[0]
+    assert "committed" not in out0.splitlines()[-1:], out0
+
+    assert checkpoint_steps(root) == [1] and latest_step(root) == 1
+    assert not (root / "2").exists()
+    meta, params = _expected(root, 1)  # the previous step loads, resharded to one rank
+    for c in meta.layout.chunks:
+        half = meta.layout.shard_numel(c.index)
+        assert np.all(params[c.index][:half] == 10) and np.all(params[c.index][half:] == 11)
+
+    # the interrupted step can be written afterwards (here by a world of one)
+    meta = _tiny_meta(2)
+    write_shards(root, meta, 0, _shards(meta, 2.0))
+    assert checkpoint_steps(root) == [1, 2]
+
+
+def test_async_save_returns_before_commit_and_exit_waits(tmp_path):
+    root = tmp_path / "ckpt"
+    p = _start(0, 1, 0, root, 7, 8_000_000, wait=False)  # 4 x 32 MB, then exit immediately
+    out = p.communicate(timeout=240)[0]
+    assert p.returncode == 0, out
+    assert "committed already: False" in out  # training could continue while Orbax wrote
+    assert checkpoint_steps(root) == [7]  # the exit handler waited for the commit
+    _, params = _expected(root, 7)
+    assert all(np.all(a == 70) for a in params.values())
+
+
+def _tiny_meta(step, world=1):
+    return CheckpointMeta(step=step, layout=ChunkLayout.build([TensorSpec("w", (10,)), TensorSpec("b", (3,))], 8, world))
+
+
+def _shards(meta, value):
+    return {c.index: np.full(meta.layout.shard_numel(c.index), value, np.float32) for c in meta.layout.chunks}
+
+
+def test_keep_last_n_and_never_overwrite(tmp_path):
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3, 4):
+        meta = _tiny_meta(step)
+        write_shards(root, meta, 0, _shards(meta, step), max_to_keep=2)
+    assert checkpoint_steps(root) == [3, 4]
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    meta = _tiny_meta(4)
+    with pytest.raises(CheckpointError, match="step 4 already exists"):
+        write_shards(root, meta, 0, _shards(meta, 99), max_to_keep=2)
+    meta = _tiny_meta(2)
+    with pytest.raises(CheckpointError, match="before the latest step 4"):
+        write_shards(root, meta, 0, _shards(meta, 99), max_to_keep=2)
+    with pytest.raises(ConfigError, match="max_to_keep"):
+        write_shards(root, _tiny_meta(9), 0, _shards(_tiny_meta(9), 1), max_to_keep=0)
+    after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert after == before
+    _, params = _expected(root, 4)
+    assert all(np.all(a == 4) for a in params.values())
