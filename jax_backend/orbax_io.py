@@ -27,13 +27,19 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from chunkzero.checkpoint import META_ITEM, STATE_ITEM, CheckpointMeta
+from chunkzero.checkpoint import (  # noqa: F401 (step and meta readers re-exported for JAX users)
+    META_ITEM,
+    STATE_ITEM,
+    CheckpointMeta,
+    is_step_dir,
+    latest_step,
+    list_steps,
+    read_meta,
+    resolve_step_dir,
+)
 from chunkzero.errors import CheckpointError, CheckpointFormatError, ConfigError
 
 PathLike = str | os.PathLike
-
-_STEP_MARKERS = ("_CHECKPOINT_METADATA", META_ITEM, STATE_ITEM)
-
 
 def _handlers(for_restore: bool) -> dict[str, ocp.CheckpointHandler]:
     state = ocp.PyTreeCheckpointHandler() if for_restore else ocp.StandardCheckpointHandler()
@@ -63,90 +69,19 @@ def checkpoint_manager(root: PathLike, *, read_only: bool = True,
     return ocp.CheckpointManager(root.absolute(), item_handlers=_handlers(read_only), options=opts)
 
 
-def list_steps(root: PathLike) -> list[int]:
-    """Steps saved under ``root`` (finalized ones only; a save that died midway is not listed), ascending.
-
-    Raises:
-        CheckpointError: ``root`` does not exist.
-    """
-    with checkpoint_manager(root) as mngr:
-        return sorted(mngr.all_steps())
-
-
-def latest_step(root: PathLike) -> int | None:
-    """The highest finalized step under ``root``, or ``None`` if there is none.
-
-    Raises:
-        CheckpointError: ``root`` does not exist.
-    """
-    steps = list_steps(root)
-    return steps[-1] if steps else None
-
-
-def is_step_dir(path: PathLike) -> bool:
-    """Whether ``path`` looks like one step directory (``<root>/<int>/`` with a ``meta`` item)."""
-    p = Path(path)
-    return p.is_dir() and p.name.isdigit() and (p / META_ITEM).exists()
-
-
 def resolve_checkpoint(path: PathLike, step: int | None = None) -> tuple[Path, int]:
-    """``(root, step)`` for a step directory or a root directory.
-
-    Args:
-        path: ``<root>/<step>`` or ``<root>``.
-        step: with a root, the step to use (default: the latest); with a step directory it must be
-            ``None`` or that directory's step.
+    """``(root, step)`` for a step directory or a root (then ``step``, default the latest).
 
     Raises:
-        CheckpointError: ``path`` does not exist, holds no finalized step, or lacks ``step``.
-        ConfigError: ``step`` contradicts the step directory given.
+        CheckpointError, ConfigError: as :func:`chunkzero.checkpoint.resolve_step_dir`.
     """
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"checkpoint path does not exist: {p}")
-    if is_step_dir(p):
-        s = int(p.name)
-        if step is not None and step != s:
-            raise ConfigError(f"step={step} but {p} is the directory of step {s}")
-        if s not in list_steps(p.parent):
-            raise CheckpointError(f"{p} is not a finalized checkpoint step (the save did not complete)")
-        return p.parent, s
-    steps = list_steps(p)
-    if not steps:
-        raise CheckpointError(f"no checkpoint step under {p} (expected <root>/<step>/ directories with {STATE_ITEM!r} and {META_ITEM!r})")
-    if step is None:
-        return p, steps[-1]
-    if step not in steps:
-        raise CheckpointError(f"no step {step} under {p}; steps saved: {steps}")
-    return p, step
+    d = resolve_step_dir(path, step)
+    return d.parent, int(d.name)
 
 
 def step_dir(root: PathLike, step: int) -> Path:
     """``<root>/<step>`` (the default Orbax step naming, no prefix or padding)."""
     return Path(root) / str(int(step))
-
-
-def read_meta(path: PathLike, step: int | None = None) -> CheckpointMeta:
-    """The validated :class:`CheckpointMeta` of a checkpoint, without reading any array.
-
-    Args:
-        path: a step directory or a root (then ``step``, default the latest).
-
-    Raises:
-        CheckpointError: missing path or step, or an unreadable ``meta`` item (names the path).
-        CheckpointFormatError: the document fails validation (names the path and the field).
-    """
-    root, s = resolve_checkpoint(path, step)
-    where = step_dir(root, s) / META_ITEM
-    try:
-        with checkpoint_manager(root) as mngr:
-            doc = mngr.restore(s, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
-    except Exception as e:  # orbax raises assorted types for missing or corrupt files
-        raise CheckpointError(f"cannot read checkpoint metadata {where}: {type(e).__name__}: {e}") from e
-    meta = CheckpointMeta.from_dict(doc, source=str(where))
-    if meta.step != s:
-        raise CheckpointFormatError(f"{where}: field 'step': {meta.step} differs from the directory's step {s}")
-    return meta
 
 
 def read_array_metadata(path: PathLike, step: int | None = None) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:

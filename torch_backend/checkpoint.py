@@ -72,9 +72,14 @@ from chunkzero.checkpoint import (
     checksum_key,
     chunk_index,
     chunk_key,
+    is_step_dir,
+    latest_step,
     param_array_dtype,
+    read_meta,
+    resolve_step_dir,
     shard_checksum,
 )
+from chunkzero.checkpoint import list_steps as checkpoint_steps
 from chunkzero.dtypes import canonical_dtype
 from chunkzero.errors import (
     CheckpointError,
@@ -88,9 +93,6 @@ logger = logging.getLogger("chunkzero.checkpoint")
 
 COMPRESS = os.environ.get("CHUNKZERO_CHECKPOINT_COMPRESS", "0") == "1"
 """Compress the ``state`` arrays with zstd (off by default: see :func:`_manager`)."""
-
-META_FILENAME = "metadata"
-"""File Orbax's ``JsonSave`` writes inside the ``meta`` item directory."""
 
 __all__ = [
     "ChunkReader",
@@ -358,78 +360,6 @@ def _finish_at_exit() -> None:
 
 
 # ====================================================================== steps and metadata
-
-
-def checkpoint_steps(directory: str | os.PathLike) -> list[int]:
-    """Committed steps under ``directory`` (ascending); temporary (uncommitted) directories are skipped."""
-    from orbax.checkpoint import path as ocp_path
-
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted(ocp_path.step.checkpoint_steps(directory))
-
-
-def latest_step(directory: str | os.PathLike) -> int | None:
-    """The highest committed step under ``directory``, or ``None`` if there is none."""
-    steps = checkpoint_steps(directory)
-    return steps[-1] if steps else None
-
-
-def _is_step_dir(path: Path) -> bool:
-    return (path / META_ITEM).is_dir() and (path / STATE_ITEM).is_dir()
-
-
-def resolve_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
-    """The directory of one committed step.
-
-    Args:
-        path: a checkpoint root (``runs/ckpt``) or one step's directory (``runs/ckpt/100``).
-        step: the step under a root; ``None`` means the latest (or ``path`` itself if it is a step).
-
-    Raises:
-        CheckpointError: the path does not exist, holds no committed step, or not ``step`` (the
-            message lists the steps it does hold).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
-    if step is None and _is_step_dir(path):
-        return path
-    steps = checkpoint_steps(path)
-    if step is None:
-        if not steps:
-            raise CheckpointError(f"no committed checkpoint step under {str(path)!r}")
-        step = steps[-1]
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise ConfigError(f"step must be an int, got {step!r}")
-    if step not in steps:
-        held = ", ".join(map(str, steps)) or "none"
-        raise CheckpointError(f"no committed step {step} under {str(path)!r} (steps held: {held})")
-    step_dir = path / str(step)
-    if not _is_step_dir(step_dir):
-        raise CheckpointError(f"{str(step_dir)!r} lacks the {STATE_ITEM!r} or {META_ITEM!r} item")
-    return step_dir
-
-
-def read_meta(path: str | os.PathLike, step: int | None = None) -> CheckpointMeta:
-    """Read and validate a step's ``meta`` item without touching its arrays.
-
-    Raises:
-        CheckpointError: no such step (see :func:`resolve_step_dir`) or the meta file is missing.
-        CheckpointFormatError: the file is not valid JSON or does not match the schema (names the file
-            and the field).
-    """
-    step_dir = resolve_step_dir(path, step)
-    meta_file = step_dir / META_ITEM / META_FILENAME
-    try:
-        text = meta_file.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint metadata {str(meta_file)!r} is missing") from None
-    meta = CheckpointMeta.from_json(text, source=str(meta_file))
-    if step_dir.name.isdigit() and int(step_dir.name) != meta.step:
-        raise CheckpointFormatError(f"{meta_file}: field 'step': {meta.step} differs from the directory's step {step_dir.name}")
-    return meta
 
 
 # ====================================================================== shard-level write
@@ -1221,7 +1151,7 @@ def load_checkpoint(
     try:
         if Path(directory).exists():
             wait_until_finished(Path(directory).resolve())
-            if _is_step_dir(Path(directory)):
+            if is_step_dir(Path(directory)):
                 wait_until_finished(Path(directory).resolve().parent)
         step_dir = resolve_step_dir(directory, step)
         meta = read_meta(step_dir)

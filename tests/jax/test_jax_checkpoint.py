@@ -60,7 +60,7 @@ def test_root_and_step_dir_resolve_the_same(torch_run, tmp_path):
     np.testing.assert_array_equal(np.asarray(latest["chunk_0000"]), 2 * np.asarray(first["chunk_0000"]))
     with pytest.raises(ConfigError, match="step=4"):
         jb.restore_chunks(root / str(meta.step), jb.make_mesh(1), step=4)
-    with pytest.raises(CheckpointError, match="no step 4 under"):
+    with pytest.raises(CheckpointError, match="no committed step 4 under"):
         jb.restore_chunks(root, jb.make_mesh(1), step=4)
 
 
@@ -139,7 +139,7 @@ def test_missing_and_corrupt_checkpoints_name_the_path(torch_run, tmp_path):
         jb.restore_chunks(missing, jb.make_mesh(1))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(CheckpointError, match="no checkpoint step under"):
+    with pytest.raises(CheckpointError, match="no committed checkpoint step under"):
         jb.restore_chunks(empty, jb.make_mesh(1))
 
     bad_meta = tmp_path / "bad_meta"
