@@ -188,8 +188,10 @@ class _ProcessMesh:
         from jax.sharding import PartitionSpec as P
 
         sharding = NamedSharding(self.mesh, P() if replicated else P("dp"))
-        piece = jax.device_put(local, self.device)
-        piece.block_until_ready()  # JAX now holds its own copy: the caller may change ``local`` again
+        # An explicit copy: on CPU, device_put may alias an aligned numpy buffer instead of copying it,
+        # and ``local`` is a view of a live shard that training changes while an async save writes.
+        piece = jax.device_put(np.array(local, copy=True), self.device)
+        piece.block_until_ready()
         return jax.make_array_from_single_device_arrays((size,), sharding, [piece])
 
 

@@ -153,3 +153,20 @@ def test_keep_last_n_and_never_overwrite(tmp_path):
     assert after == before
     _, params = _expected(root, 4)
     assert all(np.all(a == 4) for a in params.values())
+
+
+def test_async_save_keeps_the_values_it_was_handed(tmp_path):
+    """Changing the live shards right after an async save returns must not leak into the checkpoint
+    (JAX on CPU may alias an aligned numpy buffer instead of copying it)."""
+    numel = 1 << 20
+    layout = ChunkLayout.build([TensorSpec("w", (numel,))], numel, 1)
+    import torch
+
+    shard = torch.ones(numel)  # torch's allocations are aligned, so JAX could alias them
+    write_shards(tmp_path, CheckpointMeta(step=1, layout=layout), 0, {0: shard.numpy()}, async_save=True)
+    shard.add_(1.0)  # training goes on and updates the shard in place
+    from torch_backend.checkpoint import wait_until_finished
+
+    wait_until_finished()
+    params, _ = read_shards(tmp_path / "1", read_meta(tmp_path, 1), layout, 0)
+    np.testing.assert_array_equal(params[0], np.full(numel, 1.0, np.float32))
