@@ -38,8 +38,17 @@ from .gpt import (
 from .layout import flatten, flatten_optimizer, nest, shard_chunks, unflatten, unflatten_optimizer
 from .mesh import DEFAULT_AXIS, chunk_sharding, make_mesh, mesh_world_size
 from .optim import adam_state_from_chunks, adam_state_to_chunks, adamw_from_meta, adamw_step
+from .zero import TrainState, ZeroTrainer
+from .baselines import DDPTrainer, FSDPTrainer
+from .analysis import compare_layouts, count_collectives
 
 __all__ = [
+    "DDPTrainer",
+    "FSDPTrainer",
+    "TrainState",
+    "ZeroTrainer",
+    "compare_layouts",
+    "count_collectives",
     "DEFAULT_AXIS",
     "GPT",
     "GPTConfig",

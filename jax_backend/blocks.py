@@ -1,0 +1,318 @@
+"""Models as a sequence of blocks: pure functions of the named tensors each block reads.
+
+A ZeRO-3 schedule needs to know *which* parameters a piece of computation uses and *when*, so it can
+gather a chunk right before the first block that reads it and release it after the last one
+(:mod:`jax_backend.zero`). A :class:`Program` gives exactly that: an ordered list of
+:class:`Stage` s, each naming the torch-named tensors it reads and a function
+``fn(tensors, h, batch) -> h'`` — the first stage gets ``h=None`` and embeds ``batch["idx"]``, the last
+returns the **sum** of token cross-entropies of its (local) batch as an f32 scalar. Composing the
+stages is the model; differentiating them one at a time (``jax.vjp`` per stage) is its backward.
+
+Programs:
+
+- :func:`gpt_program` — the Flax NNX GPT of :mod:`jax_backend.gpt` (nanoGPT/GPT-2: embeddings, one
+  stage per transformer block, ``ln_f`` + the tied head). Blocks and ``ln_f`` run the *same*
+  ``nnx`` modules as :class:`jax_backend.gpt.GPT` (merged from the tensors), so the program computes
+  what ``GPT.__call__`` computes.
+- :func:`llama_program` — a Llama-style decoder (Touvron et al. 2023; Hugging Face ``LlamaForCausalLM``
+  names and ``nn.Linear`` ``(out, in)`` shapes, as :func:`chunkzero.configs.model_specs` lists them):
+  RMSNorm, rotary position embeddings (``rotate_half`` convention), SwiGLU MLP, untied head. Used for
+  the sharding-layout comparison; it has no torch twin in this repository.
+- :func:`model_program` — either, by a :mod:`chunkzero.configs` name (``"gpt2"``, ``"gpt2-medium"``,
+  ``"llama-1b"``, ``"gpt-tiny"``, ``"gpt-small"``) or a :class:`jax_backend.gpt.GPTConfig`.
+
+Note on names: in :mod:`chunkzero.configs`, ``"gpt2"``/``"gpt2-medium"`` are Hugging Face GPT-2
+(vocab 50257, ``Conv1D`` ``(in, out)`` weights). :func:`model_program` runs them as this repository's
+GPT with the same sizes (vocab 50257, 1024 positions), whose linear weights are ``nn.Linear``
+``(out, in)``: the same tensors in the same order with the same numels (so the same chunk layout),
+only the two dimensions of each projection swapped.
+
+Batches are ``{"idx": int32[B, T], "targets": int32[B, T]}``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from chunkzero.configs import ModelConfig, model_config
+from chunkzero.errors import ConfigError
+from chunkzero.layout import TensorSpec
+
+from .gpt import Block, GPTConfig, as_config, param_rules, param_specs
+
+Batch = Mapping[str, jax.Array]
+StageFn = Callable[[Mapping[str, jax.Array], Any, Batch], Any]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One piece of the model.
+
+    Attributes:
+        name: e.g. ``"embed"``, ``"h.3"``, ``"head"``.
+        tensors: torch names of the parameters ``fn`` reads (primary names of the program's specs).
+        fn: ``fn(tensors, h, batch) -> h'`` (``h`` is ``None`` for the first stage; the last returns
+            the f32 sum of cross-entropies over the batch's tokens). Pure, no collectives.
+    """
+
+    name: str
+    tensors: tuple[str, ...]
+    fn: StageFn = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A model as stages, with its parameters.
+
+    Attributes:
+        name: the model's name.
+        specs: :class:`TensorSpec` per parameter in parameter order (the chunk layout's input).
+        stages: the stages in forward order.
+        init: ``init(seed) -> {torch_name: f32 array}`` full-shaped initial parameters.
+        vocab_size, max_seq_len: what a batch may hold.
+        config: the model configuration (:class:`GPTConfig` or :class:`chunkzero.configs.ModelConfig`).
+    """
+
+    name: str
+    specs: tuple[TensorSpec, ...]
+    stages: tuple[Stage, ...]
+    init: Callable[[int], dict[str, jax.Array]] = field(compare=False)
+    vocab_size: int = 0
+    max_seq_len: int = 0
+    config: Any = None
+
+    def loss_sum(self, params: Mapping[str, jax.Array], batch: Batch) -> jax.Array:
+        """Sum of token cross-entropies of ``batch`` with full-shaped ``params`` (all stages composed)."""
+        h = None
+        for s in self.stages:
+            h = s.fn({n: params[n] for n in s.tensors}, h, batch)
+        return h
+
+    def loss(self, params: Mapping[str, jax.Array], batch: Batch) -> jax.Array:
+        """Mean token cross-entropy of ``batch`` (f32 scalar)."""
+        return self.loss_sum(params, batch) / batch["targets"].size
+
+    def check_batch(self, batch: Batch) -> None:
+        """Raises ConfigError: missing keys, shapes that differ, or a sequence longer than ``max_seq_len``."""
+        for k in ("idx", "targets"):
+            if k not in batch:
+                raise ConfigError(f"batch has no {k!r} (keys: {sorted(batch)})")
+        if np.shape(batch["idx"]) != np.shape(batch["targets"]) or len(np.shape(batch["idx"])) != 2:
+            raise ConfigError(f"batch idx {np.shape(batch['idx'])} and targets {np.shape(batch['targets'])} must both be [B, T]")
+        if self.max_seq_len and np.shape(batch["idx"])[1] > self.max_seq_len:
+            raise ConfigError(f"sequence length {np.shape(batch['idx'])[1]} exceeds {self.max_seq_len} of {self.name}")
+
+
+def _cross_entropy_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).sum()
+
+
+def random_batch(program: Program, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, jax.Array]:
+    """Uniform random tokens ``{"idx", "targets"}``, int32 ``[batch_size, seq_len]`` (targets = idx shifted)."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, program.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+    return {"idx": jnp.asarray(data[:, :-1]), "targets": jnp.asarray(data[:, 1:])}
+
+
+# ---------------------------------------------------------------------------------------------------- GPT
+def _nnx_merge(graphdef, abstract_state, pure: dict):
+    state = jax.tree.map(lambda x: x, abstract_state)  # a fresh copy to fill
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def _set(tree: dict, path: Sequence, value) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+@functools.lru_cache(maxsize=8)
+def gpt_program(config: Any, name: str | None = None) -> Program:
+    """The GPT of :mod:`jax_backend.gpt` as stages: ``embed`` (``wte``, ``wpe``), ``h.0`` … ``h.{L-1}``
+    (one per transformer block), ``head`` (``ln_f`` and the tied ``wte``).
+
+    Args:
+        config: a :class:`jax_backend.gpt.GPTConfig` (or anything :func:`jax_backend.gpt.as_config`
+            takes); ``dropout`` must be 0.
+
+    Raises:
+        ConfigError: dropout > 0 (stages are deterministic).
+    """
+    cfg = as_config(config)
+    if cfg.dropout > 0:
+        raise ConfigError(f"the staged GPT needs dropout=0, got {cfg.dropout}")
+    rules = {r.torch_name: r for r in param_rules(cfg)}
+    specs = tuple(param_specs(cfg))
+    block_gd, block_abs = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
+    ln_gd, ln_abs = nnx.split(nnx.eval_shape(
+        lambda: nnx.LayerNorm(cfg.n_embd, epsilon=cfg.layer_norm_eps, use_bias=cfg.bias, use_fast_variance=False,
+                              rngs=nnx.Rngs(0))))
+
+    def module(graphdef, abstract, tensors, strip: int):
+        pure: dict = {}
+        for n, v in tensors.items():
+            r = rules[n]
+            _set(pure, r.flax_path[strip:], v.T if r.transpose else v)
+        return _nnx_merge(graphdef, abstract, pure)
+
+    def embed(t, h, batch):
+        idx = batch["idx"]
+        wte, wpe = t["transformer.wte.weight"], t["transformer.wpe.weight"]
+        return jnp.take(wte, idx, axis=0) + jnp.take(wpe, jnp.arange(idx.shape[1]), axis=0)[None]
+
+    def block(t, h, batch):  # the tensors of block i, named transformer.h.{i}.*: strip 3 path parts
+        return module(block_gd, block_abs, t, 3)(h)
+
+    def head(t, h, batch):
+        ln = module(ln_gd, ln_abs, {k: v for k, v in t.items() if k.startswith("transformer.ln_f.")}, 2)
+        x = ln(h)
+        logits = jnp.dot(x, t["transformer.wte.weight"].T)  # nnx.Embed.attend: tied output head
+        return _cross_entropy_sum(logits, batch["targets"])
+
+    names = [s.name for s in specs]
+    stages = [Stage("embed", ("transformer.wte.weight", "transformer.wpe.weight"), embed)]
+    for i in range(cfg.n_layer):
+        prefix = f"transformer.h.{i}."
+        stages.append(Stage(f"h.{i}", tuple(n for n in names if n.startswith(prefix)), block))
+    stages.append(Stage("head", tuple(n for n in names if n.startswith("transformer.ln_f.")) + ("transformer.wte.weight",), head))
+
+    def init(seed: int = 0) -> dict[str, jax.Array]:
+        from .gpt import flax_to_torch, init_gpt
+
+        return dict(flax_to_torch(init_gpt(cfg, seed)))
+
+    return Program(name or "gpt", specs, tuple(stages), init, cfg.vocab_size, cfg.block_size, cfg)
+
+
+def gpt_reference_loss(config: Any) -> Callable[[Mapping[str, jax.Array], Batch], jax.Array]:
+    """``loss(params, batch)``: mean cross-entropy of :class:`jax_backend.gpt.GPT` itself (``GPT.__call__``
+    with torch-named parameters), the unsharded reference the staged program is checked against."""
+    from .gpt import gpt_from_torch
+
+    cfg = as_config(config)
+
+    def loss(params, batch):
+        model = gpt_from_torch(params, cfg)
+        logits = model(batch["idx"])
+        return _cross_entropy_sum(logits, batch["targets"]) / batch["targets"].size
+
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------------- Llama
+def _rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y.astype(x.dtype)) * w
+
+
+def _rope(x, theta: float):
+    """Rotary embedding of ``x`` ``[B, T, N, H]`` (Hugging Face ``rotate_half`` convention)."""
+    t, hd = x.shape[1], x.shape[-1]
+    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    ang = np.arange(t, dtype=np.float32)[:, None] * inv[None, :]
+    emb = np.concatenate([ang, ang], axis=-1)
+    cos, sin = jnp.asarray(np.cos(emb), x.dtype)[None, :, None], jnp.asarray(np.sin(emb), x.dtype)[None, :, None]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+@functools.lru_cache(maxsize=8)
+def llama_program(config: ModelConfig | str, name: str | None = None, *, rms_norm_eps: float = 1e-5,
+                  rope_theta: float = 10000.0, max_seq_len: int = 2048) -> Program:
+    """A Llama-style decoder as stages: ``embed``, ``layers.0`` … , ``head`` (``model.norm`` + ``lm_head``).
+
+    Tensor names and shapes are :func:`chunkzero.configs.model_specs`'s (Hugging Face
+    ``LlamaForCausalLM``, ``nn.Linear`` weights ``(out, in)``, no biases).
+
+    Raises:
+        ConfigError: a config that is not of the ``"llama"`` family, or a tied head.
+    """
+    from chunkzero.configs import model_specs
+
+    cfg = model_config(config) if isinstance(config, str) else config
+    if cfg.family != "llama" or cfg.tie_embeddings:
+        raise ConfigError(f"llama_program needs an untied 'llama' family config, got {cfg.family!r}")
+    specs = tuple(model_specs(cfg))
+    d, nh = cfg.n_embd, cfg.n_head
+    nkv, hd = cfg.n_kv_head or nh, d // nh
+
+    def embed(t, h, batch):
+        return jnp.take(t["model.embed_tokens.weight"], batch["idx"], axis=0)
+
+    def layer(i):
+        p = f"model.layers.{i}."
+
+        def fn(t, x, batch):
+            B, T, _ = x.shape
+            a = _rms_norm(x, t[p + "input_layernorm.weight"], rms_norm_eps)
+            q = (a @ t[p + "self_attn.q_proj.weight"].T).reshape(B, T, nh, hd)
+            k = (a @ t[p + "self_attn.k_proj.weight"].T).reshape(B, T, nkv, hd)
+            v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(B, T, nkv, hd)
+            q, k = _rope(q, rope_theta), _rope(k, rope_theta)
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, d)
+            x = x + y @ t[p + "self_attn.o_proj.weight"].T
+            m = _rms_norm(x, t[p + "post_attention_layernorm.weight"], rms_norm_eps)
+            g = jax.nn.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T)
+            return x + g @ t[p + "mlp.down_proj.weight"].T
+
+        return fn
+
+    def head(t, x, batch):
+        x = _rms_norm(x, t["model.norm.weight"], rms_norm_eps)
+        return _cross_entropy_sum(x @ t["lm_head.weight"].T, batch["targets"])
+
+    names = [s.name for s in specs]
+    stages = [Stage("embed", ("model.embed_tokens.weight",), embed)]
+    for i in range(cfg.n_layer):
+        prefix = f"model.layers.{i}."
+        stages.append(Stage(f"layers.{i}", tuple(n for n in names if n.startswith(prefix)), layer(i)))
+    stages.append(Stage("head", ("model.norm.weight", "lm_head.weight"), head))
+
+    def init(seed: int = 0) -> dict[str, jax.Array]:
+        key = jax.random.key(seed)
+        out = {}
+        for i, s in enumerate(specs):
+            if s.name.endswith("norm.weight") or s.name.endswith("layernorm.weight"):
+                out[s.name] = jnp.ones(s.shape, jnp.float32)
+            else:
+                out[s.name] = 0.02 * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)
+        return out
+
+    return Program(name or "llama", specs, tuple(stages), init, cfg.vocab_size, max_seq_len, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------- by name
+def model_program(model: str | GPTConfig | ModelConfig) -> Program:
+    """The :class:`Program` of a :mod:`chunkzero.configs` model name, a :class:`GPTConfig` or a
+    :class:`chunkzero.configs.ModelConfig` (see the module docstring for GPT-2's shapes).
+
+    Raises:
+        ConfigError: an unknown name (listing the known ones).
+    """
+    if isinstance(model, GPTConfig):
+        return gpt_program(model)
+    cfg = model_config(model) if isinstance(model, str) else model
+    name = model if isinstance(model, str) else cfg.family
+    if cfg.family == "llama":
+        return llama_program(cfg, name)
+    if cfg.family in ("hf-gpt2", "nanogpt"):
+        if not cfg.tie_embeddings or cfg.intermediate_size != 4 * cfg.n_embd:
+            raise ConfigError(f"{name}: the GPT program needs a tied head and a 4·d MLP")
+        return gpt_program(GPTConfig(block_size=cfg.n_positions, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer,
+                                     n_head=cfg.n_head, n_embd=cfg.n_embd), name)
+    raise ConfigError(f"no program for model family {cfg.family!r}")
+
+
+__all__ = ["Batch", "Program", "Stage", "gpt_program", "gpt_reference_loss", "llama_program", "model_program",
+           "random_batch"]
