@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 
@@ -14,38 +15,15 @@ from chunkzero.checkpoint import CheckpointMeta, OptimizerMeta
 from chunkzero.layout import ChunkLayout, TensorSpec
 from torch_backend.checkpoint import write_shards
 
-# The README's snippet (keep the two identical).
-SNIPPET = """\
-import os
+README = Path(__file__).resolve().parents[2] / "README.md"
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-mngr = ocp.CheckpointManager(os.path.abspath("runs/ckpt"), item_handlers={  # Orbax wants absolute paths
-    "state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
-step = mngr.latest_step()
-meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-tree = mngr.item_metadata(step)["state"]  # shapes and dtypes only: {"params": {"chunk_0000": ...}, "optim": ...}
+def readme_snippet() -> str:
+    """The README's plain-Orbax snippet: the first python block after the sentence that introduces it."""
+    text = README.read_text()
+    after = text[text.index("A plain Orbax user reads a chunkzero checkpoint"):]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
 
-# as numpy
-as_numpy = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-state = mngr.restore(step, args=ocp.args.Composite(
-    state=ocp.args.PyTreeRestore(restore_args=as_numpy)))["state"]
-
-# sharded over any number of devices (each chunk zero-padded to a multiple of it)
-mesh = Mesh(np.array(jax.devices()), ("dp",))
-def on_mesh(m):
-    size = -(-m.shape[0] // mesh.size) * mesh.size
-    return ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, P("dp")), global_shape=(size,), strict=False)
-sharded = mngr.restore(step, args=ocp.args.Composite(
-    state=ocp.args.PyTreeRestore(restore_args=jax.tree.map(on_mesh, tree))))["state"]
-
-# one tensor by name: the layout in meta gives its chunk and offset
-t = next(t for t in meta["layout"]["tensors"] if t["name"] == "transformer.wte.weight")
-wte = state["params"][f"chunk_{t['chunk']:04d}"][t["offset"]:][: np.prod(t["shape"])].reshape(t["shape"])
-"""
 
 CHECKS = """
 import sys
@@ -87,6 +65,6 @@ def test_plain_orbax_restores_without_chunkzero(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    code = SNIPPET + textwrap.dedent(CHECKS)
+    code = readme_snippet() + textwrap.dedent(CHECKS)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "SNIPPET OK" in r.stdout, r.stdout + r.stderr
