@@ -35,34 +35,26 @@ def fail(prog: str, message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _number(kind: type, minimum: float, *, inclusive: bool = True) -> Callable[[str], int | float]:
+    """An argparse ``type=`` that parses ``kind`` and checks it against ``minimum``."""
+    noun = "a whole number" if kind is int else "a number"
+    op = ">=" if inclusive else ">"
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not (v >= minimum if inclusive else v > minimum):
+            raise argparse.ArgumentTypeError(f"must be {op} {minimum}, got {v}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
-    return v
+_positive_int = _number(int, 1)
+_nonneg_int = _number(int, 0)
+_positive_float = _number(float, 0, inclusive=False)
 
 
 # ================================================================================================ train

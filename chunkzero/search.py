@@ -60,8 +60,26 @@ SpecsLike = Union[Sequence[TensorSpec], Sequence[int]]
 
 
 # ---------------------------------------------------------------------------------------------------- results
+class _Overhead:
+    """``overhead_numel`` / ``overhead_fraction`` for results with wasted, padding and total numels."""
+
+    wasted_numel: int
+    padding_numel: int
+    total_numel: int
+
+    @property
+    def overhead_numel(self) -> int:
+        """``wasted_numel + padding_numel``."""
+        return self.wasted_numel + self.padding_numel
+
+    @property
+    def overhead_fraction(self) -> float:
+        """``overhead_numel / total_numel`` (0 for an empty model)."""
+        return self.overhead_numel / self.total_numel if self.total_numel else 0.0
+
+
 @dataclass(frozen=True)
-class PackingStats:
+class PackingStats(_Overhead):
     """What packing at capacity ``chunk_size`` gives (see the module docstring for the metrics).
 
     Attributes:
@@ -82,19 +100,9 @@ class PackingStats:
     wasted_numel: int
     padding_numel: int
 
-    @property
-    def overhead_numel(self) -> int:
-        """``wasted_numel + padding_numel``."""
-        return self.wasted_numel + self.padding_numel
-
-    @property
-    def overhead_fraction(self) -> float:
-        """``overhead_numel / total_numel`` (0 for an empty model)."""
-        return self.overhead_numel / self.total_numel if self.total_numel else 0.0
-
 
 @dataclass(frozen=True)
-class SearchResult:
+class SearchResult(_Overhead):
     """A searched chunk size and how it packs.
 
     Attributes:
@@ -122,16 +130,6 @@ class SearchResult:
     method_waste_numel: int
     candidates: int
     keep_gathered_below_numel: int = 0
-
-    @property
-    def overhead_numel(self) -> int:
-        """``wasted_numel + padding_numel``."""
-        return self.wasted_numel + self.padding_numel
-
-    @property
-    def overhead_fraction(self) -> float:
-        """``(wasted_numel + padding_numel) / total_numel``."""
-        return self.overhead_numel / self.total_numel if self.total_numel else 0.0
 
     def layout(self, specs: Iterable[TensorSpec], world_size: int | None = None) -> ChunkLayout:
         """Build the :class:`ChunkLayout` of ``specs`` at this chunk size (``world_size`` defaults to
