@@ -412,8 +412,15 @@ COMMANDS: list[Callable] = [_add_train, _add_export, _add_inspect, _add_layout]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="chunkzero", description=__doc__.splitlines()[0],
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        prog="chunkzero",
+        description="Chunk-based ZeRO-3 training for PyTorch, with the sharded state shared exactly with JAX "
+                    "through Orbax checkpoints.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from chunkzero import __version__
+
+    parser.add_argument("--version", action="version", version=f"chunkzero {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)

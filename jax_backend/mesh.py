@@ -41,7 +41,10 @@ def make_mesh(n_devices: int | None = None, *, axis: str = DEFAULT_AXIS, devices
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"n_devices must be a positive int, got {n_devices!r}")
     if n > len(pool):
-        raise ConfigError(f"n_devices={n} but only {len(pool)} devices are available ({pool[0].platform})")
+        raise ConfigError(
+            f"n_devices={n} but only {len(pool)} devices are available ({pool[0].platform}); on CPU, simulate "
+            f"more by setting XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax is imported"
+        )
     return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=pool[:n])
 
 

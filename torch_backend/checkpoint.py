@@ -581,7 +581,7 @@ class ChunkReader:
     def __init__(self, step_dir: str | os.PathLike, meta: CheckpointMeta):
         import orbax.checkpoint as ocp
 
-        self.step_dir = Path(step_dir)
+        self.step_dir = Path(step_dir).absolute()  # Orbax and TensorStore want absolute paths
         self.item_dir = self.step_dir / STATE_ITEM
         self.meta = meta
         self.expected = meta.expected_arrays()

@@ -219,3 +219,20 @@ def test_never_unpickles():
         for call in re.findall(r"torch\.load\(([^)]*)\)", src):
             assert "weights_only=True" in call, (path, call)
         assert "broadcast_object_list" not in src and "all_gather_object" not in src, path
+
+
+def test_relative_paths_save_load_and_export(tmp_path, monkeypatch):
+    """Users pass paths relative to their working directory; Orbax itself insists on absolute ones."""
+    from torch_backend.export import export_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    model, optim = build()
+    train_step(model, optim, 1, 0)
+    save_checkpoint("runs/ck", model, optim, step=1)
+    want = full_state(model, optim)
+    model2, optim2 = build(seed=1)
+    load_checkpoint("runs/ck", model2, optim2)
+    got = full_state(model2, optim2)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    export_checkpoint("runs/ck", "runs/hf", format="safetensors")
+    assert (tmp_path / "runs" / "hf" / "model.safetensors").is_file()
