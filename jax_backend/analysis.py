@@ -638,7 +638,8 @@ def plot_chunk_map(layout: ChunkLayout, ax=None, *, max_chunks: int | None = Non
     ax.set_xlabel("position in chunk (fraction of its size; size in elements at the right)" if normalize
                   else "element offset in chunk")
     ax.set_ylabel("chunk")
-    ax.set_title(f"chunk map: {len(layout.chunks)} chunks of ≤{layout.chunk_size:,} elements, W={layout.world_size} "
+    ax.set_title(f"chunk map: {len(layout.chunks)} chunks, capacity {layout.chunk_size:,} elements (larger tensors get a chunk "
+                 f"of their own), W={layout.world_size} "
                  f"(ticks: rank shard boundaries; colors: blocks; hatched: padding, {layout.padding_numel:,} elements)",
                  fontsize=9)
     return ax

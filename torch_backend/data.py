@@ -133,11 +133,12 @@ def find_text_files(paths: list[str | os.PathLike] | None) -> list[TextFile]:
     """The text files named by ``paths`` (files, or directories searched recursively), sorted.
 
     ``paths=None`` means the default corpus (the standard library's ``*.py`` files). In a directory,
-    hidden entries and binary files (a NUL byte in the first 8 KiB) are skipped; a file named
-    directly is always used.
+    hidden entries and binary files (a NUL byte in the first 8 KiB) are skipped; a binary file named
+    directly is an error.
 
     Raises:
-        DataError: a path does not exist, is not a file or directory, or a directory holds no text file.
+        DataError: a path does not exist, is not a file or directory, is a binary file, or a directory
+            holds no text file.
     """
     if paths is None:
         (root,) = default_data_paths()
@@ -158,6 +159,9 @@ def find_text_files(paths: list[str | os.PathLike] | None) -> list[TextFile]:
         if not p.exists():
             raise DataError(f"--data path does not exist: {raw}")
         if p.is_file():
+            if _is_binary(p):
+                raise DataError(f"--data file is binary (a NUL byte in its first {BINARY_SNIFF_BYTES} bytes), "
+                                f"not text: {raw} (token files must end in .bin)")
             files.append(TextFile(p.name, p, p.stat().st_size))
         elif p.is_dir():
             found = []

@@ -86,6 +86,14 @@ def test_small_corpus_falls_back_to_a_positional_split(tmp_path):
         load_corpus([str(tmp_path / "one.txt")], seq_len=1000)
 
 
+def test_a_binary_file_named_directly_is_refused(tmp_path):
+    from torch_backend.data import load_corpus
+
+    _write(tmp_path, {"weights.safetensors": b"\0\1\2" * 1000})
+    with pytest.raises(DataError, match="binary.*weights.safetensors"):
+        load_corpus([str(tmp_path / "weights.safetensors")], seq_len=16)
+
+
 def test_default_corpus_is_the_standard_library():
     from torch_backend.data import find_text_files
 
