@@ -65,7 +65,10 @@ def checkpoint_manager(root: PathLike, *, read_only: bool = True,
     root = Path(root)
     if read_only and not root.is_dir():
         raise CheckpointError(f"checkpoint directory does not exist: {root}")
-    opts = dataclasses.replace(options or ocp.CheckpointManagerOptions(), read_only=read_only, create=not read_only)
+    opts = options or ocp.CheckpointManagerOptions()
+    # read-only managers never save: set save_interval_steps=0 as Orbax would, without its warning per manager
+    opts = dataclasses.replace(opts, read_only=read_only, create=not read_only,
+                               save_interval_steps=0 if read_only else opts.save_interval_steps)
     return ocp.CheckpointManager(root.absolute(), item_handlers=_handlers(read_only), options=opts)
 
 
