@@ -282,7 +282,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from chunkzero.errors import ChunkZeroError
 
     try:
-        from torch_backend.export import format_inspection, inspect_checkpoint
+        from chunkzero.inspection import format_inspection, inspect_checkpoint
 
         info = inspect_checkpoint(args.checkpoint, args.step)
     except ChunkZeroError as e:

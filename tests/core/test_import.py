@@ -5,6 +5,7 @@ import sys
 def test_core_imports_no_framework():
     code = (
         "import sys, chunkzero, chunkzero.layout, chunkzero.states, chunkzero.search, chunkzero.cost\n"
+        "import chunkzero.checkpoint, chunkzero.configs, chunkzero.inspection, chunkzero.cli\n"
         "bad = [m for m in ('torch', 'jax', 'flax', 'orbax', 'optax') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
