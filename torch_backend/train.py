@@ -554,20 +554,55 @@ def peak_memory_mib(device: torch.device) -> dict:
     return d
 
 
-class Metrics:
-    """``metrics.jsonl`` (rank 0): one JSON object per line, flushed at once."""
+def read_metrics_history(path: Path, upto_step: int) -> list[dict]:
+    """The records of an earlier session's ``metrics.jsonl`` up to step ``upto_step`` (a resumed run's
+    checkpoint step), in file order. Later records belong to steps that the resumed run trains again
+    (the earlier session outlived its last checkpoint) and are dropped; so are unreadable lines (a line
+    cut short by a kill)."""
+    records = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return records
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] <= upto_step:
+            records.append(r)
+    return records
 
-    def __init__(self, path: Path | None):
+
+class Metrics:
+    """``metrics.jsonl`` (rank 0): one JSON object per line, flushed at once. ``history``: a resumed run's
+    earlier records (:func:`read_metrics_history`); the file is rewritten with exactly those first, so it
+    holds the whole run once per step, and :attr:`train` / :attr:`val` cover the whole run."""
+
+    def __init__(self, path: Path | None, history: list[dict] | None = None):
         self.path = path
-        self.f = open(path, "a", buffering=1) if path is not None else None
         self.train: list[tuple[int, float]] = []
         self.val: list[tuple[int, float]] = []
+        for r in history or ():
+            self._record(r)
+        if path is not None and history is not None:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
+            os.replace(tmp, path)
+        self.f = open(path, "a", buffering=1) if path is not None else None
+
+    def _record(self, record: dict) -> None:
+        if record.get("kind") == "train" and "loss" in record:
+            self.train.append((record["step"], record["loss"]))
+        elif record.get("kind") == "val" and "val_loss" in record:
+            self.val.append((record["step"], record["val_loss"]))
+
+    def val_at(self, step: int) -> float | None:
+        """The logged validation loss at ``step``, if any."""
+        return next((v for s, v in self.val if s == step), None)
 
     def write(self, record: dict) -> None:
-        if record["kind"] == "train":
-            self.train.append((record["step"], record["loss"]))
-        elif record["kind"] == "val":
-            self.val.append((record["step"], record["val_loss"]))
+        self._record(record)
         if self.f is not None:
             self.f.write(json.dumps(record) + "\n")
 
@@ -628,8 +663,10 @@ def summary_table(s: dict) -> str:
                  f"{_fmt_count(s['data']['val_tokens'])} val tokens"),
         ("steps", f"{s['steps']} × {s['tokens_per_step']:,} tokens"),
         ("tokens", f"{s['tokens']:,}"),
-        ("train loss", f"{s['train_loss_first']:.4f} (step 1) → {s['train_loss_last']:.4f} (step {s['steps']})"),
-        ("val loss", f"{v0:.4f} (step 0) → {v1:.4f} (step {s['steps']}), ratio {v1 / v0:.3f}"),
+        ("train loss", f"{s['train_loss_first']:.4f} (step {s.get('train_loss_first_step', 1)}) → "
+                       f"{s['train_loss_last']:.4f} (step {s.get('train_loss_last_step', s['steps'])})"),
+        ("val loss", f"{v0:.4f} (step {s.get('val_loss_first_step', 0)}) → "
+                     f"{v1:.4f} (step {s.get('val_loss_final_step', s['steps'])}), ratio {v1 / v0:.3f}"),
         ("wall time", f"{_fmt_time(s['wall_time_s'])} (training {_fmt_time(s['train_time_s'])})"),
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
         ("peak memory", mem),
@@ -663,6 +700,11 @@ def setup_logging(rank: int, out: Path | None) -> None:
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(fh)
     for name in ("torch.distributed", "torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Orbax logs through absl: INFO lines on every save ("Created BasePyTreeCheckpointHandler", "Closing
+    # _NonBlockingMetadataStore", "[wait_until_finished] ...") would flood the console and train.log (a short
+    # run with checkpoints logs no absl WARNING). JAX's distributed service announces itself at INFO.
+    for name in ("absl", "jax._src.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
@@ -713,17 +755,50 @@ def on_step_end(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: 
 
         save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim, step=step, async_save=True,
                         max_to_keep=CHECKPOINTS_KEPT, data_position={"sampler": sampler.state_dict()},
-                        extra={"model": cfg.model, "seed": cfg.seed, "world_size": cfg.world_size})
+                        extra={"model": cfg.model, "seed": cfg.seed, "world_size": cfg.world_size,
+                               "steps": cfg.steps, "warmup": cfg.warmup, "lr": cfg.lr,
+                               "min_lr_ratio": cfg.min_lr_ratio})
 
 
-def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig) -> int:
+SCHEDULE_KEYS = ("steps", "warmup", "lr", "min_lr_ratio")
+"""The settings of :func:`lr_at`: changing one at ``--resume`` changes the LR schedule mid-run."""
+
+
+def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, step: int) -> None:
+    """Warn when ``--resume`` runs with another LR schedule (``--steps``, ``--warmup``, ``--lr``, ``--min-lr-ratio``) than the
+    checkpointed run's ``previous`` settings: :func:`lr_at` re-stretches warmup + cosine decay to the new
+    total, so the LR jumps at the resumed step."""
+    if not previous:
+        return
+    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k):g} (was {previous[k]:g})" for k in SCHEDULE_KEYS
+               if isinstance(previous.get(k), (int, float)) and previous[k] != getattr(cfg, k)]
+    if not changed:
+        return
+    old = TrainConfig(**{**cfg.to_dict(), **{k: previous[k] for k in SCHEDULE_KEYS if k in previous}})
+    before = lr_at(step - 1, old) if step >= 1 else 0.0
+    log.warning("warning: --resume with %s differs from the checkpointed run's settings (%s): the LR schedule "
+                "(warmup + cosine decay) is re-stretched to the new total of %d steps, so the LR jumps from "
+                "%.3g at step %d to %.3g at step %d", ", ".join(changed), source, cfg.steps, before, step,
+                lr_at(step, cfg), step + 1)
+
+
+def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig,
+           previous_config: dict | None = None) -> int:
     """``--resume``: load the latest checkpoint of ``<out>/checkpoints`` into the engine (parameters,
-    optimizer, loss scaler, RNG states) and the sampler's position; returns the next step to run."""
+    optimizer, loss scaler, RNG states) and the sampler's position; returns the next step to run.
+    ``previous_config``: the earlier run's ``config.json``, for checkpoints without the schedule in their
+    ``extra`` (rank 0 warns when the LR schedule changes, see :func:`warn_schedule_change`)."""
     from .checkpoint import load_checkpoint
 
     meta = load_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim)
     sampler.load_state_dict((meta.data_position or {}).get("sampler", {}))
     log.info("resumed from step %d (%s/%s/%d)", meta.step, cfg.out, CHECKPOINT_DIR, meta.step)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        extra = dict(meta.extra or {})
+        if "steps" in extra:
+            warn_schedule_change(extra, f"checkpoint {meta.step}", cfg, meta.step)
+        else:
+            warn_schedule_change(previous_config, f"{cfg.out}/config.json", cfg, meta.step)
     return meta.step + 1
 
 
@@ -731,8 +806,10 @@ _TEST_KILL_ENV = "CHUNKZERO_TEST_KILL"
 """Test hook ``"<rank>:<step>"``: that rank kills itself with SIGKILL after that optimizer step."""
 
 
-def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, device: torch.device) -> dict:
-    """Run the training loop on this rank; returns the summary (complete on rank 0)."""
+def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, device: torch.device,
+          previous_config: dict | None = None) -> dict:
+    """Run the training loop on this rank; returns the summary (complete on rank 0). ``previous_config``:
+    with ``--resume``, the earlier run's ``config.json`` (read before this run replaced it)."""
     t_start = time.perf_counter()
     out = Path(cfg.out)
     is_main = rank == 0
@@ -743,11 +820,14 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
 
     sampler = data_mod.BatchSampler(corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
                                     world_size=world, seed=cfg.seed)
-    start = resume(engine, sampler, cfg) if cfg.resume else 1  # after the seeding: the saved RNGs win
+    start = resume(engine, sampler, cfg, previous_config) if cfg.resume else 1  # after the seeding: the saved RNGs win
     val = data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
                                world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
     tokens_per_step = world * cfg.grad_accum * cfg.batch_size * cfg.seq_len
-    metrics = Metrics(out / "metrics.jsonl" if is_main else None)
+    history = None
+    if is_main and cfg.resume:  # the whole run in metrics.jsonl, the plot and the summary
+        history = read_metrics_history(out / "metrics.jsonl", start - 1)
+    metrics = Metrics(out / "metrics.jsonl" if is_main else None, history)
     backend = dist.get_backend() if dist.is_initialized() else "none"
     if is_main:
         log.info("model %s: %s parameters, %s, engine %s; %d worker(s) on %s (%s); %s tokens per step",
@@ -760,11 +840,16 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     kill = os.environ.get(_TEST_KILL_ENV)
     kill_rank, kill_step = (int(v) for v in kill.split(":")) if kill else (-1, -1)
 
-    val_loss = evaluate(engine, val, device)
-    val0 = val_loss
-    metrics.write({"kind": "val", "step": start - 1, "val_loss": val_loss})
-    if is_main:
-        log.info("step %d: val loss %.4f", start - 1, val_loss)
+    # The evaluation at the start step, unless the earlier session logged it (before the checkpoint was
+    # taken, so of the same weights). Rank 0's verdict is shared, as every rank must join evaluate().
+    logged = gather_objects(metrics.val_at(start - 1) if is_main else None)[0]
+    if logged is None:
+        val_loss = evaluate(engine, val, device)
+        metrics.write({"kind": "val", "step": start - 1, "val_loss": val_loss})
+        if is_main:
+            log.info("step %d: val loss %.4f", start - 1, val_loss)
+    else:
+        val_loss = logged
 
     pbar = None
     if is_main:
@@ -778,7 +863,6 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     tokens = (start - 1) * tokens_per_step  # all of the run's, including steps before a resume
     session_tokens = 0  # this process's, for tokens/s
     skipped = 0
-    first_loss = last_loss = float("nan")
     for step in range(start, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg)
@@ -799,8 +883,6 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
         train_time += dt
         tokens += tokens_per_step
         session_tokens += tokens_per_step
-        first_loss = loss if step == start else first_loss
-        last_loss = loss
         scale = engine.loss_scale
         metrics.write({"kind": "train", "step": step, "loss": loss, "lr": lr, "loss_scale": scale,
                        "grad_norm": engine.last_grad_norm, "skipped": not applied, "tokens": tokens,
@@ -824,12 +906,21 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     if cfg.sample_tokens:
         prompt, sample = sample_text(engine, corpus, cfg, device)
     memory = gather_objects(peak_memory_mib(device))
+    # First and last losses of the whole run (metrics.jsonl, all sessions), with their steps; on ranks
+    # other than 0 (no history) of this session.
+    nan = float("nan")
+    (t0_step, first_loss), (t1_step, last_loss) = (metrics.train[0], metrics.train[-1]) if metrics.train \
+        else ((start, nan), (cfg.steps, nan))
+    (v0_step, val0), (v1_step, val_loss) = (metrics.val[0], metrics.val[-1]) if metrics.val \
+        else ((start - 1, nan), (cfg.steps, val_loss))
     summary = {
         "model": cfg.model, "params": n_params, "mixed_precision": cfg.mixed_precision, "engine": cfg.engine,
         "world_size": world, "device": device.type, "backend": backend, "data": corpus.summary(),
         "steps": cfg.steps, "skipped_steps": skipped, "tokens_per_step": tokens_per_step, "tokens": tokens,
         "train_loss_first": first_loss, "train_loss_last": last_loss,
-        "val_loss_step0": val0, "val_loss_final": val_loss, "val_ratio": val_loss / val0,
+        "train_loss_first_step": t0_step, "train_loss_last_step": t1_step,
+        "val_loss_step0": val0, "val_loss_final": val_loss, "val_ratio": val_loss / val0 if val0 else nan,
+        "val_loss_first_step": v0_step, "val_loss_final_step": v1_step,
         "wall_time_s": time.perf_counter() - t_start, "train_time_s": train_time,
         "tokens_per_s": session_tokens / train_time if train_time else 0.0,
         "peak_memory": memory, "memory_report": engine.memory_report(),
@@ -875,8 +966,14 @@ def worker_main(cfg: TrainConfig) -> dict:
             return {"status": "error", "message": errors[0]}
         cfg.out = verdicts[0][1]
         out = Path(cfg.out)
+        previous_config = None
         if rank == 0:
             prepare_out_dir(cfg)
+            if cfg.resume:
+                try:
+                    previous_config = json.loads((out / "config.json").read_text())
+                except (OSError, ValueError):
+                    previous_config = None
             (out / "config.json").write_text(json.dumps(
                 {**cfg.to_dict(), "world_size": world, "data_summary": corpus.summary()}, indent=2) + "\n")
             setup_logging(rank, out)
@@ -884,7 +981,7 @@ def worker_main(cfg: TrainConfig) -> dict:
         pid_dir = out / "pids"
         pid_dir.mkdir(parents=True, exist_ok=True)
         (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
-        summary = train(cfg, corpus, rank, world, device)
+        summary = train(cfg, corpus, rank, world, device, previous_config)
         return {"status": "ok", "summary": summary}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}

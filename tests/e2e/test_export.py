@@ -229,12 +229,22 @@ def test_train_save_interval_resume_and_export(tmp_path):
     import shutil
 
     shutil.rmtree(out / "checkpoints" / "6")  # as if the run had died after step 4's checkpoint
+    (out / "loss.png").unlink()
     second = run_train(*args, "--save-interval", "2", "--resume", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
-    resumed = [r for r in read_metrics(out)[0]][6:]
-    assert [r["step"] for r in resumed] == [5, 6]
-    assert [r["loss"] for r in resumed] == [uninterrupted[5], uninterrupted[6]]
+    assert "re-stretched" not in second.stderr  # same --steps/--warmup/--lr: no schedule warning
+    assert "BasePyTreeCheckpointHandler" not in second.stderr + (out / "train.log").read_text()
+    train_records, val_records = read_metrics(out)
+    # The earlier session's records after the checkpoint (steps 5-6, val 6) are replaced by the resumed run's.
+    assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in train_records[4:]] == [uninterrupted[5], uninterrupted[6]]
+    val_steps = [r["step"] for r in val_records]
+    assert len(val_steps) == len(set(val_steps)) and val_steps[0] == 0, val_steps
     assert checkpoint_steps(out / "checkpoints") == [2, 4, 6]
+    summary = (out / "summary.txt").read_text()
+    assert f"{train_records[0]['loss']:.4f} (step 1) → " in summary
+    assert f"{val_records[0]['val_loss']:.4f} (step 0) → " in summary, summary
+    assert (out / "loss.png").stat().st_size > 0
 
     assert cli(["export", str(out / "checkpoints"), "--format", "safetensors", str(tmp_path / "exported")]) == 0
     from safetensors import safe_open
@@ -244,3 +254,22 @@ def test_train_save_interval_resume_and_export(tmp_path):
     bad = run_train("--data", str(corpus), *SMALL, "--steps", "2", "--nproc", "2", "--out", str(tmp_path / "fresh"),
                     "--resume", cwd=tmp_path)
     assert bad.returncode == 2 and "holds no checkpoint" in bad.stderr
+
+
+def test_resume_warns_when_the_lr_schedule_changes(caplog):
+    """``--resume`` with another ``--steps`` (or ``--warmup``/``--lr``) than the checkpointed run re-stretches
+    the cosine schedule: a warning says so, with the LR jump; the same settings warn nothing."""
+    import logging
+
+    from torch_backend.train import TrainConfig, lr_at, warn_schedule_change
+
+    cfg = TrainConfig(steps=300, warmup=10, lr=3e-3)
+    with caplog.at_level(logging.WARNING, logger="chunkzero.train"):
+        warn_schedule_change({"steps": 300, "warmup": 10, "lr": 3e-3}, "checkpoint 200", cfg, 200)
+        assert not caplog.records
+        warn_schedule_change({"steps": 200, "warmup": 10, "lr": 3e-3}, "checkpoint 200", cfg, 200)
+    (record,) = caplog.records
+    text = record.getMessage()
+    assert "--steps 300 (was 200)" in text and "re-stretched" in text and "checkpoint 200" in text
+    assert f"{lr_at(199, TrainConfig(steps=200, warmup=10, lr=3e-3)):.3g} at step 200" in text
+    assert f"{lr_at(200, cfg):.3g} at step 201" in text
