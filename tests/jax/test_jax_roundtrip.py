@@ -142,25 +142,9 @@ def test_jax_step_saved_at_3_devices_restores_at_8(torch_run, tmp_path):
     assert orbax_io.read_meta(root).optimizer.step == torch_run.step + 1
 
 
-def _torch_load_checkpoint():
-    """torch_backend.load_checkpoint (DESIGN.md §4), or its module's, or None while neither exists."""
-    try:
-        from torch_backend import load_checkpoint
-    except ImportError:
-        try:
-            from torch_backend.checkpoint import load_checkpoint
-        except ImportError:
-            return None
-    return load_checkpoint
-
-
-@pytest.mark.skipif(_torch_load_checkpoint() is None,
-                    reason="torch_backend.load_checkpoint is not importable yet (issue 5): the torch half of the round trip")
 def test_torch_resumes_from_the_jax_step(torch_run, tmp_path):
-    from torch_backend import ZeroDDP, ZeroOptimizer
+    from torch_backend import ZeroDDP, ZeroOptimizer, load_checkpoint
     from torch_backend.gpt import GPT
-
-    load_checkpoint = _torch_load_checkpoint()
 
     root = tmp_path / "ckpt"
     shutil.copytree(torch_run.root, root)
