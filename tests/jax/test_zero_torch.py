@@ -11,7 +11,6 @@ carries AdamW state (``exp_avg``, ``exp_avg_sq``, step 2); JAX restores it with
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from zero_utils import BATCH, SEQ, normwise_rel_err
 
 import torch
