@@ -571,11 +571,3 @@ def format_waste_table(rows: Sequence[dict]) -> str:
             f"{r['padding_numel']:,} | {r['wasted_numel']:,} | {r['overhead_pct']:.3f}% |"
         )
     return "\n".join(lines)
-
-
-def main() -> None:  # pragma: no cover - a report, run with ``python -m chunkzero.search``
-    print(format_waste_table(waste_table()))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
