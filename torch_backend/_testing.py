@@ -2,8 +2,9 @@
 
 ``run_distributed(fn, world_size, *args)`` spawns one process per rank, initializes
 ``torch.distributed`` with gloo through a file store (no port to pick, no race), calls
-``fn(rank, world_size, *args)`` and returns every rank's return value (which must be picklable),
-in rank order. A failing rank's traceback is re-raised in the caller; a run that takes longer than
+``fn(rank, world_size, *args)`` and returns every rank's return value in rank order. Return values
+travel through ``torch.save`` / ``torch.load(weights_only=True)`` (never unpickled): they may nest
+dicts, lists and tuples of tensors, numpy arrays, numbers, strings and ``None``. A failing rank's traceback is re-raised in the caller; a run that takes longer than
 ``timeout`` seconds is killed and raises :class:`TimeoutError`, so a hung collective never hangs
 the test suite.
 """
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 import torch.multiprocessing as mp
 
@@ -44,8 +46,38 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    torch.save(_encode(result), os.path.join(out_dir, f"{rank}.pt"))
+
+
+def _encode(obj: Any) -> Any:
+    """``obj`` in the types ``torch.load(weights_only=True)`` accepts (numpy arrays become tensors)."""
+    import torch
+
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": torch.from_numpy(np.array(obj, copy=True))}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _encode(v) for k, v in obj.items()}
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return obj
+    raise TypeError(f"run_distributed: a rank returned a {type(obj).__name__}, which cannot travel without pickle")
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if obj.keys() == {"__ndarray__"}:
+            return obj["__ndarray__"].numpy()
+        if obj.keys() == {"__tuple__"}:
+            return tuple(_decode(v) for v in obj["__tuple__"])
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, env: dict | None = None,
@@ -53,7 +85,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank.
 
     Args:
-        fn: a module-level (picklable) function.
+        fn: a module-level function (spawn imports it by name).
         timeout: seconds for the whole run; the processes are killed past it.
         env: extra environment variables for the children (``HF_HUB_OFFLINE=1`` is always set).
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank ``r`` uses GPU ``r % device_count``).
@@ -81,8 +113,6 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 for p in ctx.processes:
                     p.join(5)
                 raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)} (world size {world_size}) exceeded {timeout}s")
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(tmp, f"{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+        import torch
+
+        return [_decode(torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=True)) for rank in range(world_size)]
