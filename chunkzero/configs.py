@@ -66,8 +66,6 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "gpt2": ModelConfig("hf-gpt2", 50257, 1024, 12, 12, 768, 4 * 768),
     "gpt2-medium": ModelConfig("hf-gpt2", 50257, 1024, 24, 16, 1024, 4 * 1024),
     "llama-1b": ModelConfig("llama", 32000, 0, 16, 32, 2048, 5632, n_kv_head=32, tie_embeddings=False),
-    "gpt-tiny": ModelConfig("nanogpt", 256, 128, 2, 2, 64, 4 * 64),
-    "gpt-small": ModelConfig("nanogpt", 256, 256, 6, 6, 384, 4 * 384),
 }
 """Every named size-only model config (the one registry of names)."""
 
@@ -78,10 +76,7 @@ def model_config(name: str) -> ModelConfig:
     Raises:
         ConfigError: naming the unknown model and listing the known ones.
     """
-    try:
-        return MODEL_CONFIGS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}") from None
+    return _lookup(MODEL_CONFIGS, name, "model config")
 
 
 def model_specs(name: str | ModelConfig, dtype: str = "float32") -> list[TensorSpec]:
@@ -224,10 +219,7 @@ def gpt_config(name: str) -> GPTConfig:
     Raises:
         ConfigError: naming the unknown model and listing the known ones.
     """
-    try:
-        return GPT_CONFIGS[name]
-    except KeyError:
-        raise ConfigError(f"unknown model {name!r}; known: {', '.join(GPT_CONFIGS)}") from None
+    return _lookup(GPT_CONFIGS, name, "model")
 
 
 def as_gpt_config(config: Any) -> GPTConfig:
@@ -245,3 +237,17 @@ def as_gpt_config(config: Any) -> GPTConfig:
     if hasattr(config, "to_dict"):
         return GPTConfig.from_dict(config.to_dict())
     raise ConfigError(f"expected a GPTConfig, a dict or a model name, got {type(config).__name__}")
+
+
+def _lookup(registry: Mapping[str, Any], name: str, what: str) -> Any:
+    try:
+        return registry[name]
+    except KeyError:
+        raise ConfigError(f"unknown {what} {name!r}; known: {', '.join(registry)}") from None
+
+
+# The byte-level GPTs' shapes, size-only (nn.Linear weights, tied head), from the one GPT_CONFIGS table.
+MODEL_CONFIGS.update({
+    name: ModelConfig("nanogpt", c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd, 4 * c.n_embd)
+    for name, c in GPT_CONFIGS.items() if name in ("gpt-tiny", "gpt-small")
+})
