@@ -8,7 +8,7 @@ per-rank batch, and reports, per engine and precision:
 - peak RSS per rank, MiB (``ru_maxrss`` of the rank's process: the whole process, torch included);
 - model-state bytes per rank, MiB — parameters, gradients, fp32 master and optimizer states this rank
   holds right after ``step()`` (before ``zero_grad``). DDP: full parameters, gradients and states;
-  FSDP2: the local shards of its DTensors; ZeroDDP: ``memory_report().model_state_bytes()``.
+  FSDP2: the local shards of its DTensors; ZeroDDP: ``optim.memory_report().model_state_bytes()``.
 
 Precisions: ``fp32``; ``bf16`` = ZeroDDP(mixed_precision="bf16"), DDP under ``torch.autocast``
 (bf16) with fp32 parameters, FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16)`` (fp32 shards,
@@ -130,7 +130,7 @@ def worker(rank: int, world: int, engine: str, precision: str, cfg: dict) -> dic
             times.append(dt)
         if i == cfg["warmup"]:
             if engine == "zero":
-                state_bytes = model.memory_report().model_state_bytes()
+                state_bytes = optim.memory_report().model_state_bytes()
             else:
                 state_bytes = _torch_model_state_bytes(list(model.parameters()), optim)
         optim.zero_grad()

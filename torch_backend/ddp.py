@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -364,8 +363,6 @@ class ZeroDDP(nn.Module):
         self._fwd_used: dict[int, set[str]] = {}
         self._bwd_grads: set[str] = set()
         self._finalize_queued = False
-        self._grad_scale = 1.0  # the loss scale of the gradients now accumulated (set by ZeroOptimizer)
-        self._optimizer_ref = None
 
     # ================================================================== construction helpers
     @staticmethod
@@ -568,7 +565,6 @@ class ZeroDDP(nn.Module):
         """Drop all accumulated gradients (buffers and fp32 gradient shards)."""
         for c in self.chunks:
             c.zero_grad()
-        self._grad_scale = 1.0
 
     # ================================================================== shard-level API
     def master_shard(self, chunk: int) -> torch.Tensor:
@@ -683,9 +679,15 @@ class ZeroDDP(nn.Module):
         return _IncompatibleKeys(missing, unexpected)
 
     # ================================================================== memory
-    def memory_report(self) -> MemoryReport:
+    def memory_report(self, optimizer=None) -> MemoryReport:
         """Bytes this rank holds now, per device and kind (see :class:`MemoryReport`), with the
-        offload decisions. Optimizer states are counted once a ZeroOptimizer wraps this model."""
+        offload decisions.
+
+        Args:
+            optimizer: the :class:`~torch_backend.ZeroOptimizer` over this model, whose state shards
+                are counted as ``optimizer_states`` (``None``: counted as 0). ``optim.memory_report()``
+                passes itself.
+        """
         report: dict[str, dict[str, int]] = {}
 
         def add(device, kind, n):
@@ -696,9 +698,8 @@ class ZeroDDP(nn.Module):
         for c in self.chunks:
             for device, kind, n in c.bytes_by_kind():
                 add(device, kind, n)
-        optim = self._optimizer_ref() if self._optimizer_ref is not None else None
-        if optim is not None:
-            for device, n in optim._state_bytes():
+        if optimizer is not None:
+            for device, n in optimizer.state_bytes():
                 add(device, "optimizer_states", n)
         return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks)
 
@@ -706,9 +707,6 @@ class ZeroDDP(nn.Module):
         """Indices of sharded chunks gathered right now (resident chunks — keep-gathered, or every
         chunk when the world size is 1 — are not listed)."""
         return [c.index for c in self.chunks if c.is_gathered and not c.resident]
-
-    def _attach_optimizer(self, optim) -> None:
-        self._optimizer_ref = weakref.ref(optim)
 
     def extra_repr(self) -> str:
         return (

@@ -133,7 +133,8 @@ class ZeroOptimizer:
         self.last_grad_norm: float | None = None
         """Global unscaled gradient L2 norm before clipping, from the last ``step()`` (``inf``/``nan`` on overflow)."""
         self._names = [t.name for c in self._chunks for t in c.placements]
-        model._attach_optimizer(self)
+        self._grad_scale = 1.0
+        """The loss scale the gradients now accumulated were computed with (set by :meth:`backward`)."""
 
     # ------------------------------------------------------------------ training
     @property
@@ -148,12 +149,13 @@ class ZeroOptimizer:
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss * loss_scale).backward()``; records the scale so ``step`` unscales by it."""
         scale = self.scaler.scale if self.fp16 else 1.0
-        self.model._grad_scale = scale
+        self._grad_scale = scale
         (loss * scale if scale != 1.0 else loss).backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002
         """Drop all gradients (the model's buffers and the fp32 gradient shards)."""
         self.model.zero_grad()
+        self._grad_scale = 1.0
 
     def _global_sq_norm(self) -> float:
         device = self.model.device
@@ -175,11 +177,11 @@ class ZeroOptimizer:
             ``True`` if the update was applied, ``False`` if it was skipped (overflow).
         """
         sq = self._global_sq_norm()
-        scale = float(self.model._grad_scale)
+        scale = float(self._grad_scale)
         if not math.isfinite(sq):
             self.last_grad_norm = sq
             self.skipped_steps += 1
-            self.model.zero_grad()
+            self.zero_grad()
             self.scaler.update(True)
             return False
         norm = math.sqrt(sq) / scale
@@ -254,13 +256,18 @@ class ZeroOptimizer:
         """The inner param group's hyper-parameters (``lr``, ``betas`` …), without ``params``."""
         return {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
 
-    def _state_bytes(self) -> list[tuple[torch.device, int]]:
+    def state_bytes(self) -> list[tuple[torch.device, int]]:
+        """``(device, bytes)`` of each optimizer state tensor this rank holds (exp_avg, exp_avg_sq …)."""
         out = []
         for st in self.optimizer.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
                     out.append((v.device, v.numel() * v.element_size()))
         return out
+
+    def memory_report(self):
+        """The model's :meth:`ZeroDDP.memory_report` with this optimizer's state shards counted."""
+        return self.model.memory_report(self)
 
     # ------------------------------------------------------------------ full state dict
     def state_dict(self) -> dict[str, Any]:

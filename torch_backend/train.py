@@ -469,7 +469,7 @@ class Engine:
         return 1.0 if s is None else float(s)
 
     def memory_report(self) -> Any:
-        report = getattr(self.model, "memory_report", None)
+        report = getattr(self.optim, "memory_report", None)
         if report is None:
             return None
         r = report()

@@ -123,7 +123,7 @@ def test_bf16_single_process_and_memory_report():
         loss = zero_cases.gpt2_loss(model, batch)
     optim.backward(loss)
     assert optim.step()
-    report = model.memory_report()
+    report = optim.memory_report()
     kinds = report.bytes["cpu"]
     assert kinds["optimizer_states"] > 0 and kinds["fp32_master"] > 0 and kinds["gradients"] > 0
     assert len(report.offload_optim_chunks) == -(-len(model.chunks) * 3 // 10)
