@@ -38,7 +38,8 @@ from .gpt import (
 from .layout import flatten, flatten_optimizer, nest, shard_chunks, unflatten, unflatten_optimizer
 from .mesh import DEFAULT_AXIS, chunk_sharding, make_mesh, mesh_world_size
 from .optim import adam_state_from_chunks, adam_state_to_chunks, adamw_from_meta, adamw_step
-from .zero import TrainState, ZeroTrainer
+from .schedule import TrainState
+from .zero import ZeroTrainer
 from .baselines import DDPTrainer, FSDPTrainer
 from .analysis import compare_layouts, count_collectives
 
