@@ -1,5 +1,5 @@
 """JAX/Flax backend: the chunk layout as sharded ``jax.Array`` s, chunkzero checkpoints through
-Orbax on any device count, and a Flax NNX GPT identical to the torch one.
+Orbax on any device count, a Flax NNX GPT identical to the torch one, and the ZeRO-3 step in JAX.
 
 ```python
 from jax_backend import make_mesh, restore_chunks, unflatten
@@ -7,6 +7,13 @@ mesh = make_mesh(4)                                    # 1-D mesh, axis "dp", Ax
 chunks, layout = restore_chunks("runs/ckpt/100", mesh) # 1-D chunk arrays, NamedSharding P('dp')
 params = unflatten(chunks, layout)                     # nested dict of full-shaped arrays
 ```
+
+Modules: ``mesh`` (the data-parallel mesh), ``layout`` (chunk arrays <-> tensors), ``optim`` (torch
+AdamW state as optax state), ``checkpoint`` (save / restore), ``gpt`` (the Flax model), ``convert``
+(torch names, chunks, checkpoints and Hugging Face GPT-2 -> the Flax model), ``blocks`` (models as
+stages), ``schedule`` (the sharded step over gather units), ``zero`` (chunk ZeRO-3 on it),
+``baselines`` (per-parameter FSDP and DDP on it), ``analysis`` (the three measured against the cost
+model).
 """
 
 from .checkpoint import (
@@ -17,28 +24,25 @@ from .checkpoint import (
     restore_optimizer_chunks,
     save_checkpoint,
 )
-from .gpt import (
-    GPT,
-    GPT_CONFIGS,
-    GPTConfig,
+from .convert import (
     check_layout,
     flax_to_torch,
-    gpt_config,
     gpt_from_chunks,
     gpt_from_torch,
+    hf_gpt2_config,
     hf_gpt2_to_flax,
     hf_gpt2_to_torch,
-    init_gpt,
     load_hf_gpt2,
-    logits,
     param_specs,
     restore_gpt,
     torch_to_flax,
 )
+from .gpt import GPT, GPT_CONFIGS, GPTConfig, gpt_config, init_gpt, logits
 from .layout import flatten, flatten_optimizer, nest, shard_chunks, unflatten, unflatten_optimizer
 from .mesh import DEFAULT_AXIS, chunk_sharding, make_mesh, mesh_world_size
 from .optim import adam_state_from_chunks, adam_state_to_chunks, adamw_from_meta, adamw_step
-from .zero import TrainState, ZeroTrainer
+from .schedule import TrainState
+from .zero import ZeroTrainer
 from .baselines import DDPTrainer, FSDPTrainer
 from .analysis import compare_layouts, count_collectives
 
@@ -67,6 +71,7 @@ __all__ = [
     "gpt_config",
     "gpt_from_chunks",
     "gpt_from_torch",
+    "hf_gpt2_config",
     "hf_gpt2_to_flax",
     "init_gpt",
     "logits",

@@ -1,6 +1,6 @@
 """Baselines for the chunk layout, on the same model, devices and schedule: per-parameter FSDP and DDP.
 
-Both run :func:`jax_backend.zero.run_schedule` (same stages, same remat, same optimizer), so a
+Both run :func:`jax_backend.schedule.run_schedule` (same stages, same remat, same optimizer), so a
 comparison with :class:`jax_backend.zero.ZeroTrainer` differs only in what is gathered and reduced:
 
 - **FSDP, per parameter** (MaxText style, Xu et al. 2021 GSPMD / PyTorch FSDP2 without grouping):
@@ -33,7 +33,7 @@ from chunkzero.layout import TensorSpec
 
 from .blocks import Program
 from .mesh import DEFAULT_AXIS, mesh_world_size
-from .zero import COMPUTE_DTYPES, GatherUnit, ShardedTrainer
+from .schedule import COMPUTE_DTYPES, GatherUnit, ShardedTrainer
 
 
 def fsdp_shard_dim(shape: Sequence[int], world_size: int) -> int | None:
@@ -119,7 +119,7 @@ class BucketUnit(GatherUnit):
 
 class FSDPTrainer(ShardedTrainer):
     """Per-parameter FSDP on ``mesh`` (see the module docstring); arguments as
-    :class:`jax_backend.zero.ShardedTrainer`."""
+    :class:`jax_backend.schedule.ShardedTrainer`."""
 
     name = "fsdp"
 
@@ -138,7 +138,7 @@ class DDPTrainer(ShardedTrainer):
 
     Args:
         bucket_cap_bytes, first_bucket_bytes: torch DDP's bucket caps (gradient bytes in the compute dtype).
-        Others as :class:`jax_backend.zero.ShardedTrainer`.
+        Others as :class:`jax_backend.schedule.ShardedTrainer`.
     """
 
     name = "ddp"

@@ -2,7 +2,7 @@
 
 A ZeRO-3 schedule needs to know *which* parameters a piece of computation uses and *when*, so it can
 gather a chunk right before the first block that reads it and release it after the last one
-(:mod:`jax_backend.zero`). A :class:`Program` gives exactly that: an ordered list of
+(:mod:`jax_backend.schedule`). A :class:`Program` gives exactly that: an ordered list of
 :class:`Stage` s, each naming the torch-named tensors it reads and a function
 ``fn(tensors, h, batch) -> h'`` — the first stage gets ``h=None`` and embeds ``batch["idx"]``, the last
 returns the **sum** of token cross-entropies of its (local) batch as an f32 scalar. Composing the
@@ -19,7 +19,7 @@ Programs:
   RMSNorm, rotary position embeddings (``rotate_half`` convention), SwiGLU MLP, untied head. Used for
   the sharding-layout comparison; it has no torch twin in this repository.
 - :func:`model_program` — either, by a :mod:`chunkzero.configs` name (``"gpt2"``, ``"gpt2-medium"``,
-  ``"llama-1b"``, ``"gpt-tiny"``, ``"gpt-small"``) or a :class:`jax_backend.gpt.GPTConfig`.
+  ``"llama-1b"``, ``"gpt-tiny"``, ``"gpt-small"``) or a :class:`chunkzero.configs.GPTConfig`.
 
 Note on names: in :mod:`chunkzero.configs`, ``"gpt2"``/``"gpt2-medium"`` are Hugging Face GPT-2
 (vocab 50257, ``Conv1D`` ``(in, out)`` weights). :func:`model_program` runs them as this repository's
@@ -43,11 +43,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from chunkzero.configs import ModelConfig, model_config
+from chunkzero.configs import ModelConfig, as_gpt_config, model_config, model_specs
 from chunkzero.errors import ConfigError
 from chunkzero.layout import TensorSpec
 
-from .gpt import Block, GPTConfig, as_config, param_rules, param_specs
+from .convert import flax_to_torch, gpt_from_torch, param_rules, param_specs
+from .gpt import Block, GPTConfig, init_gpt
 
 Batch = Mapping[str, jax.Array]
 StageFn = Callable[[Mapping[str, jax.Array], Any, Batch], Any]
@@ -142,13 +143,13 @@ def gpt_program(config: Any, name: str | None = None) -> Program:
     (one per transformer block), ``head`` (``ln_f`` and the tied ``wte``).
 
     Args:
-        config: a :class:`jax_backend.gpt.GPTConfig` (or anything :func:`jax_backend.gpt.as_config`
+        config: a :class:`chunkzero.configs.GPTConfig` (or anything :func:`chunkzero.configs.as_gpt_config`
             takes); ``dropout`` must be 0.
 
     Raises:
         ConfigError: dropout > 0 (stages are deterministic).
     """
-    cfg = as_config(config)
+    cfg = as_gpt_config(config)
     if cfg.dropout > 0:
         raise ConfigError(f"the staged GPT needs dropout=0, got {cfg.dropout}")
     rules = {r.torch_name: r for r in param_rules(cfg)}
@@ -187,8 +188,6 @@ def gpt_program(config: Any, name: str | None = None) -> Program:
     stages.append(Stage("head", tuple(n for n in names if n.startswith("transformer.ln_f.")) + ("transformer.wte.weight",), head))
 
     def init(seed: int = 0) -> dict[str, jax.Array]:
-        from .gpt import flax_to_torch, init_gpt
-
         return dict(flax_to_torch(init_gpt(cfg, seed)))
 
     return Program(name or "gpt", specs, tuple(stages), init, cfg.vocab_size, cfg.block_size, cfg)
@@ -197,9 +196,7 @@ def gpt_program(config: Any, name: str | None = None) -> Program:
 def gpt_reference_loss(config: Any) -> Callable[[Mapping[str, jax.Array], Batch], jax.Array]:
     """``loss(params, batch)``: mean cross-entropy of :class:`jax_backend.gpt.GPT` itself (``GPT.__call__``
     with torch-named parameters), the unsharded reference the staged program is checked against."""
-    from .gpt import gpt_from_torch
-
-    cfg = as_config(config)
+    cfg = as_gpt_config(config)
 
     def loss(params, batch):
         model = gpt_from_torch(params, cfg)
@@ -238,8 +235,6 @@ def llama_program(config: ModelConfig | str, name: str | None = None, *, rms_nor
     Raises:
         ConfigError: a config that is not of the ``"llama"`` family, or a tied head.
     """
-    from chunkzero.configs import model_specs
-
     cfg = model_config(config) if isinstance(config, str) else config
     if cfg.family != "llama" or cfg.tie_embeddings:
         raise ConfigError(f"llama_program needs an untied 'llama' family config, got {cfg.family!r}")

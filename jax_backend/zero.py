@@ -1,109 +1,45 @@
-"""ZeRO-3 training step on the chunk layout, in JAX: explicit gathers, per-chunk reduce-scatters.
+"""ZeRO-3 training step on the chunk layout, in JAX: one all-gather and one reduce-scatter per chunk.
 
 The method is ZeRO stage 3 (Rajbhandari et al. 2020) with chunk-based storage (ColossalAI Gemini /
 PatrickStar, Fang et al. 2021), the design of :class:`torch_backend.ZeroDDP`: each device holds its
 shard ``[r·size/W, (r+1)·size/W)`` of every chunk of a :class:`chunkzero.ChunkLayout` (keep-gathered
 chunks whole), as the 1-D arrays of :mod:`jax_backend.layout` sharded ``P('dp')``.
 
-One training step is one ``jax.jit`` of one ``jax.shard_map`` over the data axis. Inside, per device
-(:func:`run_schedule`):
+:class:`ZeroTrainer` is the schedule of :mod:`jax_backend.schedule` with one :class:`ChunkUnit` per
+chunk: a chunk is gathered with ``all_gather(tiled=True)`` before the first stage that reads one of
+its tensors (keep-gathered chunks are already whole) and its tensors sliced out at their offsets; in
+backward their gradients are written into one zero-padded full-size chunk buffer, reduced after the
+last stage that reads the chunk with ``psum_scatter(tiled=True)`` (the transpose of the tiled
+all-gather) to the device's gradient shard, or ``psum`` for a keep-gathered chunk. AdamW then
+updates the fp32 master shards locally.
 
-- **forward**, stage by stage (:mod:`jax_backend.blocks`): before the first stage that reads a
-  tensor of chunk ``c``, ``c``'s shard is **gathered** (``all_gather(tiled=True)``; keep-gathered
-  chunks are already whole); after the last stage that reads it, the gathered chunk is **released**
-  (nothing refers to it any more). Only stage-boundary activations are kept.
-- **backward**, stages in reverse: each stage is recomputed and differentiated with ``jax.vjp``
-  (rematerialization per stage), gathering ``c`` again before the first stage (in backward order)
-  that reads it — so a gathered chunk is never kept alive from forward to backward. Gradients of
-  ``c``'s tensors accumulate in one full-size chunk buffer, which is **reduced** after the last stage
-  that reads ``c``: ``psum_scatter(tiled=True)`` (the transpose of the tiled all-gather) to the
-  device's gradient shard, or ``psum`` for a keep-gathered chunk.
-- ``optax`` (AdamW) updates the fp32 **master shards** locally (elementwise, so sharded = unsharded);
-  with ``mixed_precision="bf16"`` the bf16 parameter shards used for the gathers are refreshed from
-  them.
-
-Each gather is made data-dependent on the activation (forward) or cotangent (backward) it waits for
-(:func:`_after`), so XLA neither hoists gathers to the start of the program nor merges a backward
-gather with the forward one — the ``prevent_cse`` of ``jax.checkpoint``, done in a way XLA:CPU keeps.
 Per step and per sharded chunk: one all-gather in forward, one in backward, one reduce-scatter
 (trainable chunks) — the counts of :func:`chunkzero.chunk_zero3_cost` (XLA drops a backward gather
-whose values the backward does not need, e.g. a chunk of output biases only). A chunk read by
-non-adjacent stages (the tied token embedding, read by the embedding and by the output head) stays
-gathered in between, and its gradient buffer stays allocated between its two uses in backward.
-
-The same schedule runs the per-parameter FSDP and DDP baselines (:mod:`jax_backend.baselines`): only
-the gather units differ (:class:`GatherUnit`).
-
-Shapes: batches are ``{"idx": int32[B, T], "targets": int32[B, T]}`` with ``B`` divisible by ``W``
-(sharded ``P('dp')`` on ``B``); the step returns the new state and ``f32[W]`` whose sum is the mean
-token cross-entropy of the global batch.
+whose values the backward does not need, e.g. a chunk of output biases only). The per-parameter FSDP
+and DDP baselines (:mod:`jax_backend.baselines`) run the same schedule with other units.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from chunkzero.checkpoint import chunk_key
 from chunkzero.errors import ConfigError, LayoutError
 from chunkzero.layout import ChunkLayout
 
-from .blocks import Batch, Program
+from .blocks import Program
+from .layout import check_chunks
 from .mesh import DEFAULT_AXIS, mesh_world_size
-
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
-"""``mixed_precision`` -> dtype of parameters, activations and gradients (the master stays fp32)."""
-
-
-# ================================================================================================ units
-class GatherUnit:
-    """What is gathered together and reduced together: a chunk (ZeRO-3), a parameter (FSDP), a
-    gradient bucket (DDP).
-
-    A unit owns ``tensors`` (torch names). Outside the step it is one global pytree (``abstract``:
-    ``ShapeDtypeStruct`` leaves, ``spec``: their ``PartitionSpec`` over the data axis); inside
-    ``shard_map`` each device sees its local part, turns it into full tensors with :meth:`gather`
-    and turns full-tensor gradients into its local gradient with :meth:`reduce`.
-
-    Attributes:
-        key: the unit's key in the state (``"chunk_0003"``, a tensor name, ``"bucket_000"``).
-        tensors: names of the tensors it holds.
-        trainable: whether it gets gradients and optimizer state.
-        sharded: its local part differs per device (else every device holds it whole).
-    """
-
-    key: str
-    tensors: tuple[str, ...]
-    trainable: bool = True
-    sharded: bool = True
-
-    def spec(self, axis: str) -> Any:
-        """``PartitionSpec`` pytree of the unit's global value over the data axis ``axis``."""
-        raise NotImplementedError
-
-    def abstract(self, dtype) -> Any:
-        raise NotImplementedError
-
-    def pack(self, full: Mapping[str, Any], dtype) -> Any:
-        """The unit's global value (numpy) from full-shaped tensors."""
-        raise NotImplementedError
-
-    def unpack(self, value: Any) -> dict[str, np.ndarray]:
-        """Full-shaped tensors (numpy) from the unit's global value."""
-        raise NotImplementedError
-
-    def gather(self, local: Any, axis: str) -> dict[str, jax.Array]:
-        raise NotImplementedError
-
-    def reduce(self, grads: Mapping[str, jax.Array], axis: str) -> Any:
-        raise NotImplementedError
+from .optim import adam_state_from_chunks, adam_state_to_chunks
+from .schedule import GatherUnit, ShardedTrainer, TrainState
 
 
 class ChunkUnit(GatherUnit):
@@ -152,328 +88,6 @@ class ChunkUnit(GatherUnit):
         return jax.lax.psum_scatter(full, axis, scatter_dimension=0, tiled=True)
 
 
-# ================================================================================================ schedule
-def _unit_uses(program: Program, unit_of: Mapping[str, str]) -> list[list[str]]:
-    uses = []
-    for s in program.stages:
-        keys: list[str] = []
-        for n in s.tensors:
-            k = unit_of[n]
-            if k not in keys:
-                keys.append(k)
-        uses.append(keys)
-    return uses
-
-
-def _after(x: Any, dep: jax.Array) -> Any:
-    """``x`` unchanged in value but computed from ``dep``: ``x + 0·dep[0]`` (every leaf).
-
-    The data dependency orders a gather after the activation (forward) or cotangent (backward) it
-    waits for, and makes a backward gather a different computation from the forward one, so XLA can
-    neither hoist it nor merge it with the forward gather (common-subexpression elimination), which
-    would keep the gathered chunk alive from forward to backward. ``jax.lax.optimization_barrier``
-    is not enough on every backend: XLA:CPU expands barriers before CSE. XLA does not fold ``0·y`` for
-    floating ``y`` (NaN semantics), so the dependency survives; it costs one add per element of
-    ``x`` (a shard, or a stage input).
-    """
-    zero = (jnp.ravel(dep)[0] * 0).astype(jnp.float32)
-    return jax.tree.map(lambda a: a + zero.astype(a.dtype), x)
-
-
-def run_schedule(program: Program, units: Mapping[str, GatherUnit], unit_of: Mapping[str, str],
-                 local: Mapping[str, Any], batch: Batch, seed: jax.Array, axis: str
-                 ) -> tuple[jax.Array, dict[str, Any]]:
-    """Forward and backward of ``program`` on one device inside ``shard_map`` (see the module docstring).
-
-    Args:
-        units: gather units by key; ``unit_of``: tensor name -> unit key.
-        local: each unit's local value (parameter dtype = compute dtype).
-        batch: the device's micro-batch.
-        seed: cotangent of the last stage's output (``1 / global tokens`` for a mean loss).
-
-    Returns:
-        ``(loss_sum, grads)``: the local loss sum and each trainable unit's reduced local gradient.
-    """
-    stages = program.stages
-    uses = _unit_uses(program, unit_of)
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for i, keys in enumerate(uses):
-        for k in keys:
-            first.setdefault(k, i)
-            last[k] = i
-
-    def tensors_of(i: int, gathered: Mapping[str, dict]) -> dict[str, jax.Array]:
-        return {n: gathered[unit_of[n]][n] for n in stages[i].tensors}
-
-    # ---- forward: gather at first use, release after last use, keep stage inputs only
-    gathered: dict[str, dict] = {}
-    inputs: list[Any] = []
-    h = None
-    for i, s in enumerate(stages):
-        need = [k for k in uses[i] if k not in gathered]
-        for k in need:
-            gathered[k] = units[k].gather(local[k] if h is None or not units[k].sharded else _after(local[k], h), axis)
-        inputs.append(h)
-        h = s.fn(tensors_of(i, gathered), h, batch)
-        for k in uses[i]:
-            if last[k] == i:
-                del gathered[k]
-    loss_sum = h
-
-    # ---- backward: recompute each stage under jax.vjp, gather at first (backward) use, reduce after last
-    g = seed.astype(loss_sum.dtype) + loss_sum * 0  # data-dependent: orders the head's backward gathers after the loss
-    acc: dict[str, dict[str, jax.Array]] = {}
-    out: dict[str, Any] = {}
-    for i in reversed(range(len(stages))):
-        s = stages[i]
-        need = [k for k in uses[i] if k not in gathered]
-        h_in = None if inputs[i] is None else _after(inputs[i], g)
-        for k in need:
-            gathered[k] = units[k].gather(_after(local[k], g) if units[k].sharded else local[k], axis)
-        t = tensors_of(i, gathered)
-        train = {n: v for n, v in t.items() if units[unit_of[n]].trainable}
-        frozen = {n: v for n, v in t.items() if n not in train}
-        if h_in is None:
-            _, vjp = jax.vjp(lambda tt: s.fn({**tt, **frozen}, None, batch), train)
-            (gt,) = vjp(g)
-            g = None
-        else:
-            _, vjp = jax.vjp(lambda tt, hh: s.fn({**tt, **frozen}, hh, batch), train, h_in)
-            gt, g = vjp(g)
-        for n, gn in gt.items():
-            d = acc.setdefault(unit_of[n], {})
-            d[n] = d[n] + gn if n in d else gn
-        for k in uses[i]:
-            if first[k] == i:
-                del gathered[k]
-                if units[k].trainable:
-                    out[k] = units[k].reduce(acc.pop(k), axis)
-    return loss_sum, out
-
-
-# ================================================================================================ trainer
-class TrainState(NamedTuple):
-    """The sharded training state.
-
-    Attributes:
-        master: ``{unit_key: value}`` fp32 master values of every unit (frozen units in float32 too).
-        params: ``{unit_key: value}`` in the compute dtype for ``mixed_precision="bf16"``; ``None`` in
-            fp32 (the master is the parameter).
-        opt_state: the optax state over the trainable units' master values.
-    """
-
-    master: dict[str, Any]
-    params: dict[str, Any] | None
-    opt_state: Any
-
-
-def _check_names(program: Program, unit_of: Mapping[str, str], what: str) -> None:
-    used = set()
-    for s in program.stages:
-        for n in s.tensors:
-            if n not in unit_of:
-                raise LayoutError(f"stage {s.name!r} reads {n!r}, which the {what} does not hold")
-            used.add(n)
-    unused = [n for n in unit_of if n not in used]
-    if unused:
-        raise LayoutError(f"tensor {unused[0]!r} of the {what} is read by no stage of {program.name!r}")
-
-
-class ShardedTrainer:
-    """A jitted ``shard_map`` training step over ``units`` (the base of ZeRO-3, FSDP and DDP).
-
-    Args:
-        program: the model as stages.
-        units: gather units (every tensor of the program in exactly one).
-        mesh: a mesh with the data axis ``axis``.
-        tx: an optax transformation applied locally to the master values (elementwise ones — AdamW,
-            Adam, SGD — give the unsharded update).
-        mixed_precision: ``"fp32"`` or ``"bf16"`` (bf16 parameters, activations, gradients and
-            collectives; fp32 masters and optimizer state).
-        max_norm: clip the global gradient L2 norm to it (one scalar all-reduce), as
-            :class:`torch_backend.ZeroOptimizer`'s ``max_norm``; ``None`` (default) does not clip.
-        donate: donate the state to the step (its buffers are reused for the new state).
-
-    Raises:
-        ConfigError: an unknown precision or a mesh without ``axis``.
-        LayoutError: a tensor read by a stage is in no unit, or a unit's tensor is read by none.
-    """
-
-    name = "sharded"
-
-    def __init__(self, program: Program, units: Sequence[GatherUnit], mesh: Mesh, tx: optax.GradientTransformation,
-                 *, mixed_precision: str = "fp32", max_norm: float | None = None, axis: str = DEFAULT_AXIS,
-                 donate: bool = True):
-        if mixed_precision not in COMPUTE_DTYPES:
-            raise ConfigError(f"mixed_precision must be one of {sorted(COMPUTE_DTYPES)}, got {mixed_precision!r}")
-        if max_norm is not None and not max_norm > 0:
-            raise ConfigError(f"max_norm must be positive or None, got {max_norm!r}")
-        self.program, self.mesh, self.tx, self.axis = program, mesh, tx, axis
-        self.world_size = mesh_world_size(mesh, axis)
-        self.mixed_precision = mixed_precision
-        self.compute_dtype = COMPUTE_DTYPES[mixed_precision]
-        self.max_norm = max_norm
-        self.units: dict[str, GatherUnit] = {u.key: u for u in units}
-        self.unit_of: dict[str, str] = {n: u.key for u in units for n in u.tensors}
-        _check_names(program, self.unit_of, f"{self.name} units")
-        self.trainable = [k for k, u in self.units.items() if u.trainable]
-        self._step = jax.jit(self._build(), donate_argnums=(0,) if donate else ())
-
-    # ------------------------------------------------------------------ specs and abstract values
-    @property
-    def low_precision(self) -> bool:
-        return self.compute_dtype != jnp.float32
-
-    def _unit_specs(self) -> dict[str, Any]:
-        return {k: u.spec(self.axis) for k, u in self.units.items()}
-
-    def _abstract_master(self) -> dict[str, Any]:
-        return {k: u.abstract(jnp.float32) for k, u in self.units.items()}
-
-    def state_specs(self) -> TrainState:
-        """``PartitionSpec`` pytree of the :class:`TrainState`."""
-        specs = self._unit_specs()
-        master_tr = {k: self._abstract_master()[k] for k in self.trainable}
-        abstract_opt = jax.eval_shape(self.tx.init, master_tr)
-        opt_specs = optax.tree_utils.tree_map_params(
-            self.tx, lambda _, spec: spec, abstract_opt, {k: specs[k] for k in self.trainable},
-            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
-        )
-        return TrainState(specs, specs if self.low_precision else None, opt_specs)
-
-    def state_shardings(self) -> TrainState:
-        """``NamedSharding`` pytree of the :class:`TrainState`."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(), is_leaf=lambda x: isinstance(x, P))
-
-    def abstract_state(self) -> TrainState:
-        """``ShapeDtypeStruct`` (global shapes, with shardings) of the state: lower and compile the step
-        without any array (:meth:`lower`)."""
-        master = self._abstract_master()
-        params = {k: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, self.compute_dtype), v)
-                  for k, v in master.items()} if self.low_precision else None
-        opt = jax.eval_shape(self.tx.init, {k: master[k] for k in self.trainable})
-        shapes = TrainState(master, params, opt)
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings())
-
-    def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-        """``ShapeDtypeStruct`` of a global batch ``int32[batch_size, seq_len]``, sharded on the batch.
-
-        Raises:
-            ConfigError: ``batch_size`` not divisible by the world size.
-        """
-        self._check_batch_size(batch_size)
-        s = NamedSharding(self.mesh, P(self.axis))
-        return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=s) for k in ("idx", "targets")}
-
-    def _check_batch_size(self, batch_size: int) -> None:
-        if batch_size % self.world_size:
-            raise ConfigError(f"batch size {batch_size} is not divisible by the world size {self.world_size}")
-
-    # ------------------------------------------------------------------ state
-    def init(self, params: Mapping[str, Any], opt_state: Any = None) -> TrainState:
-        """The sharded state from full-shaped, torch-named parameters (numpy or jax arrays).
-
-        Args:
-            params: ``{name: array}`` for every tensor of the units (a tied tensor under its primary name).
-            opt_state: optax state to start from (default ``tx.init``).
-
-        Raises:
-            LayoutError: a tensor is missing.
-        """
-        for n in self.unit_of:
-            if n not in params:
-                raise LayoutError(f"params: no tensor {n!r}")
-        full = {n: np.asarray(jax.device_get(v)) for n, v in params.items()}
-        master = {k: u.pack(full, jnp.float32) for k, u in self.units.items()}
-        return self.state_from_master(master, opt_state)
-
-    def state_from_master(self, master: Mapping[str, Any], opt_state: Any = None) -> TrainState:
-        """The state from the units' global fp32 values (e.g. restored chunk arrays), placed on the mesh."""
-        sh = self.state_shardings()
-        master = {k: jax.tree.map(lambda v, s: jax.device_put(jnp.asarray(v, jnp.float32), s), master[k], sh.master[k])
-                  for k in self.units}
-        params = None
-        if self.low_precision:
-            params = jax.jit(lambda m: jax.tree.map(lambda x: x.astype(self.compute_dtype), m),
-                             out_shardings=sh.params)(master)
-        tr = {k: master[k] for k in self.trainable}
-        if opt_state is None:
-            opt_state = jax.jit(self.tx.init, out_shardings=sh.opt_state)(tr)
-        else:
-            opt_state = jax.device_put(opt_state, sh.opt_state)
-        return TrainState(master, params, opt_state)
-
-    def full_params(self, state: TrainState) -> dict[str, np.ndarray]:
-        """Full-shaped fp32 master tensors (numpy), by torch name, in unit order."""
-        out: dict[str, np.ndarray] = {}
-        for k, u in self.units.items():
-            out.update(u.unpack(state.master[k]))
-        return out
-
-    def shard_batch(self, batch: Batch) -> dict[str, jax.Array]:
-        """Place a global batch on the mesh, ``P(axis)`` on the batch dimension (int32).
-
-        Raises:
-            ConfigError: a bad batch, or its size not divisible by the world size.
-        """
-        self.program.check_batch(batch)
-        self._check_batch_size(np.shape(batch["idx"])[0])
-        s = NamedSharding(self.mesh, P(self.axis))
-        return {k: jax.device_put(jnp.asarray(batch[k], jnp.int32), s) for k in ("idx", "targets")}
-
-    # ------------------------------------------------------------------ step
-    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, jax.Array]:
-        """One training step on a global batch: ``(new_state, loss)`` with ``loss`` the mean token
-        cross-entropy before the update (a scalar array). The state is donated (do not reuse it).
-
-        Raises:
-            ConfigError: a bad batch.
-        """
-        new_state, losses = self._step(state, self.shard_batch(batch))
-        return new_state, jnp.sum(losses)
-
-    @property
-    def step_fn(self) -> Callable:
-        """The jitted ``(state, sharded_batch) -> (state, f32[W] loss parts)``."""
-        return self._step
-
-    def lower(self, batch_size: int, seq_len: int) -> jax.stages.Lowered:
-        """The step lowered for abstract inputs (no arrays): ``.compile()`` gives
-        ``memory_analysis()`` and ``as_text()`` without running it."""
-        return self._step.lower(self.abstract_state(), self.abstract_batch(batch_size, seq_len))
-
-    def _build(self) -> Callable:
-        program, units, unit_of, axis = self.program, self.units, self.unit_of, self.axis
-        world, tx, max_norm = self.world_size, self.tx, self.max_norm
-        low, dtype, trainable = self.low_precision, self.compute_dtype, self.trainable
-
-        def local_step(state: TrainState, batch):
-            n_tokens = batch["targets"].size * world
-            compute = state.params if low else state.master
-            loss_sum, grads = run_schedule(program, units, unit_of, compute, batch,
-                                           jnp.asarray(1.0 / n_tokens, jnp.float32), axis)
-            grads = {k: jax.tree.map(lambda g: g.astype(jnp.float32), grads[k]) for k in trainable}
-            if max_norm is not None:
-                sq_sharded = sum((jnp.sum(jnp.square(x)) for k in trainable if units[k].sharded
-                                  for x in jax.tree.leaves(grads[k])), jnp.zeros((), jnp.float32))
-                sq_whole = sum((jnp.sum(jnp.square(x)) for k in trainable if not units[k].sharded
-                                for x in jax.tree.leaves(grads[k])), jnp.zeros((), jnp.float32))
-                norm = jnp.sqrt(jax.lax.psum(sq_sharded, axis) + sq_whole)
-                factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-                grads = jax.tree.map(lambda g: g * factor, grads)
-            master_tr = {k: state.master[k] for k in trainable}
-            updates, opt_state = tx.update(grads, state.opt_state, master_tr)
-            master = {**state.master, **optax.apply_updates(master_tr, updates)}
-            params = jax.tree.map(lambda m: m.astype(dtype), master) if low else None
-            return TrainState(master, params, opt_state), (loss_sum / n_tokens).reshape(1)
-
-        specs = self.state_specs()
-        batch_specs = {"idx": P(axis), "targets": P(axis)}
-        return jax.shard_map(local_step, mesh=self.mesh, in_specs=(specs, batch_specs), out_specs=(specs, P(axis)),
-                             check_vma=False)
-
-
 class ZeroTrainer(ShardedTrainer):
     """ZeRO-3 on a chunk layout: one :class:`ChunkUnit` per chunk (see the module docstring).
 
@@ -487,7 +101,8 @@ class ZeroTrainer(ShardedTrainer):
     ```
 
     Args:
-        program, mesh, tx, mixed_precision, max_norm, axis, donate: as :class:`ShardedTrainer`.
+        program, mesh, tx, mixed_precision, max_norm, axis, donate: as
+            :class:`jax_backend.schedule.ShardedTrainer`.
         layout: the chunk layout of ``program.specs`` (names must match, any chunk size); its world
             size must be the mesh's (``layout.relayout(n)`` otherwise).
 
@@ -532,9 +147,6 @@ class ZeroTrainer(ShardedTrainer):
         Raises:
             LayoutError / ShapeMismatchError: chunks not matching the layout.
         """
-        from .layout import check_chunks
-        from .optim import adam_state_from_chunks
-
         arrays = check_chunks(chunks, self.layout)
         master = {chunk_key(i): v for i, v in arrays.items()}
         opt = None
@@ -546,39 +158,7 @@ class ZeroTrainer(ShardedTrainer):
 
     def opt_state_chunks(self, state: TrainState) -> tuple[dict[str, dict[str, jax.Array]], int]:
         """``({"exp_avg": {...}, "exp_avg_sq": {...}}, step)`` of an adam/adamw state, for a checkpoint."""
-        from .optim import adam_state_to_chunks
-
         return adam_state_to_chunks(state.opt_state)
 
 
-def reference_train(program: Program, params: Mapping[str, Any], batches: Sequence[Batch],
-                    tx: optax.GradientTransformation, *, loss_fn: Callable | None = None,
-                    max_norm: float | None = None, opt_state: Any = None) -> tuple[dict[str, np.ndarray], list[float]]:
-    """Unsharded reference: ``len(batches)`` steps of ``jax.grad`` + ``tx`` on one device with full
-    parameters. ``loss_fn(params, batch)`` defaults to ``program.loss``. Clipping as
-    :class:`ShardedTrainer`. Returns ``(params, losses)`` (numpy)."""
-    loss_fn = loss_fn or program.loss
-    dev = jax.devices()[0]
-    params = {n: jax.device_put(jnp.asarray(v, jnp.float32), dev) for n, v in params.items()}
-    if opt_state is None:
-        opt_state = tx.init(params)
-
-    @jax.jit
-    def step(p, s, b):
-        loss, g = jax.value_and_grad(loss_fn)(p, b)
-        if max_norm is not None:
-            norm = optax.tree.norm(g)
-            g = jax.tree.map(lambda x: x * jnp.minimum(1.0, max_norm / (norm + 1e-6)), g)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    losses = []
-    for b in batches:
-        b = {k: jax.device_put(jnp.asarray(v, jnp.int32), dev) for k, v in b.items()}
-        params, opt_state, loss = step(params, opt_state, b)
-        losses.append(float(loss))
-    return {n: np.asarray(v) for n, v in params.items()}, losses
-
-
-__all__ = ["COMPUTE_DTYPES", "ChunkUnit", "GatherUnit", "ShardedTrainer", "TrainState", "ZeroTrainer",
-           "reference_train", "run_schedule"]
+__all__ = ["ChunkUnit", "ZeroTrainer"]

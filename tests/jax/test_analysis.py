@@ -151,3 +151,18 @@ def test_cli_layout_measure_sets_device_count_and_plots(tmp_path):
     assert zero["meas_allgathers"] == zero["pred_allgathers"] and zero["meas_reduce_scatters"] == zero["pred_reduce_scatters"]
     assert all(abs(row["state_error"]) < STATE_BYTES_RTOL for row in doc["rows"])
     assert plot.stat().st_size > 10_000
+
+
+def test_only_plotting_imports_matplotlib():
+    """Predicting, measuring and tabulating leave matplotlib unloaded; the first plot loads it."""
+    code = ("import sys\n"
+            "from jax_backend.analysis import compare_layouts\n"
+            "cmp = compare_layouts('gpt-tiny', 2, measure=True, seq_len=16)\n"
+            "assert '| chunk-zero3 |' in cmp.table()\n"
+            "before = 'matplotlib' in sys.modules\n"
+            "cmp.plot()\n"
+            "print(before, 'matplotlib' in sys.modules)\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "True"]

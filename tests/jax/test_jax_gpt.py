@@ -1,4 +1,5 @@
-"""The Flax NNX GPT mirrors torch_backend.gpt.GPT (jax_backend.gpt)."""
+"""The Flax NNX GPT mirrors torch_backend.gpt.GPT (jax_backend.gpt), and torch, chunk and Hugging Face
+parameters convert onto it (jax_backend.convert)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from jaxtest_utils import rel_err, torch_param_specs
 
 import jax_backend as jb
 from chunkzero import ChunkLayout, CheckpointError, ConfigError, ShapeMismatchError, TensorSpec
+from jax_backend import convert as jconvert
 from jax_backend import gpt as jgpt
 from torch_backend import gpt as tgpt
 
@@ -104,7 +106,7 @@ def test_hf_gpt2_loader_matches_transformers(eval_tokens):
     np.testing.assert_array_equal(np.asarray(model.transformer.h[0].attn.c_attn.kernel[...]),
                                   sd["transformer.h.0.attn.c_attn.weight"].numpy())
     tsd = jb.hf_gpt2_to_torch(sd)
-    cfg = jgpt.hf_gpt2_config(hf_cfg)
+    cfg = jconvert.hf_gpt2_config(hf_cfg)
     tm = tgpt.GPT(tgpt.GPTConfig(**cfg.to_dict())).eval()
     tm.load_state_dict({k: torch.from_numpy(v) for k, v in tsd.items()}, strict=False)
     with torch.no_grad():
@@ -113,10 +115,10 @@ def test_hf_gpt2_loader_matches_transformers(eval_tokens):
 
 def test_hf_loader_bad_input():
     with pytest.raises(ConfigError, match="'relu'"):
-        jgpt.hf_gpt2_config({"n_positions": 8, "vocab_size": 8, "n_layer": 1, "n_head": 1, "n_embd": 4,
+        jconvert.hf_gpt2_config({"n_positions": 8, "vocab_size": 8, "n_layer": 1, "n_head": 1, "n_embd": 4,
                              "activation_function": "relu"})
     cfg = jb.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=1, n_embd=4)
-    sd = {n: np.zeros(s.shape[::-1] if n.endswith(jgpt._HF_CONV1D) else s.shape, np.float32)
+    sd = {n: np.zeros(s.shape[::-1] if n.endswith(jconvert._HF_CONV1D) else s.shape, np.float32)
           for n, s in ((s.name, s) for s in jb.param_specs(cfg))}
     jb.load_hf_gpt2(sd, cfg)  # well-formed
     bad = dict(sd, **{"transformer.h.0.mlp.c_fc.weight": np.zeros((16, 4), np.float32)})

@@ -16,7 +16,8 @@ from chunkzero.errors import ConfigError, LayoutError
 from jax_backend import make_mesh, unflatten
 from jax_backend.analysis import count_collectives
 from jax_backend.blocks import gpt_reference_loss
-from jax_backend.zero import ZeroTrainer, reference_train
+from jax_backend.schedule import reference_train
+from jax_backend.zero import ZeroTrainer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from chunkzero.layout import TensorSpec
 from jax_backend import make_mesh
 from jax_backend.analysis import count_collectives
 from jax_backend.baselines import DDPTrainer, FSDPTrainer, fsdp_shard_dim
-from jax_backend.zero import reference_train
+from jax_backend.schedule import reference_train
 
 
 @pytest.fixture(scope="module")
