@@ -8,13 +8,22 @@ A chunk owns, on this rank (the design of ColossalAI Gemini's ``Chunk``, itself 
   master sits on the compute device, no persistent low-precision copy is kept (``shard is None``):
   the gather casts the master shard on the fly (as FSDP2's mixed precision does), which saves
   2 bytes per element of model state; :meth:`Chunk.low_precision_shard` then returns a fresh cast.
-- ``master`` — the fp32 master shard, an ``nn.Parameter`` leaf the inner torch optimizer updates
-  (its ``.grad`` is the reduced, averaged gradient shard, fp32).
+  A parameter-offloaded chunk keeps its shard on the host (pinned on CUDA); each gather first
+  copies it to the device, so no device copy is kept between uses.
+- ``master`` — the fp32 master shard, an ``nn.Parameter`` leaf the optimizer updates (its ``.grad``
+  is the reduced, averaged gradient shard, fp32), on the master device (the host when
+  optimizer-offloaded). A **frozen** chunk (``requires_grad=False``) has no master, no gradient
+  and no optimizer state: only its compute-dtype shard.
 - ``buffer`` — the full chunk in the compute dtype; the module's parameters are views into it for
   the chunk's lifetime. Released, its storage is resized to zero bytes (the parameters keep their
   shapes but hold no data); gathered, it is resized back and filled by an all-gather.
 - ``grad_buffer`` — the full-chunk gradient (compute dtype) accumulated in backward until reduced.
 - ``states`` — the core :class:`chunkzero.ChunkStates` of its tensors.
+
+Gathers and reductions are split in two: :meth:`Chunk.begin_gather` / :meth:`Chunk.begin_reduce`
+issue the collective (asynchronously when asked), :meth:`Chunk.finish_gather` /
+:meth:`Chunk.finish_reduces` wait for it. Which chunk is gathered or reduced when is decided by
+:mod:`torch_backend.schedule`, identically on every rank.
 
 All sizes are in elements; ``*_bytes`` are bytes.
 """
@@ -32,6 +41,20 @@ S = TensorState
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def host_empty(numel: int, dtype: torch.dtype, like_device: torch.device) -> torch.Tensor:
+    """An empty 1-D host tensor, pinned when the compute device is CUDA (so copies can be async)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=like_device.type == "cuda")
+
+
+def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` in ``dtype``; host copies are pinned when computing on CUDA."""
+    if device.type == "cpu" and compute_device.type == "cuda":
+        out = host_empty(t.numel(), dtype, compute_device)
+        out.copy_(t.reshape(-1))
+        return out
+    return t.to(device, dtype, copy=True)
+
+
 class Chunk:
     """One chunk's storage and state on this rank.
 
@@ -40,9 +63,10 @@ class Chunk:
         rank: this rank in the process group.
         params: the module's parameter object for each tensor name of the chunk (primary names).
         device: compute device (where gathered buffers and gradients live).
-        param_device: device of the persistent low-precision shard (``cpu`` when parameter-offloaded).
-        master_device: device of the fp32 master shard, its gradient and optimizer state
-            (``cpu`` when optimizer-offloaded).
+        param_device: device of the persistent compute-dtype shard between uses (``cpu`` when
+            parameter-offloaded).
+        master_device: device of the fp32 master shard, its gradient and optimizer state (``cpu``
+            when optimizer-offloaded); ignored for a frozen chunk.
         group: process group or ``None`` (single process).
         divide_first: divide gradients by the world size before reducing (fp16).
         initial: the full chunk's initial values (fp32, 1-D, ``size`` elements) — already identical
@@ -73,34 +97,50 @@ class Chunk:
         self.dtype = TORCH_DTYPES[info.dtype]
         self.device = torch.device(device)
         self.param_device = torch.device(param_device)
-        self.master_device = torch.device(master_device)
+        self.requires_grad = info.requires_grad
+        self.master_device = torch.device(master_device) if self.requires_grad else None
         self.divide_first = divide_first
         self.size = info.size
         self.shard_numel = layout.shard_numel(index)
         self.shard_start, self.shard_stop = layout.shard_range(index, rank)
         self.valid_numel = layout.valid_length(index, rank)
         self.keep_gathered = info.keep_gathered
-        self.requires_grad = info.requires_grad
         self.placements: tuple[TensorPlacement, ...] = layout.chunk_tensors(index)
         self.params = params
-        self.resident = self.keep_gathered or self.world_size == 1
-        """Never released: keep-gathered, or a single rank (the shard is the whole chunk)."""
+        self.resident = self.keep_gathered or (self.world_size == 1 and self.param_device == self.device)
+        """Never released: keep-gathered, or a single rank whose shard is the whole chunk on the device."""
         self.states = ChunkStates(info.tensor_names, initial=S.HOLD if self.resident else S.FREE)
 
-        master = initial[self.shard_start : self.shard_stop].to(self.master_device, torch.float32, copy=True)
-        self.master = torch.nn.Parameter(master, requires_grad=self.requires_grad)
-        self.shard: torch.Tensor | None
         shard_device = self.device if self.resident else self.param_device
-        if self.dtype == torch.float32 and self.master_device == shard_device:
-            self.shard = self.master.data  # fp32: the master shard is the parameter shard
-        elif self.resident or self.param_device != self.master_device:
-            self.shard = master.to(shard_device, self.dtype, copy=True)
+        mine = initial[self.shard_start : self.shard_stop]
+        self.master: torch.nn.Parameter | None = None
+        self.shard: torch.Tensor | None
+        if not self.requires_grad:
+            self.shard = _on(mine, shard_device, self.dtype, self.device)  # frozen: compute dtype only
         else:
-            self.shard = None  # cast from the master at gather time
+            self.master = torch.nn.Parameter(_on(mine, self.master_device, torch.float32, self.device))
+            if self.dtype == torch.float32 and self.master_device == shard_device:
+                self.shard = self.master.data  # fp32: the master shard is the parameter shard
+            elif self.resident or shard_device != self.master_device or shard_device != self.device:
+                self.shard = _on(mine, shard_device, self.dtype, self.device)
+            else:
+                self.shard = None  # cast from the master at gather time
         self.grad_buffer: torch.Tensor | None = None
         self._grad_written: set[str] = set()
         self.grad_sq_norm: torch.Tensor | None = None
         """fp32 0-d: squared L2 norm of the accumulated gradient shard over valid elements (set at reduce)."""
+        self._reduces: list[tuple[collectives.Pending, torch.Tensor]] = []
+        self._gather: collectives.Pending | None = None
+
+        self.accessed = self.resident
+        """Whether the chunk has been used since it was last gathered (the scheduler records first uses)."""
+        self.saved_refs = 0
+        """Tensors autograd saved for backward that need this chunk's gathered data (references alive)."""
+        self.pinned: str | None = None
+        """Why the chunk stays gathered in backward regardless of saved references: ``"recompute"``
+        (a recomputation used it: until its gradients are final, or the backward's end for a frozen
+        chunk), ``"graph"`` / ``"graph-held"`` (a ``create_graph`` backward's new graph references it
+        raw: until the end of the next backward)."""
 
         # The gathered buffer: one tensor for the chunk's lifetime whose storage is resized to zero
         # on release and back on gather (FSDP2's trick), so the parameters stay views of it with
@@ -118,50 +158,82 @@ class Chunk:
         if not self.resident:
             self.buffer.untyped_storage().resize_(0)
 
+    # ------------------------------------------------------------------ gather / release
     @property
     def is_gathered(self) -> bool:
-        """Whether the full chunk is present (always for resident chunks)."""
+        """Whether the full chunk is present and its gather complete (always for resident chunks)."""
         return self._gathered
+
+    @property
+    def gather_in_flight(self) -> bool:
+        """Whether a gather was issued and not yet waited for."""
+        return self._gather is not None
 
     @property
     def gathered(self) -> torch.Tensor | None:
         """The full chunk (``size`` elements, compute dtype) while gathered, else ``None``."""
         return self.buffer if self._gathered else None
 
-    def gather(self) -> bool:
-        """All-gather the chunk into its buffer (the parameters' storage). Tensors move FREE → HOLD.
-
-        Returns ``True`` if a gather happened (``False``: already gathered).
-        """
-        if self._gathered:
-            return False
+    def _gather_source(self) -> torch.Tensor:
         if self.shard is None:
-            src = self.master.detach().to(self.device, self.dtype)
-        else:
-            src = self.shard if self.shard.device == self.device else self.shard.to(self.device, non_blocking=True)
-        self.buffer.untyped_storage().resize_(self.size * self.buffer.element_size())
-        collectives.all_gather_flat(self.buffer, src, self.group)
-        self._gathered = True
-        self.states.transition_all(S.HOLD, only_from=S.FREE)
+            return self.master.detach().to(self.device, self.dtype)
+        return self.shard  # on the host when parameter-offloaded: the collective copies it over first
+
+    def begin_gather(self, *, async_op: bool) -> None:
+        """Allocate the buffer and issue its all-gather (a host→device copy first when offloaded).
+
+        A chunk already gathered here is gathered again in place (another rank asked for it); a
+        gather still in flight is waited for first.
+        """
+        if self.resident:
+            return
+        if self._gather is not None:
+            self.finish_gather()
+        if not self._gathered:
+            self.buffer.untyped_storage().resize_(self.size * self.buffer.element_size())
+        self._gather = collectives.all_gather_flat(self.buffer, self._gather_source(), self.group, async_op=async_op)
+
+    def finish_gather(self) -> None:
+        """Wait for the issued gather; tensors move FREE → HOLD."""
+        pending, self._gather = self._gather, None
+        if pending is None:
+            return
+        pending.wait()
+        if not self._gathered:
+            self._gathered = True
+            self.states.transition_all(S.HOLD, only_from=S.FREE)
+
+    def gather(self) -> bool:
+        """Gather now (blocking). Returns ``True`` if a gather happened (``False``: already gathered)."""
+        if self._gathered and self._gather is None:
+            return False
+        self.begin_gather(async_op=False)
+        self.finish_gather()
         return True
 
     def release(self) -> bool:
         """Free the gathered buffer's storage (sharded chunks only); tensors HOLD → FREE.
 
         Raises:
-            IllegalTransitionError: a tensor is still in use (COMPUTE, HOLD_AFTER_BWD, READY_FOR_REDUCE).
+            IllegalTransitionError: a tensor is still in use (COMPUTE, HOLD_AFTER_BWD).
         """
         if self.resident or not self._gathered:
             return False
+        if self._gather is not None:
+            self.finish_gather()  # never free a buffer a collective is writing
         self.states.transition_all(S.FREE)
         self.buffer.untyped_storage().resize_(0)
         self._gathered = False
+        self.accessed = False
+        self.pinned = None
         return True
 
     def refresh_from_master(self) -> None:
-        """Copy the fp32 master shard into the low-precision shard (and the gathered buffer)."""
+        """Copy the fp32 master shard into the low-precision shard (and drop the stale gathered copy)."""
+        if self.master is None:
+            return
         if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
-            self.shard.copy_(self.master.detach())
+            self.shard.copy_(self.master.detach(), non_blocking=True)
         if not self.resident and self._gathered:
             self.release()  # the gathered copy is stale; the next use gathers the new values
 
@@ -171,6 +243,11 @@ class Chunk:
             self.grad_buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
             self._grad_written.clear()
         return self.grad_buffer
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether gradients were accumulated here since the last reduction."""
+        return self.grad_buffer is not None
 
     def add_grad(self, name: str, placement: TensorPlacement, grad: torch.Tensor) -> None:
         """Accumulate ``grad`` (full shape of the tensor) into the chunk's gradient buffer."""
@@ -182,57 +259,78 @@ class Chunk:
             buf.copy_(g)
             self._grad_written.add(name)
 
-    def reduce(self) -> None:
-        """Average the gradient buffer over ranks into this rank's fp32 master gradient shard.
+    def begin_reduce(self, *, async_op: bool) -> None:
+        """Issue the averaging of the gradient buffer over ranks (zeros where nothing was accumulated).
 
-        Sharded chunks are reduce-scattered, keep-gathered chunks all-reduced. Regions of tensors
-        that received no gradient, and the padding, are zeroed first. The reduced shard is added
-        to ``master.grad`` (fp32, master device) and :attr:`grad_sq_norm` is recomputed over the
-        valid elements.
+        Sharded chunks are reduce-scattered, keep-gathered chunks all-reduced. Regions of tensors that
+        received no gradient, and the padding, are zeroed first. :meth:`finish_reduces` adds the
+        result into ``master.grad``.
         """
-        buf = self.grad_buffer
-        if buf is None:
-            buf = self._grad_buffer()
+        buf = self._grad_buffer()
         for t in self.placements:
             if t.name not in self._grad_written:
                 buf[t.offset : t.end].zero_()
         if self.info.padding:
             buf[self.info.utilized :].zero_()
+        self.grad_buffer = None
+        self._grad_written = set()
         if self.keep_gathered:
-            collectives.all_reduce_avg(buf, self.group, divide_first=self.divide_first)
-            out = buf
+            out, pending = buf, collectives.all_reduce_avg(buf, self.group, divide_first=self.divide_first, async_op=async_op)
         elif self.world_size == 1:
-            out = buf
+            out, pending = buf, collectives.all_reduce_avg(buf, None)
         else:
             out = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-            collectives.reduce_scatter_avg(out, buf, self.group, divide_first=self.divide_first)
-        self.grad_buffer = None
-        self._grad_written.clear()
-        g = out.to(self.master_device, torch.float32)
-        if self.master.grad is None:
-            self.master.grad = g
-        else:
-            self.master.grad.add_(g)
-        valid = self.master.grad[: self.valid_numel]
-        self.grad_sq_norm = valid.float().square().sum()
+            pending = collectives.reduce_scatter_avg(out, buf, self.group, divide_first=self.divide_first, async_op=async_op)
+        self._reduces.append((pending, out))
+
+    @property
+    def reduces_in_flight(self) -> int:
+        return len(self._reduces)
+
+    def finish_reduces(self) -> None:
+        """Wait for the issued reductions and add each result into ``master.grad`` (fp32, master device);
+        :attr:`grad_sq_norm` is recomputed over the valid elements."""
+        if not self._reduces:
+            return
+        for pending, out in self._reduces:
+            pending.wait()
+            g = out.to(self.master_device, torch.float32)
+            if self.master.grad is None:
+                self.master.grad = g
+            else:
+                self.master.grad.add_(g)
+        self._reduces.clear()
+        self.grad_sq_norm = self.master.grad[: self.valid_numel].float().square().sum()
 
     def discard_grad_buffer(self) -> None:
         self.grad_buffer = None
-        self._grad_written.clear()
+        self._grad_written = set()
 
     def zero_grad(self) -> None:
-        """Drop the accumulated gradients (buffer and master gradient)."""
+        """Drop the accumulated gradients (buffer, reductions in flight and master gradient)."""
+        for pending, _ in self._reduces:
+            pending.wait()
+        self._reduces.clear()
         self.discard_grad_buffer()
-        self.master.grad = None
+        if self.master is not None:
+            self.master.grad = None
         self.grad_sq_norm = None
 
     # ------------------------------------------------------------------ state I/O
+    def master_values(self) -> torch.Tensor:
+        """The fp32 values of this rank's shard: the live master, or a cast of a frozen chunk's shard."""
+        return self.master.detach() if self.master is not None else self.shard.float()
+
     def load_master(self, values: torch.Tensor) -> None:
-        """Copy a 1-D fp32 shard of ``shard_numel`` elements into the master and refresh."""
+        """Copy a 1-D fp32 shard of ``shard_numel`` elements into the master (a frozen chunk: into its
+        compute-dtype shard) and refresh."""
         with torch.no_grad():
-            self.master.copy_(values.to(self.master_device, torch.float32))
-        if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
-            self.shard.copy_(self.master.detach())
+            if self.master is not None:
+                self.master.copy_(values.to(self.master_device, torch.float32))
+                if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
+                    self.shard.copy_(self.master.detach())
+            else:
+                self.shard.copy_(values.to(self.shard.device, self.dtype))
         if not self.resident and self._gathered:
             self.release()
 
@@ -244,16 +342,15 @@ class Chunk:
         return self.shard
 
     def gather_master(self) -> torch.Tensor:
-        """The full fp32 chunk (``size`` elements) on the master device, assembled from every rank's master."""
-        return self.gather_shard_tensor(self.master.detach())
+        """The full fp32 chunk (``size`` elements), assembled from every rank's master (collective)."""
+        return self.gather_shard_tensor(self.master_values())
 
     def gather_shard_tensor(self, shard: torch.Tensor) -> torch.Tensor:
         """All-gather a 1-D per-rank tensor of ``shard_numel`` elements (e.g. an optimizer state)."""
         if self.keep_gathered or self.world_size == 1:
             return shard
-        comm_device = self.device
-        src = shard.to(comm_device)
-        out = torch.empty(self.size, dtype=shard.dtype, device=comm_device)
+        src = shard.to(self.device)
+        out = torch.empty(self.size, dtype=shard.dtype, device=self.device)
         collectives.all_gather_flat(out, src, self.group)
         return out
 
@@ -269,17 +366,19 @@ class Chunk:
 
     # ------------------------------------------------------------------ memory
     def bytes_by_kind(self) -> list[tuple[torch.device, str, int]]:
-        """``(device, kind, bytes)`` of everything this chunk holds now."""
+        """``(device, kind, bytes)`` of everything this chunk holds now, on the device each tensor is on."""
         out = []
-        shared = self.shard is not None and self.shard.data_ptr() == self.master.data_ptr()
+        shared = self.shard is not None and self.master is not None and self.shard.data_ptr() == self.master.data_ptr()
         if self.shard is not None:
             out.append((self.shard.device, "parameters", self.shard.numel() * self.shard.element_size()))
-        if not shared:
+        if self.master is not None and not shared:
             out.append((self.master.device, "fp32_master", self.master.numel() * 4))
-        if self._gathered and not self.resident:
+        if (self._gathered or self._gather is not None) and not self.resident:
             out.append((self.buffer.device, "gathered_buffers", self.size * self.buffer.element_size()))
         if self.grad_buffer is not None:
             out.append((self.grad_buffer.device, "gradients", self.grad_buffer.numel() * self.grad_buffer.element_size()))
-        if self.master.grad is not None:
+        for _, t in self._reduces:
+            out.append((t.device, "gradients", t.numel() * t.element_size()))
+        if self.master is not None and self.master.grad is not None:
             out.append((self.master.grad.device, "gradients", self.master.grad.numel() * 4))
         return out

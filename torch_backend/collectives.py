@@ -7,7 +7,16 @@ Chunks are flat 1-D buffers, so the only collectives needed are the flat ones:
 - :func:`reduce_scatter_avg` — reduce a chunk's gradient and keep this rank's shard
   (``reduce_scatter_single`` / ``reduce_scatter_tensor``), averaged over the world size.
 - :func:`all_reduce_avg` — the same for keep-gathered chunks (plain data parallelism).
+- :func:`agree` — the engine's small vote all-reduce that keeps every rank's collectives in the same
+  order (see :mod:`torch_backend.schedule`), on :func:`agreement_group`.
 - :func:`all_reduce_sum`, :func:`broadcast_from_first` — small helpers (norms, overflow flags, init).
+
+The three chunk collectives take ``async_op``: with ``True`` they return at once a :class:`Pending`
+whose :meth:`Pending.wait` completes them. On gloo the work runs on the process group's background
+threads; on CUDA the collective is issued from a dedicated communication stream that first waits
+for the compute stream (an event recorded where the inputs were written), and ``wait()`` makes the
+*current* (compute) stream wait for it — FSDP2's pattern. All buffers are allocated on the compute
+stream and kept alive by the ``Pending`` until it is waited for, so no ``record_stream`` is needed.
 
 Averaging is always ``SUM`` followed by an explicit division by the world size — never
 ``PREMUL_SUM`` or ``AVG``, which not every backend (gloo) or torch version (2.5–2.13) supports.
@@ -21,10 +30,16 @@ a single-rank no-op (gather copies, reductions leave the data as is).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "Pending",
+    "agree",
+    "agreement_group",
     "all_gather_flat",
     "all_reduce_avg",
     "all_reduce_sum",
@@ -59,22 +74,86 @@ def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group) -> None:
+class Pending:
+    """An issued collective. :meth:`wait` completes it once: it waits for the work (on CUDA it makes
+    the current stream wait), then runs the epilogue (a division, a copy-out) and drops the buffers
+    it kept alive."""
+
+    __slots__ = ("_epilogue", "_keep", "_work")
+
+    def __init__(self, work=None, epilogue: Callable[[], None] | None = None, keep: tuple = ()):
+        self._work, self._epilogue, self._keep = work, epilogue, keep
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`wait` has run (a completed collective that was never waited for is not done)."""
+        return self._work is None and self._epilogue is None
+
+    def wait(self) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait()
+        epilogue, self._epilogue = self._epilogue, None
+        if epilogue is not None:
+            epilogue()
+        self._keep = ()
+
+
+_DONE = Pending()
+
+# One communication stream per CUDA device (FSDP2 keeps one per collective kind; one suffices here).
+_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _issue_context(tensor: torch.Tensor, async_op: bool):
+    """Where an async collective on ``tensor`` is issued: on CUDA the communication stream, after it
+    waits for everything the compute stream has queued so far; elsewhere (or sync) right here."""
+    if not async_op or tensor.device.type != "cuda":
+        yield
+        return
+    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+    stream = _COMM_STREAMS.get(index)
+    if stream is None:
+        stream = _COMM_STREAMS[index] = torch.cuda.Stream(device=index)
+    stream.wait_stream(torch.cuda.current_stream(index))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _finish(work, epilogue, keep, async_op: bool) -> Pending:
+    if async_op:
+        return Pending(work, epilogue, keep)
+    if work is not None:
+        work.wait()
+    if epilogue is not None:
+        epilogue()
+    return _DONE
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_op: bool = False) -> Pending:
     """Gather equal 1-D shards from every rank into ``output`` (rank order).
 
     Args:
         output: 1-D, ``W * shard.numel()`` elements, same dtype and device as ``shard``; written.
-        shard: 1-D, this rank's contiguous shard.
+        shard: 1-D, this rank's contiguous shard (kept alive until the gather is waited for). A shard
+            on another device (the host, for a parameter-offloaded chunk) is first copied to
+            ``output``'s device, on the communication stream on CUDA.
         group: process group, or ``None`` for a single process (``output`` becomes a copy of ``shard``).
+        async_op: return before the data has arrived; ``output`` is valid after ``wait()``.
     """
     if _world(group) == 1:
         if output.data_ptr() != shard.data_ptr():
-            output.copy_(shard)
-        return
-    _ALL_GATHER_FLAT(output, shard.contiguous(), group=group)
+            output.copy_(shard, non_blocking=True)
+        return _DONE
+    with _issue_context(output, async_op):
+        shard = shard.to(output.device, non_blocking=True).contiguous()
+        work = _ALL_GATHER_FLAT(output, shard, group=group, async_op=async_op)
+    return _finish(work, None, (output, shard), async_op)
 
 
-def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divide_first: bool = False) -> None:
+def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divide_first: bool = False,
+                       async_op: bool = False) -> Pending:
     """Average ``full`` over the ranks and keep this rank's shard in ``output``.
 
     Args:
@@ -82,41 +161,64 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
         full: 1-D gradient chunk of ``W * output.numel()`` elements. With ``divide_first`` it is
             divided in place by ``W`` before the reduction (fp16: keeps the sum in range).
         group: process group, or ``None`` for a single process.
+        async_op: return at once; ``output`` holds the mean after ``wait()``.
     """
     world = _world(group)
     if world == 1:
         if output.data_ptr() != full.data_ptr():
             output.copy_(full)
-        return
+        return _DONE
     if divide_first:
         full.div_(world)
+    epilogue = None if divide_first else (lambda: output.div_(world))
     backend = dist.get_backend(group)
     if backend not in _NO_FLAT_REDUCE_SCATTER:
         try:
-            _REDUCE_SCATTER_FLAT(output, full, op=dist.ReduceOp.SUM, group=group)
+            with _issue_context(output, async_op):
+                work = _REDUCE_SCATTER_FLAT(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+            return _finish(work, epilogue, (output, full), async_op)
         except (RuntimeError, NotImplementedError) as e:  # old gloo: flat reduce-scatter unsupported
             if "not supported" not in str(e).lower() and "unimplemented" not in str(e).lower():
                 raise
             _NO_FLAT_REDUCE_SCATTER.add(backend)
-    if backend in _NO_FLAT_REDUCE_SCATTER:
-        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
-        rank = dist.get_rank(group)
-        n = output.numel()
+    rank = dist.get_rank(group)
+    n = output.numel()
+
+    def copy_out():
         output.copy_(full[rank * n : (rank + 1) * n])
-    if not divide_first:
-        output.div_(world)
+        if epilogue is not None:
+            epilogue()
+
+    with _issue_context(output, async_op):
+        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _finish(work, copy_out, (output, full), async_op)
 
 
-def all_reduce_avg(tensor: torch.Tensor, group, *, divide_first: bool = False) -> None:
+def all_reduce_avg(tensor: torch.Tensor, group, *, divide_first: bool = False, async_op: bool = False) -> Pending:
     """Average ``tensor`` over the ranks, in place (SUM then division; division first for fp16)."""
     world = _world(group)
     if world == 1:
-        return
+        return _DONE
     if divide_first:
         tensor.div_(world)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    if not divide_first:
-        tensor.div_(world)
+    with _issue_context(tensor, async_op):
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _finish(work, None if divide_first else (lambda: tensor.div_(world)), (tensor,), async_op)
+
+
+def agreement_group(group):
+    """The group on which :func:`agree` runs: ``group`` itself on gloo, else a gloo group over the same
+    ranks (votes are read on the host, so they must not queue behind the device's work). Collective:
+    every rank of ``group`` calls it, in the same order."""
+    if group is None or dist.get_backend(group) == "gloo":
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+
+
+def agree(votes: torch.Tensor, group) -> None:
+    """Sum a small CPU int tensor of votes over ``group``'s ranks, in place (blocking)."""
+    if _world(group) > 1:
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> None:

@@ -14,50 +14,60 @@ taken in forward (``weight.t()`` saved by ``F.linear``) see the re-gathered data
 
 How parameters are found when they are used (the part that makes *any* module work):
 
-- **Forward**: while the wrapped module runs, a ``TorchFunctionMode`` sees every torch call. When an
-  argument is a managed parameter its chunk is gathered (if needed), the tensor moves to COMPUTE for
-  the call and back to HOLD after it. So a parameter used by another module (``F.linear(x,
-  other.weight)``), through an operator (``x @ w``), inside ``torch.stack([...])`` or several times
-  is always gathered; so is a chunk whose released buffer an argument views. A chunk is released
-  (with ``reshard_after_forward``) once every tensor of it has been used in this forward; whatever
-  is still gathered is released when the forward returns.
+- **Forward**: while the wrapped module runs, a ``TorchFunctionMode`` (:mod:`torch_backend.access`)
+  sees every torch call. When an argument is a managed parameter its chunk is gathered (if needed),
+  the tensor moves to COMPUTE for the call and back to HOLD after it. So a parameter used by
+  another module (``F.linear(x, other.weight)``), through an operator (``x @ w``), inside
+  ``torch.stack([...])`` or several times is always gathered. A chunk is released (with
+  ``reshard_after_forward``) once every tensor of it has been used in this forward; whatever is
+  still gathered is released when the forward returns.
 - **Backward**: ``saved_tensors_hooks`` replace a saved parameter (or a saved view of a chunk
-  buffer) by a reference; unpacking it in backward gathers the chunk again. A post-accumulate-grad
-  hook moves each parameter's final gradient into the chunk's gradient buffer (it fires once per
-  backward, after every use of the parameter has contributed). When all tensors of a chunk are
-  READY_FOR_REDUCE the chunk is reduced and released. A callback queued on the autograd engine
-  finishes the backward: unused parameters (error, or zero gradients with
-  ``find_unused_parameters``), releases and state reset.
+  buffer) by a reference that counts on its chunk; unpacking it gathers the chunk again, and once
+  autograd has freed every reference to a chunk, the chunk is released — so a frozen chunk is
+  gathered in backward only if a saved tensor needs it, and only for as long. A recomputation in
+  backward (activation checkpointing) runs under the same mode, and keeps what it gathers until the
+  chunk's gradients are final (frozen chunks: until the backward ends). A post-accumulate-grad hook
+  moves each parameter's final gradient into the chunk's gradient buffer; when all tensors of a
+  chunk are READY_FOR_REDUCE the chunk is reduced. A callback queued on the autograd engine (from a
+  hook on the forward's outputs, so it belongs to the outermost backward) finishes the backward.
+
+Which collective runs when is decided by :class:`torch_backend.schedule.Scheduler` in rounds that
+every rank takes part in, so ranks that use different parameters (MoE routing) or use them in a
+different order still issue the same collectives; with ``prefetch > 0`` the next chunks of the
+recorded order are gathered ahead and collectives run asynchronously.
+
+Errors found at the end of a backward (a parameter that received no gradient on any rank) are raised
+by ``ZeroOptimizer.backward`` right after it, or else by the next ``forward`` or ``step`` — never from
+inside the autograd engine, where an exception can abort the process (the CUDA engine threads).
 
 The tensor-state bookkeeping uses the core :class:`chunkzero.ChunkStates` (FREE, COMPUTE, HOLD,
 HOLD_AFTER_BWD, READY_FOR_REDUCE).
 
 Limitations: the module's parameters hold data only inside ``forward`` and backward (outside, reading
-them raises "data is not allocated" — use :meth:`ZeroDDP.state_dict`); the set of parameters used in a step must be
-the same on every rank (collectives are issued in use order); activation checkpointing that
-recomputes the forward outside ``ZeroDDP.forward`` is not supported; buffers are replicated as-is.
+them raises "data is not allocated" — use :meth:`ZeroDDP.state_dict`); buffers are replicated as-is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from collections import OrderedDict
+import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from chunkzero import ChunkLayout, TensorSpec, TensorState
-from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError, UnusedParameterError
+from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
 from . import collectives
+from .access import ParamAccessMode, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
 from .chunks import TORCH_DTYPES, Chunk
+from .memory import MEMORY_KINDS, MemoryReport
+from .schedule import BACKWARD, FORWARD, OUTSIDE, Scheduler
+from .state_dict import full_state_dict, load_full_state_dict
 
 S = TensorState
 
@@ -65,150 +75,61 @@ __all__ = ["MemoryReport", "ZeroDDP", "default_chunk_size"]
 
 _MIXED_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
-# Tensor attributes and methods that read only metadata (right on a released parameter): no gather.
-_METADATA_ONLY = frozenset({
-    "dtype", "device", "requires_grad", "is_cuda", "is_leaf", "grad_fn", "layout", "is_sparse", "shape", "size",
-    "dim", "ndim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
-    "is_contiguous", "names", "is_meta", "is_quantized", "itemsize", "nbytes",
-})
-
-
-def _func_name(func) -> str | None:
-    name = getattr(func, "__name__", None)
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", None)
-    return name
-
-
-def _storage_key(t) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return None
-
-MEMORY_KINDS = ("parameters", "gathered_buffers", "gradients", "fp32_master", "optimizer_states")
-
 
 def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, int]:
-    """``(chunk size, keep_gathered_below_numel)`` in elements used when ``ZeroDDP(chunk_size=None)``.
+    """``(chunk size, keep_gathered_below_numel)`` in elements used when ``ZeroDDP(chunk_size=None)``:
+    the core search, ``chunkzero.search.search_chunk_size``."""
+    from chunkzero.search import search_chunk_size
 
-    Uses the core search (``chunkzero.search.search_chunk_size``) when it is available, else
-    ``(max(largest tensor numel, 2**20), 0)``.
-    """
-    try:
-        from chunkzero.search import search_chunk_size
-    except ImportError:
-        return max(max((s.numel for s in specs), default=1), 1 << 20), 0
     result = search_chunk_size(specs, world_size)
     return int(result.chunk_size), int(getattr(result, "keep_gathered_below_numel", 0) or 0)
 
 
 def _offload_count(frac: float, n: int) -> int:
     """Number of chunks (first in chunk order) a fraction ``frac`` of ``n`` chunks offloads: ``ceil``."""
+    import math
+
     return min(n, math.ceil(frac * n - 1e-9)) if frac > 0 else 0
 
 
+def _engine_code(fn):
+    """Marks the engine's own hook code: torch calls inside it bypass the access mode (no gather of
+    the buffers it manipulates)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if self._in_engine:
+            return fn(self, *args, **kwargs)
+        self._in_engine = True
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._in_engine = False
+
+    return wrapper
+
+
 class _Entry:
-    """A managed parameter: its object, primary name, chunk and placement."""
+    """A managed parameter: its object, primary name, tensor index, chunk and placement."""
 
-    __slots__ = ("param", "name", "chunk", "placement")
+    __slots__ = ("chunk", "index", "name", "param", "placement", "placeholder", "saved_refs")
 
-    def __init__(self, param, name, chunk, placement):
-        self.param, self.name, self.chunk, self.placement = param, name, chunk, placement
-
-
-class _SavedParam:
-    """What autograd stores instead of a managed parameter saved for backward."""
-
-    __slots__ = ("entry",)
-
-    def __init__(self, entry):
-        self.entry = entry
+    def __init__(self, param, name, index, chunk, placement):
+        self.param, self.name, self.index, self.chunk, self.placement = param, name, index, chunk, placement
+        self.saved_refs = 0
+        self.placeholder = None
 
 
-class _SavedView:
-    """A saved tensor that is a view of a sharded chunk's buffer (e.g. ``weight.t()`` inside
-    ``F.linear``): unpacking it gathers the chunk first."""
-
-    __slots__ = ("chunk", "tensor")
-
-    def __init__(self, chunk, tensor):
-        self.chunk, self.tensor = chunk, tensor
-
-
-class _ParamAccessMode(TorchFunctionMode):
-    """Gathers a parameter's chunk around every torch call that takes the parameter."""
-
-    def __init__(self, ddp: ZeroDDP):
-        super().__init__()
-        self.ddp = ddp
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        ddp = self.ddp
-        lookup = ddp._entries_by_id
-        by_storage = ddp._chunk_by_storage
-        found = None
-        views = None
-        for a in (*args, *kwargs.values()):
-            for b in a if type(a) in (list, tuple) else (a,):
-                e = lookup.get(id(b))
-                if e is not None and e.param is b:
-                    found = [e] if found is None else found + [e]
-                elif by_storage and isinstance(b, torch.Tensor):
-                    c = by_storage.get(_storage_key(b))
-                    if c is not None and not c.is_gathered:
-                        views = [c] if views is None else views + [c]
-        if found is None and views is None:
-            return func(*args, **kwargs)
-        if _func_name(func) in _METADATA_ONLY:
-            return func(*args, **kwargs)
-        for c in views or ():
-            c.gather()  # a view of a released chunk (e.g. ``w.t()`` taken earlier in this forward)
-        if found is None:
-            return func(*args, **kwargs)
-        return ddp._run_op(found, func, args, kwargs)
-
-
-@dataclass
-class MemoryReport:
-    """Bytes this rank holds, per device and kind, plus the offload decisions.
-
-    Attributes:
-        bytes: ``{device: {kind: bytes}}`` with kinds ``parameters`` (persistent compute-dtype parameter
-            shards — the fp32 master itself in fp32 — keep-gathered chunks whole), ``gathered_buffers``
-            (gathered sharded chunks now),
-            ``gradients`` (chunk gradient buffers and fp32 gradient shards), ``fp32_master``
-            (master shards held apart from the parameter shard: 0 in fp32, where they coincide),
-            ``optimizer_states`` (the ZeroOptimizer's state shards).
-        offload_optim_chunks: chunk indices whose master, gradient and optimizer state are on CPU.
-        offload_param_chunks: chunk indices whose parameter shard is on CPU.
-    """
-
-    bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    offload_optim_chunks: tuple[int, ...] = ()
-    offload_param_chunks: tuple[int, ...] = ()
-
-    def total(self, kind: str | None = None) -> int:
-        """Bytes of ``kind`` over all devices (all kinds when ``None``)."""
-        return sum(b for per in self.bytes.values() for k, b in per.items() if kind is None or k == kind)
-
-    def model_state_bytes(self) -> int:
-        """Parameters + gradients + fp32 master + optimizer states (gathered buffers excluded)."""
-        return self.total() - self.total("gathered_buffers")
-
-    def __str__(self) -> str:
-        lines = ["| device | " + " | ".join(MEMORY_KINDS) + " |", "|---" * (len(MEMORY_KINDS) + 1) + "|"]
-        for dev, per in self.bytes.items():
-            lines.append(f"| {dev} | " + " | ".join(str(per.get(k, 0)) for k in MEMORY_KINDS) + " |")
-        lines.append(f"offloaded optimizer chunks: {list(self.offload_optim_chunks)}; parameter chunks: {list(self.offload_param_chunks)}")
-        return "\n".join(lines)
-
-
-class _IncompatibleKeys(NamedTuple):
-    missing_keys: list[str]
-    unexpected_keys: list[str]
+def _tensors_in(out) -> list[torch.Tensor]:
+    """Tensors in a forward's output: nested tuples, lists, dicts and mappings (HF ``ModelOutput``)."""
+    leaves, _ = tree_flatten(out)
+    found = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif hasattr(leaf, "values") and callable(leaf.values) and not isinstance(leaf, (str, bytes)):
+            found.extend(_tensors_in(list(leaf.values())))
+    return found
 
 
 class ZeroDDP(nn.Module):
@@ -226,22 +147,27 @@ class ZeroDDP(nn.Module):
         chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
         mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient
             reduction; the optimizer always updates fp32 master shards. Floating inputs are cast to it.
+        prefetch: chunks gathered ahead of use, in the order recorded during the previous step
+            (Gemini's ``max_prefetch``); with ``prefetch > 0`` all-gathers and reduce-scatters are
+            asynchronous and overlap the computation. ``0``: gather on first use, blocking collectives.
         reshard_after_forward: release sharded chunks after their use in forward (ZeRO-3); ``False``
             keeps them gathered from forward until the backward reduces them (fewer gathers, more memory).
-        find_unused_parameters: reduce a zero gradient for parameters that got none, instead of raising.
+        find_unused_parameters: reduce a zero gradient for parameters that got none on any rank,
+            instead of raising (the optimizer then skips them, as torch skips ``grad is None``).
         offload_optim_frac: fraction of trainable chunks (first in chunk order, rounded up) whose fp32
-            master, gradient and optimizer state live on CPU.
-        offload_param_frac: fraction of sharded chunks whose low-precision parameter shard lives on CPU.
+            master, gradient and optimizer state live on the host.
+        offload_param_frac: fraction of sharded chunks whose compute-dtype parameter shard lives on the
+            host between uses (their master too); each gather copies it to the device first.
         keep_gathered: parameters to pack into keep-gathered (never sharded, all-reduced) chunks: an
             iterable of names (any alias matches) or a predicate ``name -> bool``.
 
     Shard-level API (for checkpoints): :attr:`layout`, :attr:`rank`, :attr:`world_size`,
     :attr:`process_group`, :attr:`chunks`, :meth:`master_shard`, :meth:`low_precision_shard`,
-    :meth:`grad_shard`, :meth:`load_master_shard`.
+    :meth:`grad_shard`, :meth:`load_master_shard`, :meth:`synchronize`.
 
     Raises:
-        ConfigError: a bad argument, a module without trainable floating parameters, parameters
-            on several devices, or a non-floating parameter.
+        ConfigError: a bad argument, a module without parameters, parameters on several devices, or a
+            non-floating parameter.
     """
 
     def __init__(
@@ -251,6 +177,7 @@ class ZeroDDP(nn.Module):
         process_group=None,
         chunk_size: int | None = None,
         mixed_precision: str = "fp32",
+        prefetch: int = 1,
         reshard_after_forward: bool = True,
         find_unused_parameters: bool = False,
         offload_optim_frac: float = 0.0,
@@ -263,10 +190,12 @@ class ZeroDDP(nn.Module):
         if mixed_precision not in _MIXED_PRECISION:
             raise ConfigError(f"mixed_precision must be one of {sorted(_MIXED_PRECISION)}, got {mixed_precision!r}")
         for name, frac in (("offload_optim_frac", offload_optim_frac), ("offload_param_frac", offload_param_frac)):
-            if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+            if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
                 raise ConfigError(f"{name} must be a number in [0, 1], got {frac!r}")
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch must be a non-negative int (chunks), got {prefetch!r}")
 
         self.module = module
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -277,6 +206,7 @@ class ZeroDDP(nn.Module):
         self.rank: int = dist.get_rank(process_group) if process_group is not None else 0
         self.mixed_precision = mixed_precision
         self.compute_dtype: torch.dtype = TORCH_DTYPES[_MIXED_PRECISION[mixed_precision]]
+        self.prefetch = prefetch
         self.reshard_after_forward = bool(reshard_after_forward)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.offload_optim_frac = float(offload_optim_frac)
@@ -312,8 +242,10 @@ class ZeroDDP(nn.Module):
         # ---- placement (offload) decisions
         trainable = [c.index for c in self.layout.chunks if c.requires_grad]
         sharded = [c.index for c in self.layout.chunks if not c.keep_gathered]
-        self.offload_optim_chunks: tuple[int, ...] = tuple(trainable[: _offload_count(self.offload_optim_frac, len(trainable))])
         self.offload_param_chunks: tuple[int, ...] = tuple(sharded[: _offload_count(self.offload_param_frac, len(sharded))])
+        optim_off = set(trainable[: _offload_count(self.offload_optim_frac, len(trainable))])
+        optim_off |= {i for i in self.offload_param_chunks if self.layout.chunks[i].requires_grad}
+        self.offload_optim_chunks: tuple[int, ...] = tuple(sorted(optim_off))
         cpu = torch.device("cpu")
 
         # ---- build the chunks (one full chunk in memory at a time)
@@ -324,6 +256,7 @@ class ZeroDDP(nn.Module):
         self._entries: dict[str, _Entry] = {}
         self._chunk_by_storage: dict[int, Chunk] = {}
         divide_first = mixed_precision == "fp16"
+        tensor_index = {t.name: i for i, t in enumerate(self.layout.tensors)}
         for info in self.layout.chunks:
             placements = self.layout.chunk_tensors(info.index)
             initial = torch.zeros(info.size, dtype=torch.float32, device=self.device)
@@ -346,23 +279,34 @@ class ZeroDDP(nn.Module):
             del initial
             self.chunks.append(chunk)
             for t in placements:
-                e = _Entry(by_name[t.name], t.name, chunk, t)
+                e = _Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t)
                 self._entries[t.name] = e
                 self._entries_by_id[id(e.param)] = e
             if not chunk.resident:
                 self._chunk_by_storage[chunk.storage_key] = chunk
 
-        # ---- hooks
-        self._hook_handles = []
-        for e in self._entries.values():
-            if e.param.requires_grad:
-                self._hook_handles.append(e.param.register_post_accumulate_grad_hook(self._make_post_grad_hook(e)))
-
+        # ---- collectives, hooks, per-step state
+        self._sched = Scheduler(self.chunks, num_tensors=len(self.layout.tensors), prefetch=prefetch,
+                                group=collectives.agreement_group(process_group), world_size=self.world_size)
+        self._trainable = [e for e in self._entries.values() if e.param.requires_grad]
+        self._hook_handles = [e.param.register_post_accumulate_grad_hook(self._make_post_grad_hook(e)) for e in self._trainable]
+        for sub in module.modules():
+            self._hook_handles.append(sub.register_forward_pre_hook(self._submodule_pre_hook))
+            self._hook_handles.append(sub.register_forward_hook(self._submodule_post_hook, always_call=True))
         self._sync = True
+        self._in_engine = False
+        self._phase: str | None = None
+        self._mode_stack: list[tuple[nn.Module, ParamAccessMode]] = []
         self._release_in_forward = True
         self._fwd_used: dict[int, set[str]] = {}
-        self._bwd_grads: set[str] = set()
+        self._bwd_grads: set[int] = set()
         self._finalize_queued = False
+        self._pending_error: Exception | None = None
+        self._placeholders_set = False
+        self.backward_passes = 0
+        """Backward passes through this model finished so far (ZeroOptimizer checks fp16 scaling with it)."""
+        self.grad_received = torch.zeros(len(self.layout.tensors), dtype=torch.bool)
+        """Per layout tensor: whether it received a gradient on some rank since the last ``zero_grad``."""
 
     # ================================================================== construction helpers
     @staticmethod
@@ -384,154 +328,263 @@ class ZeroDDP(nn.Module):
         """Run the wrapped module with chunks gathered on use (see the module docstring).
 
         Floating-point tensor inputs are cast to the compute dtype in bf16/fp16.
+
+        Raises:
+            UnusedParameterError: the previous backward left a parameter without a gradient on every rank.
         """
+        self.raise_pending_error()
+        self._clear_placeholders()
         if self.compute_dtype != torch.float32:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         grad_enabled = torch.is_grad_enabled()
         self._release_in_forward = self.reshard_after_forward or not grad_enabled
         self._fwd_used = {}
+        self._phase = FORWARD
+        self._sched.start(FORWARD)
         try:
-            with _ParamAccessMode(self):
+            with self._intercepting():
                 if grad_enabled:
                     with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                        return self.module(*args, **kwargs)
-                return self.module(*args, **kwargs)
+                        out = self.module(*args, **kwargs)
+                else:
+                    out = self.module(*args, **kwargs)
         finally:
+            self._phase = None
             self._fwd_used = {}
+            self._sched.end(FORWARD, prefetch_next=BACKWARD if grad_enabled else None)
+            keep = self._sched.prefetched_for(BACKWARD) if grad_enabled else set()
             for c in self.chunks:
-                self._rest(c, release=self._release_in_forward)
+                self._rest(c, release=self._release_in_forward and c.index not in keep)
+        if grad_enabled:
+            for t in _tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(self._output_grad_hook)
+        return out
 
     def _cast_input(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype == torch.float32:
             return x.to(self.compute_dtype)
         return x
 
+    @contextlib.contextmanager
+    def _intercepting(self):
+        mode = ParamAccessMode(self)
+        self._mode_stack.append((self, mode))
+        try:
+            with mode:
+                yield
+        finally:
+            self._mode_stack.pop()
+
+    def intercepting(self):
+        """Context in which torch calls that use this model's parameters gather their chunks; a
+        ``ZeroOptimizer.backward`` runs the backward in it, so that a recomputation outside any module
+        call (``checkpoint(fn, ...)`` of a plain function) finds its parameters."""
+        return self._intercepting() if not self._mode_stack else contextlib.nullcontext()
+
+    def _use_chunk(self, c: Chunk) -> None:
+        """Have ``c`` gathered for a computation now (forward, or a recomputation in backward)."""
+        if c.resident:
+            return
+        if self._phase is BACKWARD and c.pinned is None:
+            c.pinned = "recompute"  # kept until its gradients are final: the recomputed graph needs it
+        self._sched.ensure(c, self._phase or FORWARD)
+
     def _run_op(self, entries: list[_Entry], func, args, kwargs):
         if len(entries) > 1:
             entries = list({id(e): e for e in entries}.values())
         for e in entries:
-            c = e.chunk
-            if not c.is_gathered:
-                c.gather()
-            c.states.transition(e.name, S.COMPUTE)
+            self._use_chunk(e.chunk)
+            if e.chunk.states.state(e.name) in (S.FREE, S.HOLD):
+                e.chunk.states.transition(e.name, S.COMPUTE)
         try:
             return func(*args, **kwargs)
         finally:
             for e in entries:
                 c = e.chunk
-                c.states.transition(e.name, S.HOLD)
+                if c.states.state(e.name) is S.COMPUTE:
+                    c.states.transition(e.name, S.HOLD)
+                if self._phase is not FORWARD:
+                    continue
                 used = self._fwd_used.setdefault(c.index, set())
                 used.add(e.name)
                 if (
                     self._release_in_forward
-                    and not c.keep_gathered
+                    and not c.resident
                     and len(used) == c.states.num_tensors
                     and c.states.can_release
                 ):
                     c.release()
 
+    # ------------------------------------------------------------------ submodule calls outside forward
+    @_engine_code
+    def _submodule_pre_hook(self, module, args):
+        if self._mode_stack:
+            return  # inside ZeroDDP.forward, or already intercepting
+        if torch._C._current_autograd_node() is not None:
+            # called while the autograd engine runs a node: a recomputation (activation checkpointing)
+            self._begin_backward()
+        elif torch.is_grad_enabled():
+            raise ConfigError(
+                f"{type(module).__name__} (inside a ZeroDDP) was called directly with gradients enabled: call the "
+                "ZeroDDP wrapper itself (model(...)) so that its backward can re-gather the chunks; under "
+                "torch.no_grad() submodules may be called directly (e.g. model.module.generate(...))")
+        else:
+            self._phase = OUTSIDE
+            self._sched.start(OUTSIDE)
+        mode = ParamAccessMode(self)
+        mode.__enter__()
+        self._mode_stack.append((module, mode))
+
+    @_engine_code
+    def _submodule_post_hook(self, module, args, output):
+        if not self._mode_stack or self._mode_stack[-1][0] is not module:
+            return
+        _, mode = self._mode_stack.pop()
+        mode.__exit__(None, None, None)
+        if self._phase is OUTSIDE:  # an inference call outside forward: release what it gathered
+            self._phase = None
+            self._sched.end(OUTSIDE)
+            for c in self.chunks:
+                self._rest(c, release=True)
+
     # ================================================================== backward
+    @_engine_code
     def _pack(self, t):
         e = self._entries_by_id.get(id(t))
         if e is not None and e.param is t:
-            return _SavedParam(e)
+            return SavedParam(self, e) if not e.chunk.resident else t
         if self._chunk_by_storage:
-            c = self._chunk_by_storage.get(_storage_key(t))
+            c = self._chunk_by_storage.get(storage_key(t))
             if c is not None:
-                return _SavedView(c, t)
+                return SavedView(self, c, t)
         return t
 
+    @_engine_code
     def _unpack(self, x):
-        if type(x) is _SavedParam:
+        if type(x) is SavedParam:
+            self._begin_backward()
             e = x.entry
-            self._queue_finalize()
-            c = e.chunk
-            if not c.is_gathered:
-                c.gather()
-            if c.states.state(e.name) is not S.READY_FOR_REDUCE:
-                c.states.transition(e.name, S.COMPUTE)
+            self._unpacked(e.chunk)
+            if e.chunk.states.state(e.name) in (S.FREE, S.HOLD):
+                e.chunk.states.transition(e.name, S.COMPUTE)
             return e.param
-        if type(x) is _SavedView:
-            self._queue_finalize()
-            if not x.chunk.is_gathered:
-                x.chunk.gather()
+        if type(x) is SavedView:
+            self._begin_backward()
+            self._unpacked(x.chunk)
             return x.tensor
         return x
 
-    def _queue_finalize(self) -> None:
+    def _unpacked(self, c: Chunk) -> None:
+        if torch.is_grad_enabled():  # a create_graph backward: the new graph keeps raw references
+            c.pinned = "graph"
+        self._sched.ensure(c, BACKWARD)
+
+    @_engine_code
+    def _saved_released(self, c: Chunk, e: _Entry | None) -> None:
+        """Autograd freed a saved reference to ``c`` (``e``: the parameter it referred to)."""
+        c.saved_refs -= 1
+        if e is not None and e.saved_refs == 0 and c.states.state(e.name) is S.COMPUTE:
+            c.states.transition(e.name, S.HOLD)
+        if self._phase is BACKWARD and c.saved_refs == 0 and c.pinned is None:
+            self._release_if_idle(c)
+
+    @staticmethod
+    def _release_if_idle(c: Chunk) -> None:
+        if c.is_gathered and not c.resident and c.states.count(S.COMPUTE) == 0 and c.states.count(S.HOLD_AFTER_BWD) == 0:
+            c.release()
+
+    @_engine_code
+    def _output_grad_hook(self, grad):
+        self._begin_backward()
+        return grad
+
+    def _begin_backward(self) -> None:
+        if self._phase is BACKWARD:
+            return
+        self._phase = BACKWARD
+        self._sched.start(BACKWARD)
+        self._clear_placeholders()
+        self._bwd_grads = set()
         if not self._finalize_queued:
             self._finalize_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _make_post_grad_hook(self, e: _Entry):
-        def hook(param):
-            self._queue_finalize()
-            c = e.chunk
-            grad = param.grad
-            param.grad = None
-            c.add_grad(e.name, e.placement, grad)
-            self._bwd_grads.add(e.name)
-            state = c.states.state(e.name)
-            if state is S.READY_FOR_REDUCE:
-                return
+        return lambda param: self._on_grad(e, param)
+
+    @_engine_code
+    def _on_grad(self, e: _Entry, param) -> None:
+        self._begin_backward()
+        c = e.chunk
+        grad = param.grad
+        param.grad = None
+        c.add_grad(e.name, e.placement, grad)
+        self._bwd_grads.add(e.index)
+        state = c.states.state(e.name)
+        if state is not S.READY_FOR_REDUCE:
             if state in (S.FREE, S.HOLD):
                 c.states.transition(e.name, S.COMPUTE)
-            if state is not S.HOLD_AFTER_BWD:
-                c.states.transition(e.name, S.HOLD_AFTER_BWD)
+            c.states.transition(e.name, S.HOLD_AFTER_BWD)
             c.states.transition(e.name, S.READY_FOR_REDUCE)
             if c.states.can_reduce:
                 if self._sync:
-                    c.reduce()
-                self._rest(c, release=True)
+                    self._sched.mark_ready(c)
+                if c.pinned in (None, "recompute") and c.saved_refs == 0:
+                    self._release_if_idle(c)
 
-        return hook
-
+    @_engine_code
     def _finalize_backward(self) -> None:
-        """End of a backward pass: unused parameters, reduce leftovers, release, reset states."""
+        """End of a backward pass (autograd callback): agree on what got gradients, reduce what is
+        left, release, reset states. Never raises (an error is kept for :meth:`raise_pending_error`)."""
         self._finalize_queued = False
-        unused: list[str] = []
+        error = None
         try:
-            for c in self.chunks:
-                if not c.requires_grad:
-                    continue
-                missing = [t for t in c.placements if t.name not in self._bwd_grads]
-                if not missing:
-                    continue
-                if not self.find_unused_parameters:
-                    unused.extend(t.name + (f" (alias {', '.join(t.aliases)})" if t.aliases else "") for t in missing)
-                    continue
-                for t in missing:
-                    self._to_ready(c, t.name)
-                if self._sync:
-                    c.reduce()
+            used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
+            if self._bwd_grads:
+                used[sorted(self._bwd_grads)] = 1
+            received = self._sched.end(BACKWARD, used) > 0
+            self.backward_passes += 1
+            trainable = self._trainable
+            if any(bool(received[e.index]) for e in trainable):
+                unused = [e for e in trainable if not received[e.index]]
+                if unused and not self.find_unused_parameters:
+                    error = UnusedParameterError(
+                        f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: "
+                        + ", ".join(e.name + (f" (alias {', '.join(e.placement.aliases)})" if e.placement.aliases else "")
+                                    for e in unused)
+                        + ". Make every parameter take part in the loss, freeze it (requires_grad=False) before "
+                        "wrapping, or pass find_unused_parameters=True to reduce a zero gradient for it.")
+                    for c in self.chunks:
+                        c.discard_grad_buffer()
+                else:
+                    self.grad_received |= received.to(torch.bool)
+                    if self._sync:
+                        self._sched.final_reduce()
+        except Exception as e:  # noqa: BLE001 - kept and raised outside the autograd engine
+            error = e
         finally:
+            self._phase = None
             self._bwd_grads = set()
             for c in self.chunks:
+                # a create_graph backward's chunks stay for the next backward; every other pin ends here
+                c.pinned = "graph-held" if c.pinned == "graph" else None
                 self._rest(c, release=True)
-        if unused:
-            for c in self.chunks:
-                c.discard_grad_buffer()
-            raise UnusedParameterError(
-                f"{len(unused)} parameter(s) received no gradient in this backward pass: {', '.join(unused)}. "
-                "Make every parameter take part in the loss, freeze it (requires_grad=False) before wrapping, "
-                "or pass find_unused_parameters=True to reduce a zero gradient for it."
-            )
+            self._set_placeholders()
+        if error is not None:
+            self._pending_error = error
 
-    @staticmethod
-    def _to_ready(c: Chunk, name: str) -> None:
-        state = c.states.state(name)
-        if state is S.FREE:
-            c.states.transition(name, S.HOLD)
-            state = S.HOLD
-        if state is S.COMPUTE:
-            c.states.transition(name, S.HOLD_AFTER_BWD)
-            state = S.HOLD_AFTER_BWD
-        if state is not S.READY_FOR_REDUCE:
-            c.states.transition(name, S.READY_FOR_REDUCE)
+    def raise_pending_error(self) -> None:
+        """Raise (once) the error the last backward found, if any (ZeroOptimizer calls it)."""
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise error
 
     @staticmethod
     def _rest(c: Chunk, *, release: bool) -> None:
-        """Bring every tensor of ``c`` to its resting state (HOLD if gathered else FREE); maybe release."""
+        """Bring every tensor of ``c`` to its resting state (HOLD if gathered else FREE); maybe release
+        (never a pinned chunk)."""
+        release = release and c.pinned is None
         target = S.HOLD if c.is_gathered else S.FREE
         for t in c.placements:
             state = c.states.state(t.name)
@@ -545,14 +598,32 @@ class ZeroDDP(nn.Module):
                 state = S.HOLD
             if state is not target:
                 c.states.transition(t.name, target)
-        if release and not c.keep_gathered and c.is_gathered:
+        if release and not c.resident and c.is_gathered:
             c.release()
 
+    # ------------------------------------------------------------------ placeholders
+    def _set_placeholders(self) -> None:
+        for e in self._trainable:
+            if e.param.grad is None and bool(self.grad_received[e.index]):
+                if e.placeholder is None:
+                    e.placeholder = ShardedGradPlaceholder(e.param, e.name)
+                e.param.grad = e.placeholder
+                self._placeholders_set = True
+
+    def _clear_placeholders(self) -> None:
+        if self._placeholders_set:
+            for e in self._trainable:
+                if e.param.grad is e.placeholder:
+                    e.param.grad = None
+            self._placeholders_set = False
+
+    # ================================================================== gradients
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (full-chunk gradient buffers, compute dtype) without reducing.
 
-        The first backward outside the context reduces everything accumulated so far.
+        The first backward outside the context reduces everything accumulated so far (and so does
+        ``ZeroOptimizer.step`` after backwards that all ran inside it).
         """
         previous = self._sync
         self._sync = False
@@ -560,17 +631,32 @@ class ZeroDDP(nn.Module):
             yield
         finally:
             self._sync = previous
+            self.synchronize()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop all accumulated gradients (buffers and fp32 gradient shards)."""
+    def synchronize(self) -> None:
+        """Wait for every collective in flight (prefetched gathers, gradient reductions)."""
+        self._sched.wait_all()
+
+    def finish_gradients(self) -> None:
+        """Complete every gradient reduction (collective): waits for those in flight, and reduces
+        gradients still accumulated locally (backwards that ran under :meth:`no_sync`)."""
+        self._sched.wait_all()
+        self._sched.final_reduce()
+        self._sched.wait_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the shards are always dropped
+        """Drop all accumulated gradients (buffers, reductions in flight and fp32 gradient shards)."""
+        self._clear_placeholders()
         for c in self.chunks:
             c.zero_grad()
+        self.grad_received.zero_()
 
     # ================================================================== shard-level API
     def master_shard(self, chunk: int) -> torch.Tensor:
         """This rank's fp32 master shard of ``chunk``: the live 1-D tensor of ``layout.shard_numel(chunk)``
-        elements (a keep-gathered chunk's whole size), padding included (zeros)."""
-        return self.chunks[chunk].master.detach()
+        elements (a keep-gathered chunk's whole size), padding included (zeros). A frozen chunk keeps
+        no master: a fresh fp32 cast of its compute-dtype shard is returned."""
+        return self.chunks[chunk].master_values()
 
     def low_precision_shard(self, chunk: int) -> torch.Tensor:
         """This rank's compute-dtype shard of ``chunk`` (1-D, ``shard_numel``): the master itself in fp32;
@@ -580,7 +666,8 @@ class ZeroDDP(nn.Module):
 
     def grad_shard(self, chunk: int) -> torch.Tensor | None:
         """This rank's reduced fp32 gradient shard of ``chunk`` (1-D, ``shard_numel``), or ``None``."""
-        return self.chunks[chunk].master.grad
+        master = self.chunks[chunk].master
+        return None if master is None else master.grad
 
     def load_master_shard(self, chunk: int, shard: torch.Tensor) -> None:
         """Overwrite this rank's fp32 master shard of ``chunk`` and refresh the low-precision shard.
@@ -594,6 +681,7 @@ class ZeroDDP(nn.Module):
         c = self.chunks[chunk]
         if tuple(shard.shape) != (c.shard_numel,):
             raise ShapeMismatchError(f"chunk {chunk} master shard", (c.shard_numel,), tuple(shard.shape))
+        self.synchronize()
         c.load_master(shard)
 
     # ================================================================== state dict
@@ -605,22 +693,8 @@ class ZeroDDP(nn.Module):
         is gathered at a time. Keys are the wrapped module's (no ``module.`` prefix); with
         ``destination`` (a parent module's ``state_dict``) they are added to it under ``prefix``.
         """
-        params: dict[str, torch.Tensor] = {}
-        for c in self.chunks:
-            full = c.gather_master()
-            for t in c.placements:
-                value = full[t.offset : t.end].view(t.shape).to("cpu", copy=True)
-                for n in t.names:
-                    params[n] = value
-            del full
-        out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if key in params:
-                out[key] = params[key]
-            elif isinstance(value, torch.Tensor):
-                out[key] = value.detach().to("cpu", copy=True)
-            else:
-                out[key] = value
+        self.synchronize()
+        out = full_state_dict(self)
         if destination is not None:
             for k, v in out.items():
                 destination[prefix + k] = v
@@ -640,48 +714,13 @@ class ZeroDDP(nn.Module):
             ShapeMismatchError: a tensor's shape differs (names the key and both shapes).
             CheckpointError: with ``strict``, any missing or unexpected key (all listed); nothing loaded.
         """
-        module_sd = self.module.state_dict(keep_vars=True)
-        buffer_keys = [k for k in module_sd if k not in self.layout]
-        missing: list[str] = []
-        chosen: dict[str, torch.Tensor] = {}
-        for t in self.layout.tensors:
-            present = [n for n in t.names if n in state_dict]
-            if not present:
-                missing.extend(t.names)
-                continue
-            for n in present:
-                got = tuple(state_dict[n].shape)
-                if got != t.shape:
-                    raise ShapeMismatchError(n, t.shape, got)
-            chosen[t.name] = state_dict[present[0]]
-        named_buffers = dict(self.module.named_buffers())
-        for k in buffer_keys:
-            if k not in state_dict:
-                missing.append(k)
-            elif k in named_buffers and tuple(state_dict[k].shape) != tuple(named_buffers[k].shape):
-                raise ShapeMismatchError(k, tuple(named_buffers[k].shape), tuple(state_dict[k].shape))
-        known = set(self.layout.all_names) | set(buffer_keys)
-        unexpected = [k for k in state_dict if k not in known]
-        if strict and (missing or unexpected):
-            raise CheckpointError(
-                "Error(s) in loading state_dict for ZeroDDP: "
-                + (f"missing keys: {missing}. " if missing else "")
-                + (f"unexpected keys: {unexpected}." if unexpected else "")
-            )
-        for c in self.chunks:
-            values = {t.name: chosen[t.name] for t in c.placements if t.name in chosen}
-            if values:
-                c.load_master(c.shard_from_full(values, base=c.master.detach()))
-        with torch.no_grad():
-            for k in buffer_keys:
-                if k in state_dict and k in named_buffers:
-                    named_buffers[k].copy_(state_dict[k])
-        return _IncompatibleKeys(missing, unexpected)
+        self.synchronize()
+        return load_full_state_dict(self, state_dict, strict)
 
     # ================================================================== memory
     def memory_report(self, optimizer=None) -> MemoryReport:
         """Bytes this rank holds now, per device and kind (see :class:`MemoryReport`), with the
-        offload decisions.
+        offload decisions and the peak number of gathered chunks.
 
         Args:
             optimizer: the :class:`~torch_backend.ZeroOptimizer` over this model, whose state shards
@@ -701,15 +740,25 @@ class ZeroDDP(nn.Module):
         if optimizer is not None:
             for device, n in optimizer.state_bytes():
                 add(device, "optimizer_states", n)
-        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks)
+        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks, self._sched.peak_gathered)
 
     def gathered_chunks(self) -> list[int]:
-        """Indices of sharded chunks gathered right now (resident chunks — keep-gathered, or every
-        chunk when the world size is 1 — are not listed)."""
-        return [c.index for c in self.chunks if c.is_gathered and not c.resident]
+        """Indices of sharded chunks gathered, or being gathered, right now (resident chunks —
+        keep-gathered, or every chunk when the world size is 1 without parameter offload — are not
+        listed)."""
+        return [c.index for c in self.chunks if not c.resident and (c.is_gathered or c.gather_in_flight)]
+
+    @property
+    def collective_stats(self) -> dict[str, int]:
+        """``rounds`` (vote all-reduces), ``gathers`` (all-gathers issued), ``misses`` (uses of a chunk not
+        gathered ahead), ``peak_gathered_chunks`` and ``order_recordings`` (how often the prefetch order
+        was recorded) so far."""
+        s = self._sched
+        return {"rounds": s.rounds, "gathers": s.gathers, "misses": s.misses, "peak_gathered_chunks": s.peak_gathered,
+                "order_recordings": sum(o.recordings for o in s.orders.values())}
 
     def extra_repr(self) -> str:
         return (
             f"world_size={self.world_size}, rank={self.rank}, mixed_precision={self.mixed_precision!r}, "
-            f"chunks={len(self.chunks)}, chunk_size={self.layout.chunk_size}"
+            f"chunks={len(self.chunks)}, chunk_size={self.layout.chunk_size}, prefetch={self.prefetch}"
         )

@@ -150,7 +150,9 @@ class ZeroOptimizer:
         """``(loss * loss_scale).backward()``; records the scale so ``step`` unscales by it."""
         scale = self.scaler.scale if self.fp16 else 1.0
         self._grad_scale = scale
-        (loss * scale if scale != 1.0 else loss).backward()
+        with self.model.intercepting():
+            (loss * scale if scale != 1.0 else loss).backward()
+        self.model.raise_pending_error()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002
         """Drop all gradients (the model's buffers and the fp32 gradient shards)."""
@@ -176,6 +178,8 @@ class ZeroOptimizer:
         Returns:
             ``True`` if the update was applied, ``False`` if it was skipped (overflow).
         """
+        self.model.raise_pending_error()
+        self.model.finish_gradients()
         sq = self._global_sq_norm()
         scale = float(self._grad_scale)
         if not math.isfinite(sq):

@@ -49,12 +49,18 @@ def test_single_process_without_process_group_matches_torch():
 
 def test_unused_parameter_error_names_it_single_process():
     model = ZeroDDP(zero_cases.Odd(with_unused=True), chunk_size=100)
+    optim = ZeroOptimizer(model, torch.optim.SGD, lr=0.1)
     (batch,) = zero_cases.batches("odd", 1, 2)
+    # raised right after the backward by optim.backward; never from inside the autograd engine
     with pytest.raises(UnusedParameterError, match=r"pass: unused\."):
-        zero_cases.odd_loss(model, batch).backward()
-    # the model is usable afterwards: the next backward raises again, not an illegal transition
+        optim.backward(zero_cases.odd_loss(model, batch))
+    # after a plain backward it is raised by the next forward (or step), once
+    zero_cases.odd_loss(model, batch).backward()
     with pytest.raises(UnusedParameterError):
-        zero_cases.odd_loss(model, batch).backward()
+        zero_cases.odd_loss(model, batch)
+    # the model is usable afterwards: no illegal transition, nothing left gathered
+    model.raise_pending_error()
+    assert model.gathered_chunks() == []
 
 
 @pytest.mark.parametrize(

@@ -332,6 +332,7 @@ def worker_features(rank: int, world: int):
     strict_model = ZeroDDP(Odd(with_unused=True), chunk_size=odd_cs, keep_gathered=odd_kg)
     try:
         odd_loss_fn(strict_model, micro(batch, rank, world)).backward()
+        strict_model.raise_pending_error()  # kept by the backward, raised outside the autograd engine
         raise AssertionError("unused parameter not reported")
     except UnusedParameterError as e:
         assert "pass: unused." in str(e) and "find_unused_parameters" in str(e), str(e)

@@ -1,0 +1,49 @@
+"""What a rank holds, by device and kind: :class:`MemoryReport` (``ZeroDDP.memory_report``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["MEMORY_KINDS", "MemoryReport"]
+
+MEMORY_KINDS = ("parameters", "gathered_buffers", "gradients", "fp32_master", "optimizer_states")
+
+
+@dataclass
+class MemoryReport:
+    """Bytes this rank holds, per device and kind, plus the placement decisions.
+
+    Attributes:
+        bytes: ``{device: {kind: bytes}}``, each tensor counted on the device it is on now, with kinds
+            ``parameters`` (persistent compute-dtype parameter shards — the fp32 master itself in
+            fp32 — keep-gathered chunks whole), ``gathered_buffers`` (sharded chunks gathered or
+            being gathered now), ``gradients`` (chunk gradient buffers, reductions in flight and fp32
+            gradient shards), ``fp32_master`` (master shards held apart from the parameter shard: 0
+            in fp32, where they coincide; none for frozen chunks), ``optimizer_states`` (the
+            ZeroOptimizer's state shards, when it is passed).
+        offload_optim_chunks: chunk indices whose master, gradient and optimizer state are on the host.
+        offload_param_chunks: chunk indices whose parameter shard is on the host.
+        peak_gathered_chunks: the most sharded chunks gathered at once so far.
+    """
+
+    bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    offload_optim_chunks: tuple[int, ...] = ()
+    offload_param_chunks: tuple[int, ...] = ()
+    peak_gathered_chunks: int = 0
+
+    def total(self, kind: str | None = None, device: str | None = None) -> int:
+        """Bytes of ``kind`` (all kinds when ``None``) on ``device`` (all devices when ``None``)."""
+        return sum(b for dev, per in self.bytes.items() if device is None or dev == device
+                   for k, b in per.items() if kind is None or k == kind)
+
+    def model_state_bytes(self) -> int:
+        """Parameters + gradients + fp32 master + optimizer states (gathered buffers excluded)."""
+        return self.total() - self.total("gathered_buffers")
+
+    def __str__(self) -> str:
+        lines = ["| device | " + " | ".join(MEMORY_KINDS) + " |", "|---" * (len(MEMORY_KINDS) + 1) + "|"]
+        for dev, per in self.bytes.items():
+            lines.append(f"| {dev} | " + " | ".join(str(per.get(k, 0)) for k in MEMORY_KINDS) + " |")
+        lines.append(f"offloaded optimizer chunks: {list(self.offload_optim_chunks)}; parameter chunks: "
+                     f"{list(self.offload_param_chunks)}; peak gathered chunks: {self.peak_gathered_chunks}")
+        return "\n".join(lines)

@@ -1,0 +1,276 @@
+"""Which chunk collectives to issue, and when — decided identically on every rank.
+
+Ranks may use different chunks in one step (an MoE expert that gets tokens on one rank only, a
+data-dependent branch) or use them in a different order, so a collective cannot simply follow each
+rank's own use order: two ranks would issue different all-gathers at the same moment and the job
+would abort or, worse, mix two chunks' shards. Every chunk collective is therefore decided in a
+**round**: each rank contributes a small vector of votes and one all-reduce (SUM) of it gives every
+rank the same decision, which each issues in the same order (gathers by chunk index, then reductions
+by chunk index):
+
+- ``want[c]`` — this rank needs chunk ``c`` gathered (now, or ahead of use: prefetch). Any vote
+  gathers it on every rank (a rank that has it already gathers it again in place).
+- ``ready[c]`` — this rank's gradient contribution to ``c`` is final. A chunk is reduced when every
+  rank is ready and at least one has a gradient (``has_grad[c]``); a rank without one takes part
+  with zeros (data-parallel averaging, as DDP with unused parameters).
+- ``done`` — this rank has finished the current forward or backward; rounds continue until all are
+  (so a rank that finished early still serves the others' gathers and reductions).
+- ``used[t]`` — at the end of a backward, which tensors received a gradient here (the sum tells
+  which received none on any rank).
+
+A round happens only where a rank needs a decision: at a miss (a chunk used while not gathered), when
+the prefetch window has room, when a gradient chunk is ready with nothing else pending (``prefetch=0``),
+and at the end of each forward and backward. Rounds pair up across ranks in sequence whatever each
+rank votes for, so ranks never diverge; at world size 1 there are none. Prefetch follows the order in
+which chunks were first used during the previous step (Gemini's ``max_prefetch`` over its recorded
+order), re-recorded whenever the order changes; a chunk used out of that order is simply a miss.
+
+With ``prefetch > 0`` all-gathers and reduce-scatters are issued asynchronously (gloo work handles;
+CUDA: a communication stream, see :mod:`torch_backend.collectives`) so the prefetched gathers and
+the reductions of finished chunks overlap the computation; at most ``max(1, prefetch)`` reductions
+are in flight (the oldest is completed first), which bounds the gradient memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from . import collectives
+from .chunks import Chunk
+
+__all__ = ["AccessOrder", "Scheduler"]
+
+FORWARD, BACKWARD, OUTSIDE = "forward", "backward", "outside"
+"""Phases with their own recorded order; OUTSIDE: a submodule called directly under ``no_grad``."""
+
+
+class AccessOrder:
+    """The order in which chunks were first used (after each gather) in one phase of the last step.
+
+    ``previous`` is the recorded order (``None`` before the first step); ``current`` is being recorded.
+    :meth:`upcoming` names the chunks expected next, for prefetch.
+    """
+
+    def __init__(self):
+        self.previous: list[int] | None = None
+        self.current: list[int] = []
+        self.pos = 0
+        self.in_step = True
+        self.recordings = 0
+        """How many times the order was (re-)recorded."""
+
+    def start(self) -> None:
+        self.current = []
+        self.pos = 0
+        self.in_step = self.previous is not None
+
+    def access(self, chunk: int) -> None:
+        self.current.append(chunk)
+        prev = self.previous
+        if prev is None or not self.in_step:
+            return
+        if self.pos < len(prev) and prev[self.pos] == chunk:
+            self.pos += 1
+            return
+        try:  # the order changed: resume after the next occurrence, if any
+            self.pos = prev.index(chunk, self.pos) + 1
+        except ValueError:
+            self.in_step = False
+
+    def first(self, count: int) -> list[int]:
+        """Up to ``count`` distinct chunks expected first in the phase (from the recorded order)."""
+        return self._distinct(self.previous or [], count, None)
+
+    def upcoming(self, count: int, exclude: int | None = None) -> list[int]:
+        """Up to ``count`` distinct chunks expected after the current position."""
+        if not self.in_step:
+            return []
+        return self._distinct(self.previous[self.pos :], count, exclude)
+
+    @staticmethod
+    def _distinct(order: list[int], count: int, exclude: int | None) -> list[int]:
+        if count <= 0:
+            return []
+        out: list[int] = []
+        for c in order:
+            if c != exclude and c not in out:
+                out.append(c)
+                if len(out) == count:
+                    break
+        return out
+
+    def end(self) -> None:
+        if self.current and self.current != self.previous:
+            self.previous = list(self.current)
+            self.recordings += 1
+        self.current = []
+
+
+class Scheduler:
+    """Issues the chunk collectives of one :class:`~torch_backend.ZeroDDP` (see the module docstring).
+
+    Args:
+        chunks: every chunk, by index.
+        num_tensors: tensors in the layout (length of the ``used`` votes).
+        group: the agreement group (:func:`torch_backend.collectives.agreement_group`), ``None`` alone.
+        world_size: ranks in the data-parallel group.
+        prefetch: chunks gathered ahead of use; ``0``: no prefetch and blocking collectives.
+    """
+
+    def __init__(self, chunks: list[Chunk], *, num_tensors: int, group, world_size: int, prefetch: int):
+        self.chunks = chunks
+        self.n = len(chunks)
+        self.num_tensors = num_tensors
+        self.group = group
+        self.world_size = world_size
+        self.prefetch = prefetch
+        self.async_op = prefetch > 0
+        self.orders = {FORWARD: AccessOrder(), BACKWARD: AccessOrder(), OUTSIDE: AccessOrder()}
+        self.ready: set[int] = set()
+        self._reducing: deque[int] = deque()
+        self.rounds = 0
+        """Rounds (vote all-reduces) so far."""
+        self.gathers = 0
+        """All-gathers issued so far (prefetched or on demand)."""
+        self.misses = 0
+        """Uses of a chunk that was neither gathered nor being gathered (an on-demand gather)."""
+        self.peak_gathered = 0
+        """The most sharded chunks gathered or being gathered at once."""
+
+    # ------------------------------------------------------------------ phases
+    def start(self, phase: str) -> None:
+        """A forward or backward begins: chunks still gathered from the previous phase count as
+        not yet used in this one (so their first use is recorded)."""
+        self.orders[phase].start()
+        for c in self.chunks:
+            if not c.resident:
+                c.accessed = False
+
+    def end(self, phase: str, used: torch.Tensor | None = None, prefetch_next: str | None = None) -> torch.Tensor | None:
+        """Rounds until every rank has finished ``phase``; returns the summed ``used`` votes (backward).
+
+        ``prefetch_next``: the phase that follows, whose first recorded chunks are gathered now (the
+        backward's first chunks at the end of a forward, so the backward does not start on a miss).
+        """
+        self.orders[phase].end()
+        want = [] if prefetch_next is None else [
+            i for i in self.orders[prefetch_next].first(self.prefetch) if not self._present(self.chunks[i])]
+        if self.world_size == 1:
+            self._round(want=want)
+            return used
+        while True:
+            votes = self._round(want=want, done=True, used=used)
+            want = ()
+            if int(votes[3 * self.n]) == self.world_size:
+                return None if used is None else votes[3 * self.n + 1 :]
+
+    def prefetched_for(self, phase: str) -> set[int]:
+        """The first recorded chunks of ``phase`` (kept gathered across the phase boundary)."""
+        return set(self.orders[phase].first(self.prefetch))
+
+    # ------------------------------------------------------------------ gathers
+    def ensure(self, chunk: Chunk, phase: str) -> None:
+        """Make ``chunk`` gathered for use now: record its first use, prefetch what comes next."""
+        if chunk.accessed:
+            if chunk.gather_in_flight:
+                chunk.finish_gather()
+            return
+        chunk.accessed = True
+        order = self.orders[phase]
+        order.access(chunk.index)
+        upcoming = [i for i in order.upcoming(self.prefetch, exclude=chunk.index) if not self._present(self.chunks[i])]
+        if not self._present(chunk):
+            self.misses += 1
+            self._round(want=[chunk.index, *upcoming])
+        elif upcoming:
+            self._round(want=upcoming)
+        if chunk.gather_in_flight:
+            chunk.finish_gather()
+
+    @staticmethod
+    def _present(c: Chunk) -> bool:
+        return c.is_gathered or c.gather_in_flight
+
+    def gathered_count(self) -> int:
+        return sum(1 for c in self.chunks if not c.resident and (c.is_gathered or c.gather_in_flight))
+
+    # ------------------------------------------------------------------ reductions
+    def mark_ready(self, chunk: Chunk) -> None:
+        """``chunk``'s gradient contribution on this rank is final; it is reduced once every rank's is."""
+        self.ready.add(chunk.index)
+        if self.world_size == 1:
+            self._reduce(chunk.index)
+        elif not self.async_op:
+            self._round(want=())
+
+    def final_reduce(self) -> None:
+        """End of a synced backward: every chunk with a gradient on some rank is reduced (collective)."""
+        for c in self.chunks:
+            if c.requires_grad:
+                self.ready.add(c.index)
+        if self.world_size == 1:
+            for i in sorted(self.ready):
+                if self.chunks[i].has_grad:
+                    self._reduce(i)
+            self.ready.clear()
+            return
+        self._round(want=())
+        self.ready.clear()
+
+    def wait_all(self) -> None:
+        """Complete every collective in flight (gathers and reductions)."""
+        for c in self.chunks:
+            if c.gather_in_flight:
+                c.finish_gather()
+        while self._reducing:
+            self.chunks[self._reducing.popleft()].finish_reduces()
+
+    def _reduce(self, index: int) -> None:
+        self.ready.discard(index)
+        c = self.chunks[index]
+        c.begin_reduce(async_op=self.async_op and self.world_size > 1)
+        self._reducing.append(index)
+        while len(self._reducing) > max(1, self.prefetch) or (self._reducing and not self.async_op):
+            self.chunks[self._reducing.popleft()].finish_reduces()
+
+    # ------------------------------------------------------------------ rounds
+    def _round(self, *, want=(), done: bool = False, used: torch.Tensor | None = None) -> torch.Tensor:
+        """One vote all-reduce, then the decided collectives, in the same order on every rank."""
+        n = self.n
+        if self.world_size == 1:
+            for i in sorted(set(want)):
+                self._gather(i)
+            for i in sorted(self.ready):
+                self._reduce(i)
+            return torch.zeros(0, dtype=torch.int32)
+        votes = torch.zeros(3 * n + 1 + self.num_tensors, dtype=torch.int32)
+        if want:
+            votes[list(want)] = 1
+        for i in self.ready:
+            votes[n + i] = 1
+            if self.chunks[i].has_grad:
+                votes[2 * n + i] = 1
+        votes[3 * n] = int(done)
+        if used is not None:
+            votes[3 * n + 1 :] = used
+        collectives.agree(votes, self.group)
+        self.rounds += 1
+        decided = votes[:n].nonzero().flatten().tolist()
+        for i in decided:
+            self._gather(i)
+        ready, has_grad = votes[n : 2 * n], votes[2 * n : 3 * n]
+        for i in ((ready == self.world_size) & (has_grad > 0)).nonzero().flatten().tolist():
+            self._reduce(i)
+        return votes
+
+    def _gather(self, index: int) -> None:
+        c = self.chunks[index]
+        if c.resident:
+            return
+        c.begin_gather(async_op=self.async_op)
+        self.gathers += 1
+        if not self.async_op:
+            c.finish_gather()
+        self.peak_gathered = max(self.peak_gathered, self.gathered_count())
