@@ -171,7 +171,11 @@ class TrainConfig:
             ConfigError: one line naming the option at fault.
         """
         for f, opt in option_fields():
-            why = opt.problem(getattr(self, f.name))
+            value, kind = getattr(self, f.name), option_kind(f)
+            accepted = {float: (float, int), list: (list, tuple)}.get(kind, kind)
+            if value is not None and not isinstance(value, accepted):
+                raise ConfigError(f"{flag_of(f)} must be {_KIND_NOUNS[kind]}, got {value!r}")
+            why = opt.problem(value)
             if why is not None:
                 raise ConfigError(f"{flag_of(f)} {why}")
         if self.engine == "ddp" and self.mixed_precision != "fp32":
@@ -180,6 +184,10 @@ class TrainConfig:
             raise ConfigError("--save-interval and --resume need --engine zero (chunk checkpoints of ZeroDDP)")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
+
+
+_KIND_NOUNS = {bool: "True or False", int: "a whole number", float: "a number", str: "a string",
+               list: "a list of paths"}
 
 
 def option_fields() -> list[tuple[dataclasses.Field, Option]]:

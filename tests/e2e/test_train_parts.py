@@ -93,6 +93,8 @@ def test_option_bounds_are_the_config_bounds():
         if opt.choices:
             with pytest.raises(ConfigError, match=f"^{flag_of(f)} must be one of"):
                 TrainConfig(**{f.name: "nonsense"}).check()
+    with pytest.raises(ConfigError, match="^--steps must be a whole number, got '5'"):
+        TrainConfig(steps="5").check()
     with pytest.raises(ConfigError, match="--engine ddp .* fp32 only"):
         TrainConfig(engine="ddp", mixed_precision="bf16").check()
     with pytest.raises(ConfigError, match="cannot be combined with --overwrite"):
