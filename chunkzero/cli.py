@@ -14,7 +14,8 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -35,37 +36,59 @@ def fail(prog: str, message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _number(kind: type, minimum: float, *, inclusive: bool = True) -> Callable[[str], int | float]:
-    """An argparse ``type=`` that parses ``kind`` and checks it against ``minimum``."""
+def _value_type(kind: type, problem: Callable[[Any], str | None]) -> Callable[[str], Any]:
+    """An argparse ``type=`` that parses ``kind`` (int or float) and refuses a value ``problem`` objects to
+    (it returns why, e.g. ``"must be >= 1, got 0"``, or ``None``)."""
     noun = "a whole number" if kind is int else "a number"
-    op = ">=" if inclusive else ">"
 
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not (v >= minimum if inclusive else v > minimum):
-            raise argparse.ArgumentTypeError(f"must be {op} {minimum}, got {v}")
+        why = problem(v)
+        if why is not None:
+            raise argparse.ArgumentTypeError(why)
         return v
 
     return parse
 
 
-_positive_int = _number(int, 1)
-_nonneg_int = _number(int, 0)
-_positive_float = _number(float, 0, inclusive=False)
+def _at_least(kind: type, minimum: float) -> Callable[[str], int | float]:
+    """An argparse ``type=`` that parses ``kind`` and refuses values below ``minimum``."""
+    return _value_type(kind, lambda v: None if v >= minimum else f"must be >= {minimum}, got {v}")
+
+
+_positive_int = _at_least(int, 1)
+_nonneg_int = _at_least(int, 0)
 
 
 # ================================================================================================ train
 
-TRAIN_DEFAULTS = dict(
-    model="gpt-tiny", device="auto", engine="zero", steps=600, batch_size=16, seq_len=128, grad_accum=1,
-    lr=3e-3, min_lr_ratio=0.1, warmup=50, weight_decay=0.1, max_norm=1.0, mixed_precision="fp32",
-    seed=1337, eval_interval=100, eval_batches=8, val_fraction=0.05, prompt="def ", sample_tokens=200,
-    temperature=0.8, top_k=40, timeout_s=45.0, save_interval=0,
-)
-"""``chunkzero train``'s defaults; ``torch_backend.train.TrainConfig`` has the same (a test checks)."""
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """One argument per option field of :class:`chunkzero.train_config.TrainConfig`, in its groups: the
+    flag, default, choices, metavar and help come from the field (the help ends with the default), and
+    numbers are checked against the field's bounds while parsing (``Option.problem``)."""
+    from chunkzero.train_config import GROUPS, default_text, flag_of, option_fields, option_kind
+
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    for f, opt in option_fields():
+        kind = option_kind(f)
+        shown = default_text(f)
+        text = opt.help.replace("%", "%%") + (f" (default: {shown.replace('%', '%%')})" if shown else "")
+        kwargs: dict[str, Any] = {"dest": f.name, "help": text}
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(default=f.default, metavar=opt.metavar)
+            if kind is list:
+                kwargs["nargs"] = "+"
+            elif opt.choices is not None:
+                kwargs["choices"] = opt.choices
+            elif kind in (int, float):
+                kwargs["type"] = _value_type(kind, opt.problem)
+        groups[opt.group].add_argument(flag_of(f), **kwargs)
+
 
 TRAIN_EPILOG = """\
 examples:
@@ -86,108 +109,36 @@ exit codes: 0 done, 1 a worker failed (the message names the rank), 2 bad input,
 
 
 def _add_train(sub) -> None:
-    d = TRAIN_DEFAULTS
     p = sub.add_parser(
         "train", help="train a model with chunk ZeRO-3 data parallelism (the main job)",
         description="Train a causal language model with chunk-based ZeRO-3 data parallelism on real text:\n"
                     "by default the byte-level gpt-tiny on the Python standard library's source, with 2 CPU\n"
-                    "workers (or one per GPU).",
+                    "workers (or one per GPU). Every option is a field of chunkzero.train_config.TrainConfig.",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g = p.add_argument_group("data")
-    g.add_argument("--data", nargs="+", metavar="PATH",
-                   help="text files, directories of them (searched recursively; binary files skipped), or one "
-                        "pre-tokenized uint16 .bin file (nanoGPT format; a train.bin uses a val.bin beside it). "
-                        "Default: the *.py files of Python's standard library (about 12 MB)")
-    g.add_argument("--val-fraction", type=float, default=d["val_fraction"], metavar="F",
-                   help="fraction of files (by a hash of their path) held out for validation (default %(default)s)")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=d["model"], metavar="NAME|DIR",
-                   help="byte-level GPT size (gpt-tiny, gpt-small, gpt2, gpt2-medium) or a local Hugging Face "
-                        "causal-LM directory (config.json + safetensors; its tokenizer is used if present). "
-                        "Default %(default)s")
-    g.add_argument("--mixed-precision", choices=("fp32", "bf16", "fp16"), default=d["mixed_precision"],
-                   help="parameter/compute precision; bf16 and fp16 keep fp32 master chunks, fp16 adds dynamic "
-                        "loss scaling (default %(default)s)")
-    g.add_argument("--chunk-size", type=_positive_int, metavar="NUMEL",
-                   help="chunk size in elements (default: searched to minimise padding)")
-    g.add_argument("--engine", choices=("zero", "ddp"), default=d["engine"],
-                   help="zero: chunk ZeRO-3 (ZeroDDP + ZeroOptimizer); ddp: plain PyTorch DDP + AdamW in fp32, a "
-                        "baseline for comparison (default %(default)s)")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=_positive_int, default=d["steps"], metavar="N",
-                   help="optimizer steps (default %(default)s)")
-    g.add_argument("--batch-size", type=_positive_int, default=d["batch_size"], metavar="N",
-                   help="sequences per worker per micro-batch (default %(default)s)")
-    g.add_argument("--seq-len", type=_positive_int, default=d["seq_len"], metavar="N",
-                   help="tokens per sequence, at most the model's block size (default %(default)s)")
-    g.add_argument("--grad-accum", type=_positive_int, default=d["grad_accum"], metavar="N",
-                   help="micro-batches per optimizer step (default %(default)s)")
-    g.add_argument("--lr", type=_positive_float, default=d["lr"], metavar="F",
-                   help="peak learning rate of AdamW (default %(default)s)")
-    g.add_argument("--warmup", type=_nonneg_int, default=d["warmup"], metavar="N",
-                   help="linear warm-up steps, then cosine decay to lr × --min-lr-ratio (default %(default)s)")
-    g.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"], metavar="F",
-                   help="final learning rate as a fraction of --lr (default %(default)s)")
-    g.add_argument("--weight-decay", type=float, default=d["weight_decay"], metavar="F",
-                   help="AdamW weight decay (default %(default)s)")
-    g.add_argument("--max-norm", type=float, default=d["max_norm"], metavar="F",
-                   help="gradient clipping by global norm; 0 disables (default %(default)s)")
-    g.add_argument("--seed", type=int, default=d["seed"],
-                   help="seed of the initialisation and the data stream; the same seed and world size give the "
-                        "same loss sequence (default %(default)s)")
-    g = p.add_argument_group("workers")
-    g.add_argument("--nproc", type=_positive_int, metavar="N",
-                   help="workers to launch on this machine (default: one per GPU, or 2 on CPU)")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d["device"],
-                   help="auto: CUDA when available, else CPU (default %(default)s)")
-    g.add_argument("--timeout", dest="timeout_s", type=_positive_float, default=d["timeout_s"], metavar="SECONDS",
-                   help="collective timeout: a worker waiting longer for the others gives up, so a dead worker "
-                        "ends the run (default %(default)s)")
-    g = p.add_argument_group("reporting")
-    g.add_argument("--out", metavar="DIR",
-                   help="output directory (default: a fresh runs/<YYYYmmdd-HHMMSS>); refused if it holds another "
-                        "run unless --overwrite")
-    g.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --out (removes its metrics, plots, logs and checkpoints)")
-    g.add_argument("--eval-interval", type=_positive_int, default=d["eval_interval"], metavar="K",
-                   help="validation loss every K steps, and at step 0 and the last step (default %(default)s)")
-    g.add_argument("--eval-batches", type=_positive_int, default=d["eval_batches"], metavar="N",
-                   help="fixed validation micro-batches per worker (default %(default)s)")
-    g.add_argument("--prompt", default=d["prompt"], help="prompt of the text sample at the end (default %(default)r)")
-    g.add_argument("--sample-tokens", type=_nonneg_int, default=d["sample_tokens"], metavar="N",
-                   help="tokens to sample at the end; 0 skips the sample (default %(default)s)")
-    g.add_argument("--temperature", type=_positive_float, default=d["temperature"], metavar="F",
-                   help="sampling temperature (default %(default)s)")
-    g.add_argument("--top-k", type=_positive_int, default=d["top_k"], metavar="K",
-                   help="sample among the K most likely tokens (default %(default)s)")
-    g = p.add_argument_group("checkpoints")
-    g.add_argument("--save-interval", type=_nonneg_int, default=d["save_interval"], metavar="N",
-                   help="every N steps and at the last step, save an Orbax checkpoint (sharded, asynchronous) to "
-                        "--out/checkpoints/<step>, keeping the newest 3 (default %(default)s: none)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its latest checkpoint: parameters, optimizer state, loss "
-                        "scaler, RNG states and data position (any world size); --steps is the total")
+    add_config_options(p)
     p.set_defaults(func=cmd_train)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """``chunkzero train``: validate, then launch the workers (or be one, under torchrun)."""
-    import dataclasses
-
+def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ()) -> int:
+    """``chunkzero train``: validate, then launch the workers (or be one, under torchrun).
+    ``on_step_end``: hooks each worker's loop calls after every step (``torch_backend.train.StepEnd``);
+    they must be picklable to reach launched workers."""
     from chunkzero.errors import ChunkZeroError
+    from chunkzero.train_config import TrainConfig, option_fields
 
     prog = "chunkzero train"
     from torch_backend import launch as launcher  # lazily: imports torch
-    from torch_backend import train as trainer
+    from torch_backend.resolve import validate
+    from torch_backend.worker import worker_main
 
-    fields = {f.name for f in dataclasses.fields(trainer.TrainConfig)}
-    cfg = trainer.TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()})
+    hooks = tuple(on_step_end)
 
     if launcher.running_under_torchrun():
         import os
 
-        result = trainer.worker_main(cfg)
+        result = worker_main(cfg, hooks)
         if result["status"] == "error":
             if os.environ.get("RANK") == "0":
                 fail(prog, result["message"])
@@ -198,13 +149,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     log = logging.getLogger("chunkzero.cli")
     t0 = time.perf_counter()
     try:
-        cfg, corpus = trainer.validate(cfg)
+        cfg, corpus = validate(cfg)
     except ChunkZeroError as e:
         return fail(prog, str(e))
     del corpus
     log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, cfg.out)
     try:
-        results = launcher.launch(trainer.worker_main, (cfg,), cfg.nproc)
+        results = launcher.launch(worker_main, (cfg, hooks), cfg.nproc)
     except launcher.WorkerFailure as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_FAILED

@@ -232,3 +232,64 @@ def broadcast_from_first(tensor: torch.Tensor, group) -> None:
     if _world(group) > 1:
         src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         dist.broadcast(tensor, src=src, group=group)
+
+
+# ============================================================================ the training run's helpers
+# Used by torch_backend.train and torch_backend.worker: scalars, small JSON records and a barrier among
+# the workers of a run. ``group`` follows this module's rule: ``None`` means no distributed run.
+
+
+def world_group():
+    """The default process group when one is initialised (``torch.distributed.group.WORLD``), else ``None``."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def _small_tensor_device(group) -> torch.device:
+    """Where a small message tensor must live for ``group``'s backend: this rank's CUDA device for NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_mean(value: float | torch.Tensor, group) -> float:
+    """The mean of a scalar over the ranks of ``group`` (``float(value)`` for ``None``); float64 on gloo,
+    float32 on NCCL. Every rank must call it: it is also a synchronisation point."""
+    if _world(group) == 1:
+        return float(value)
+    device = _small_tensor_device(group)
+    dtype = torch.float32 if device.type == "cuda" else torch.float64
+    t = torch.as_tensor(value, dtype=dtype, device=device).detach().clone().reshape(1)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return float(t / dist.get_world_size(group))
+
+
+def all_gather_json(obj, group) -> list:
+    """Every rank's ``obj``, in rank order (``[obj]`` for ``None``). ``obj`` must be JSON-serialisable;
+    it travels as UTF-8 JSON bytes in a ``uint8`` tensor, after an all-gather of the byte lengths, so
+    nothing is unpickled. Tuples come back as lists.
+
+    Raises:
+        TypeError: ``obj`` is not JSON-serialisable (raised before any communication).
+    """
+    import json
+
+    if _world(group) == 1:
+        return [obj]
+    data = json.dumps(obj).encode("utf-8")
+    device = _small_tensor_device(group)
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s) for s in sizes]
+    buf = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    buf[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    gathered = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(gathered, buf, group=group)
+    return [json.loads(bytes(g[:n].cpu().numpy())) for g, n in zip(gathered, lengths)]
+
+
+def barrier(group) -> None:
+    """Wait until every rank of ``group`` arrives (nothing for ``None``)."""
+    if _world(group) > 1:
+        dist.barrier(group=group)

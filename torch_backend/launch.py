@@ -21,7 +21,9 @@ from typing import Any, Callable
 
 from chunkzero.errors import ChunkZeroError
 
-EXIT_PEER_LOST = 3  # keep equal to torch_backend.train.EXIT_PEER_LOST (a consequence, never the cause)
+EXIT_PEER_LOST = 3
+"""A worker exits with this when a collective failed because another worker vanished (a consequence,
+never the cause; :mod:`torch_backend.worker` uses it)."""
 
 
 class WorkerFailure(ChunkZeroError, RuntimeError):

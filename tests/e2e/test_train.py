@@ -19,6 +19,7 @@ import pytest
 from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, make_corpus, read_metrics, run_train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+KILL_WORKER = Path(__file__).with_name("kill_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -160,14 +161,14 @@ def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
 
 
 def test_killed_worker_under_torchrun(corpus, tmp_path):
-    """Under torchrun the same death ends the run (torchrun's agent reports the rank), within the bound."""
+    """Under torchrun the same death ends the run (torchrun's agent reports the rank), within the bound.
+    Rank 1 kills itself after step 3 through an ``on_step_end`` hook (``kill_worker.py``)."""
     out = tmp_path / "run"
     cmd = [chunkzero_cmd()[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "chunkzero.cli", "train", "--data", str(corpus), *SMALL, "--steps", "100000",
+           str(KILL_WORKER), "1:3", "train", "--data", str(corpus), *SMALL, "--steps", "100000",
            "--eval-interval", "100000", "--sample-tokens", "0", "--out", str(out)]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(CHUNKZERO_TEST_KILL="1:3"), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     train, _ = read_metrics(out)
     assert len(train) <= 4  # it stopped right after rank 1 died at step 3
@@ -209,8 +210,11 @@ def test_bad_input_one_line_exit_2(case, tmp_path, held_run, monkeypatch, capsys
     _bad_input_files(tmp_path)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    if "fp16" in case:
-        monkeypatch.setenv("CHUNKZERO_TEST_UNSUPPORTED_PRECISION", "fp16")
+    if "fp16" in case:  # the CPU kernels run fp16 here; make the precision probe say they do not
+        import torch_backend.resolve
+
+        monkeypatch.setattr(torch_backend.resolve, "precision_unsupported",
+                            lambda precision, device: "float16 kernels unavailable" if precision == "fp16" else None)
     monkeypatch.chdir(tmp_path)
     args, expected = BAD_INPUTS[case]
     args = [a.format(tmp=tmp_path) for a in args]

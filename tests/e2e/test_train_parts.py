@@ -18,6 +18,7 @@ from chunkzero.errors import DataError
 def test_cli_imports_no_framework_and_help_works():
     code = ("import sys, chunkzero.cli as c\n"
             "p = c.build_parser(); p.parse_args(['train'])\n"
+            "import chunkzero.train_config, chunkzero.run_dir\n"
             "print(','.join(m for m in ('torch', 'jax', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
@@ -28,19 +29,81 @@ def test_cli_imports_no_framework_and_help_works():
         assert flag in h.stdout
 
 
-def test_cli_defaults_are_train_config_defaults():
-    from chunkzero.cli import build_parser
-    from torch_backend.train import TrainConfig
+def _train_parser():
+    import argparse
 
-    args = vars(build_parser().parse_args(["train"]))
-    defaults = TrainConfig()
-    for f in dataclasses.fields(TrainConfig):
-        if f.name in args:
-            assert args[f.name] == getattr(defaults, f.name), f.name
+    from chunkzero.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
+def _squeeze(text: str) -> str:
+    return "".join(text.split())  # argparse re-wraps help text, at spaces and hyphens
+
+
+def test_every_config_field_is_a_train_option_with_its_default_help_and_choices():
+    """The options of ``chunkzero train`` are generated from TrainConfig: one per option field (and
+    none else), with the field's flag, default, choices and help; ``--help`` shows help and default."""
+    from chunkzero.train_config import TrainConfig, default_text, flag_of, option_fields
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    options = {f.name: (f, opt) for f, opt in option_fields()}
+    resolved = {f.name for f in dataclasses.fields(TrainConfig) if "resolved" in f.metadata}
+    assert options and resolved and set(options) | resolved == fields and not set(options) & resolved
+
+    actions = {a.dest: a for a in _train_parser()._actions if a.dest != "help"}
+    assert set(actions) == set(options)
+    help_text = _squeeze(subprocess.run([sys.executable, "-m", "chunkzero.cli", "train", "--help"],
+                                        capture_output=True, text=True, check=True).stdout)
+    defaults = vars(_train_parser().parse_args([]))
+    for name, (f, opt) in options.items():
+        action = actions[name]
+        assert action.option_strings == [flag_of(f)], name
+        assert defaults[name] == f.default == getattr(TrainConfig(), name), name
+        assert tuple(action.choices or ()) == tuple(opt.choices or ()), name
+        assert _squeeze(opt.help) in _squeeze(action.help), name
+        shown = default_text(f)
+        expected = _squeeze(opt.help + (f" (default: {shown})" if shown else ""))
+        assert expected in help_text, f"{flag_of(f)}: --help does not show {expected!r}"
+
+
+def test_option_bounds_are_the_config_bounds():
+    """A number below a field's bound is refused by the parser (one line, exit 2) and by
+    ``TrainConfig.check`` (a ConfigError naming the flag); the bound itself (or just above) passes."""
+    from chunkzero.errors import ConfigError
+    from chunkzero.train_config import TrainConfig, flag_of, option_fields, option_kind
+
+    bounded = [(f, opt) for f, opt in option_fields() if opt.minimum is not None or opt.above is not None]
+    assert {f.name for f, _ in bounded} >= {"steps", "lr", "warmup", "timeout_s", "chunk_size", "save_interval"}
+    parser = _train_parser()
+    for f, opt in bounded:
+        lowest = opt.minimum if opt.minimum is not None else opt.above
+        bad = lowest - 1 if opt.minimum is not None else lowest
+        good = lowest if opt.minimum is not None else lowest + 0.5
+        kind = option_kind(f)
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args([flag_of(f), str(kind(bad))])
+        assert e.value.code == 2, f.name
+        assert getattr(parser.parse_args([flag_of(f), str(kind(good))]), f.name) == kind(good)
+        with pytest.raises(ConfigError, match=f"^{flag_of(f)} must be"):
+            TrainConfig(**{f.name: kind(bad)}).check()
+        TrainConfig(**{f.name: kind(good)}).check()
+    for f, opt in option_fields():
+        if opt.choices:
+            with pytest.raises(ConfigError, match=f"^{flag_of(f)} must be one of"):
+                TrainConfig(**{f.name: "nonsense"}).check()
+    with pytest.raises(ConfigError, match="^--steps must be a whole number, got '5'"):
+        TrainConfig(steps="5").check()
+    with pytest.raises(ConfigError, match="--engine ddp .* fp32 only"):
+        TrainConfig(engine="ddp", mixed_precision="bf16").check()
+    with pytest.raises(ConfigError, match="cannot be combined with --overwrite"):
+        TrainConfig(resume=True, overwrite=True).check()
+    TrainConfig().check()
 
 
 def test_lr_schedule_warmup_then_cosine():
-    from torch_backend.train import TrainConfig, lr_at
+    from chunkzero.train_config import TrainConfig, lr_at
 
     cfg = TrainConfig(steps=100, warmup=10, lr=1e-3, min_lr_ratio=0.1)
     lrs = [lr_at(s, cfg) for s in range(100)]
@@ -143,3 +206,38 @@ def test_failure_message_names_the_killed_rank_not_the_consequence():
     assert str(err).startswith("worker rank 1 (local rank 1, pid 101) was killed by SIGKILL")
     err = describe_failure({2: f(2, 1, 12), 3: f(3, 1, 11)})
     assert err.rank == 3 and "exited with code 1" in str(err)
+
+
+# ------------------------------------------------------------------------------------------ run collectives
+
+def _exchange(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from torch_backend.collectives import all_gather_json, all_mean, barrier, world_group
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("all_gather_object unpickles peer data")
+
+    dist.all_gather_object = refuse
+    group = world_group()
+    obj = [None if rank == 1 else f"rank {rank} ✓ " * (rank + 1), {"out": f"/runs/{rank}", "peak": rank * 1.5}]
+    gathered = all_gather_json(obj, group)
+    barrier(group)
+    return {"gathered": gathered, "mean": all_mean(float(rank + 1) / 3, group)}
+
+
+def test_run_collectives_gather_json_and_mean_on_three_ranks():
+    """Objects of different lengths reach every rank in rank order through tensors (all_gather_object
+    is disabled in the ranks); the mean is the mean over the ranks; one process needs no group."""
+    from torch_backend._testing import run_distributed
+    from torch_backend.collectives import all_gather_json, all_mean
+
+    world = 3
+    results = run_distributed(_exchange, world, timeout=120)
+    expected = [[None if r == 1 else f"rank {r} ✓ " * (r + 1), {"out": f"/runs/{r}", "peak": r * 1.5}]
+                for r in range(world)]
+    for r in results:
+        assert r["gathered"] == expected
+        assert r["mean"] == pytest.approx(sum((k + 1) / 3 for k in range(world)) / world, rel=1e-12)
+    assert all_gather_json({"a": 1}, None) == [{"a": 1}]
+    assert all_mean(2.5, None) == 2.5

@@ -1,0 +1,259 @@
+"""The settings of a ``chunkzero train`` run: plain data, the single source of the CLI's options.
+
+:class:`TrainConfig` is a dataclass. Every user setting is a field made by :func:`option`, whose
+:class:`Option` metadata holds what ``chunkzero train --help`` shows and what a value must satisfy:
+help text, option group, flag, metavar, choices and lower bound. ``chunkzero.cli`` turns each such
+field into one argparse argument (:func:`option_fields` lists them, :func:`option_kind` gives the
+value's type, :func:`default_text` the default as ``--help`` names it), so a default, a help text or a
+choice lives in this file only. The fields made by :func:`resolved` are not options: the torch
+backend fills them in when it checks a run on the machine (``torch_backend.resolve.validate``).
+
+:meth:`TrainConfig.check` raises for every value that is wrong whatever the machine (a choice not
+offered, a number below its bound, two settings that exclude each other); the checks that need the
+machine (devices, model, data) are the backend's. :func:`lr_at` is the learning-rate schedule, and
+:func:`warn_schedule_change` what ``--resume`` says when it changes mid-run.
+
+Imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ENGINES = ("zero", "ddp")
+DEVICES = ("auto", "cpu", "cuda")
+
+GROUPS = ("data", "model", "optimization", "workers", "reporting", "checkpoints")
+"""The option groups of ``chunkzero train --help``, in order."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one :class:`TrainConfig` field is offered on the command line.
+
+    Attributes:
+        help: what the option does; ``--help`` appends the default (see :func:`default_text`).
+        group: one of :data:`GROUPS`.
+        flag: the option's name (default ``--`` + the field name with ``-`` for ``_``).
+        metavar: the value's placeholder in ``--help``.
+        choices: the allowed values, if only some are.
+        minimum: the smallest allowed value (inclusive), for numbers.
+        above: the value must be greater than this (exclusive bound), for numbers.
+        default_help: how ``--help`` names the default when the value alone would not say it
+            (a ``None`` that means "searched", "one per GPU" ...).
+    """
+
+    help: str
+    group: str
+    flag: str | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    above: float | None = None
+    default_help: str | None = None
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is not allowed (``"must be >= 1, got 0"``), or ``None`` when it is."""
+        if value is None or isinstance(value, bool):
+            return None
+        if self.choices is not None and value not in self.choices:
+            return f"must be one of {', '.join(self.choices)}, got {value!r}"
+        if self.minimum is not None and value < self.minimum:
+            return f"must be >= {self.minimum}, got {value}"
+        if self.above is not None and not value > self.above:
+            return f"must be > {self.above}, got {value}"
+        return None
+
+
+def option(default: Any, help: str, group: str, **kwargs: Any) -> Any:
+    """A :class:`TrainConfig` field offered as a ``chunkzero train`` option (``kwargs``: see :class:`Option`)."""
+    return field(default=default, metadata={"option": Option(help, group, **kwargs)})
+
+
+def resolved(help: str, default: Any = None) -> Any:
+    """A :class:`TrainConfig` field that is no option: filled in when the run is checked on its machine."""
+    return field(default=default, metadata={"resolved": help})
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a run; the defaults are ``chunkzero train``'s.
+
+    Units: ``batch_size`` is sequences per rank per micro-batch; ``seq_len`` tokens; one step is
+    ``grad_accum`` micro-batches on every rank, i.e. ``world_size · grad_accum · batch_size · seq_len``
+    tokens; ``chunk_size`` is in elements; ``timeout_s`` is the collective timeout in seconds.
+    """
+
+    # data
+    data: list[str] | None = option(
+        None, "text files, directories of them (searched recursively; binary files skipped), or one "
+              "pre-tokenized uint16 .bin file (nanoGPT format; a train.bin uses a val.bin beside it)",
+        "data", metavar="PATH", default_help="the *.py files of Python's standard library, about 12 MB")
+    val_fraction: float = option(
+        0.05, "fraction of files (by a hash of their path) held out for validation", "data", metavar="F")
+    # model
+    model: str = option(
+        "gpt-tiny", "byte-level GPT size (gpt-tiny, gpt-small, gpt2, gpt2-medium) or a local Hugging Face "
+                    "causal-LM directory (config.json + safetensors; its tokenizer is used if present)",
+        "model", metavar="NAME|DIR")
+    mixed_precision: str = option(
+        "fp32", "parameter/compute precision; bf16 and fp16 keep fp32 master chunks, fp16 adds dynamic loss "
+                "scaling", "model", choices=PRECISIONS)
+    chunk_size: int | None = option(
+        None, "chunk size in elements", "model", metavar="NUMEL", minimum=1,
+        default_help="searched to minimise padding")
+    engine: str = option(
+        "zero", "zero: chunk ZeRO-3 (ZeroDDP + ZeroOptimizer); ddp: plain PyTorch DDP + AdamW in fp32, a "
+                "baseline for comparison", "model", choices=ENGINES)
+    # optimization
+    steps: int = option(600, "optimizer steps", "optimization", metavar="N", minimum=1)
+    batch_size: int = option(16, "sequences per worker per micro-batch", "optimization", metavar="N", minimum=1)
+    seq_len: int = option(128, "tokens per sequence, at most the model's block size", "optimization",
+                          metavar="N", minimum=1)
+    grad_accum: int = option(1, "micro-batches per optimizer step", "optimization", metavar="N", minimum=1)
+    lr: float = option(3e-3, "peak learning rate of AdamW", "optimization", metavar="F", above=0)
+    warmup: int = option(50, "linear warm-up steps, then cosine decay to lr × --min-lr-ratio", "optimization",
+                         metavar="N", minimum=0)
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr", "optimization", metavar="F")
+    weight_decay: float = option(0.1, "AdamW weight decay", "optimization", metavar="F")
+    max_norm: float = option(1.0, "gradient clipping by global norm; 0 disables", "optimization", metavar="F")
+    seed: int = option(1337, "seed of the initialisation and the data stream; the same seed and world size give "
+                             "the same loss sequence", "optimization", metavar="N")
+    # workers
+    nproc: int | None = option(None, "workers to launch on this machine (ignored under torchrun)", "workers",
+                               metavar="N", minimum=1, default_help="one per GPU, or 2 on CPU")
+    device: str = option("auto", "auto: CUDA when available, else CPU", "workers", choices=DEVICES)
+    timeout_s: float = option(
+        45.0, "collective timeout: a worker waiting longer for the others gives up, so a dead worker ends the "
+              "run", "workers", flag="--timeout", metavar="SECONDS", above=0)
+    # reporting
+    out: str | None = option(None, "output directory; refused if it holds another run unless --overwrite",
+                             "reporting", metavar="DIR", default_help="a fresh runs/<YYYYmmdd-HHMMSS>")
+    overwrite: bool = option(False, "replace the run already in --out (removes its metrics, plots, logs and "
+                                    "checkpoints)", "reporting")
+    eval_interval: int = option(100, "validation loss every K steps, and at step 0 and the last step",
+                                "reporting", metavar="K", minimum=1)
+    eval_batches: int = option(8, "fixed validation micro-batches per worker", "reporting", metavar="N", minimum=1)
+    prompt: str = option("def ", "prompt of the text sample at the end", "reporting", metavar="TEXT")
+    sample_tokens: int = option(200, "tokens to sample at the end; 0 skips the sample", "reporting", metavar="N",
+                                minimum=0)
+    temperature: float = option(0.8, "sampling temperature", "reporting", metavar="F", above=0)
+    top_k: int | None = option(40, "sample among the K most likely tokens", "reporting", metavar="K", minimum=1)
+    # checkpoints
+    save_interval: int = option(
+        0, "every N steps and at the last step, save an Orbax checkpoint (sharded, asynchronous) to "
+           "--out/checkpoints/<step>, keeping the newest 3; 0 saves none", "checkpoints", metavar="N", minimum=0)
+    resume: bool = option(False, "continue the run in --out from its latest checkpoint: parameters, optimizer "
+                                 "state, loss scaler, RNG states and data position (any world size); --steps is "
+                                 "the total", "checkpoints")
+    # resolved on the machine (torch_backend.resolve.validate); a worker that finds ``validated`` skips the checks
+    validated: bool = resolved("whether the run was checked on its machine (the launcher did)", False)
+    world_size: int | None = resolved("workers of the run, all nodes together")
+    model_kind: str | None = resolved('"gpt" (a byte-level GPT of torch_backend.gpt) or "hf" (a directory)')
+    block_size: int | None = resolved("the model's longest sequence, in tokens")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """Refuse a value that is wrong on any machine: a choice not offered, a number out of its
+        bounds, or settings that exclude each other.
+
+        Raises:
+            ConfigError: one line naming the option at fault.
+        """
+        for f, opt in option_fields():
+            value, kind = getattr(self, f.name), option_kind(f)
+            accepted = {float: (float, int), list: (list, tuple)}.get(kind, kind)
+            if value is not None and not isinstance(value, accepted):
+                raise ConfigError(f"{flag_of(f)} must be {_KIND_NOUNS[kind]}, got {value!r}")
+            why = opt.problem(value)
+            if why is not None:
+                raise ConfigError(f"{flag_of(f)} {why}")
+        if self.engine == "ddp" and self.mixed_precision != "fp32":
+            raise ConfigError("--engine ddp (the plain-PyTorch baseline) trains in fp32 only")
+        if self.engine == "ddp" and (self.save_interval or self.resume):
+            raise ConfigError("--save-interval and --resume need --engine zero (chunk checkpoints of ZeroDDP)")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
+
+
+_KIND_NOUNS = {bool: "True or False", int: "a whole number", float: "a number", str: "a string",
+               list: "a list of paths"}
+
+
+def option_fields() -> list[tuple[dataclasses.Field, Option]]:
+    """The :class:`TrainConfig` fields that are ``chunkzero train`` options, in ``--help`` order within
+    each group, with their :class:`Option`."""
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(TrainConfig) if "option" in f.metadata]
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The command-line flag of an option field (``--batch-size`` for ``batch_size``)."""
+    return f.metadata["option"].flag or "--" + f.name.replace("_", "-")
+
+
+def option_kind(f: dataclasses.Field) -> type:
+    """The type of an option's value: ``bool`` (a switch), ``int``, ``float``, ``str`` or ``list`` (of ``str``)."""
+    hint = typing.get_type_hints(TrainConfig)[f.name]
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
+    kind = typing.get_origin(kinds[0]) or kinds[0]
+    if kind not in (bool, int, float, str, list):
+        raise TypeError(f"TrainConfig.{f.name}: options hold bool, int, float, str or list[str], not {hint}")
+    return kind
+
+
+def default_text(f: dataclasses.Field) -> str | None:
+    """The default as ``--help`` names it (``None`` for a switch, which is off)."""
+    opt: Option = f.metadata["option"]
+    if opt.default_help is not None:
+        return opt.default_help
+    if isinstance(f.default, bool):
+        return None
+    if isinstance(f.default, str) and f.default != f.default.strip():
+        return repr(f.default)  # the space of "def " must show
+    return str(f.default)
+
+
+# ================================================================================ learning-rate schedule
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine decay to
+    ``lr · min_lr_ratio`` at the last step (nanoGPT's ``get_lr``)."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / (cfg.warmup + 1)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    span = max(1, cfg.steps - 1 - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+
+
+SCHEDULE_KEYS = ("steps", "warmup", "lr", "min_lr_ratio")
+"""The settings of :func:`lr_at`: changing one at ``--resume`` changes the LR schedule mid-run."""
+
+
+def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, step: int) -> None:
+    """Warn (logger ``chunkzero.train``) when ``--resume`` at ``step`` runs with another LR schedule
+    (``--steps``, ``--warmup``, ``--lr``, ``--min-lr-ratio``) than the checkpointed run's ``previous``
+    settings, read from ``source``: :func:`lr_at` re-stretches warm-up + cosine decay to the new total,
+    so the LR jumps at the resumed step. Silent when the schedule is the same or ``previous`` unknown."""
+    if not previous:
+        return
+    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k):g} (was {previous[k]:g})" for k in SCHEDULE_KEYS
+               if isinstance(previous.get(k), (int, float)) and previous[k] != getattr(cfg, k)]
+    if not changed:
+        return
+    old = dataclasses.replace(cfg, **{k: previous[k] for k in SCHEDULE_KEYS if k in previous})
+    before = lr_at(step - 1, old) if step >= 1 else 0.0
+    logging.getLogger("chunkzero.train").warning(
+        "warning: --resume with %s differs from the checkpointed run's settings (%s): the LR schedule (warmup + "
+        "cosine decay) is re-stretched to the new total of %d steps, so the LR jumps from %.3g at step %d to %.3g "
+        "at step %d", ", ".join(changed), source, cfg.steps, before, step, lr_at(step, cfg), step + 1)

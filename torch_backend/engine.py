@@ -1,0 +1,113 @@
+"""The model and its optimizer behind one small interface (:class:`Engine`), so the training loop reads
+the same for chunk ZeRO-3 (:class:`torch_backend.ZeroDDP` + :class:`torch_backend.ZeroOptimizer`, the
+default) and the plain-PyTorch baseline (``DistributedDataParallel`` + ``AdamW``, ``--engine ddp``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from chunkzero.errors import ConfigError
+from chunkzero.train_config import TrainConfig
+
+
+class Engine:
+    """``model`` (the wrapped module) and ``optim`` for ``cfg.engine``, on ``device``; AdamW with betas
+    (0.9, 0.95), ``cfg.lr``, ``cfg.weight_decay`` and clipping at ``cfg.max_norm`` (0: none).
+
+    Raises:
+        ConfigError: ``--engine zero`` where ``torch_backend.ZeroDDP`` cannot be imported.
+    """
+
+    def __init__(self, module: nn.Module, cfg: TrainConfig, device: torch.device):
+        self.cfg = cfg
+        self.kind = cfg.engine
+        betas = (0.9, 0.95)
+        if self.kind == "zero":
+            try:
+                from torch_backend import ZeroDDP, ZeroOptimizer
+            except ImportError as e:
+                raise ConfigError(f"--engine zero: torch_backend.ZeroDDP is not available ({e})") from None
+            self.model = ZeroDDP(module.to(device), mixed_precision=cfg.mixed_precision, chunk_size=cfg.chunk_size)
+            self.optim = ZeroOptimizer(self.model, torch.optim.AdamW, lr=cfg.lr, max_norm=cfg.max_norm or None,
+                                       weight_decay=cfg.weight_decay, betas=betas)
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            module = module.to(device)
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = DistributedDataParallel(module, device_ids=ids) if dist.is_initialized() else module
+            self.optim = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=betas)
+
+    @property
+    def module(self) -> nn.Module:
+        return getattr(self.model, "module", self.model)
+
+    def param_groups(self) -> list[dict]:
+        opt = self.optim
+        for _ in range(3):
+            if hasattr(opt, "param_groups"):
+                return opt.param_groups
+            opt = getattr(opt, "optim", getattr(opt, "optimizer", None))
+        raise RuntimeError("cannot find the optimizer's param_groups to set the learning rate")
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.param_groups():
+            g["lr"] = lr
+
+    def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
+        """Backward of ``loss``; ``sync=False`` (all but the last micro-batch of a step) accumulates
+        gradients locally without reducing them (``no_sync``)."""
+        ctx = contextlib.nullcontext() if sync or not hasattr(self.model, "no_sync") else self.model.no_sync()
+        with ctx:
+            if self.kind == "zero":
+                self.optim.backward(loss)
+            else:
+                loss.backward()
+
+    def step(self) -> bool:
+        """Clip and apply the update; ``False`` when it was skipped (non-finite gradients)."""
+        if self.kind == "ddp":
+            if self.cfg.max_norm:
+                self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_norm))
+            self.optim.step()
+            return True
+        applied = self.optim.step()
+        self.last_grad_norm = self.optim.last_grad_norm
+        return applied is not False
+
+    last_grad_norm: float | None = None
+
+    def zero_grad(self) -> None:
+        self.optim.zero_grad(set_to_none=True) if self.kind == "ddp" else self.optim.zero_grad()
+
+    @property
+    def loss_scale(self) -> float:
+        s = getattr(self.optim, "loss_scale", None)
+        if callable(s):
+            s = s()
+        return 1.0 if s is None else float(s)
+
+    def memory_report(self) -> Any:
+        report = getattr(self.optim, "memory_report", None)
+        if report is None:
+            return None
+        r = report()
+        if hasattr(r, "bytes"):  # torch_backend.ddp.MemoryReport
+            return {"bytes": r.bytes, "offload_optim_chunks": list(r.offload_optim_chunks),
+                    "offload_param_chunks": list(r.offload_param_chunks)}
+        return r if isinstance(r, (dict, str, int, float, list)) or r is None else str(r)
+
+    def describe(self) -> str:
+        """One line about the wrapping: chunks and chunk size for ZeroDDP."""
+        layout = getattr(self.model, "layout", None)
+        if layout is None:
+            return f"engine {self.kind}"
+        return (f"engine zero: {len(layout.chunks)} chunk(s) of {layout.chunk_size:,} elements, "
+                f"shard per rank {sum(layout.shard_numel(c.index) for c in layout.chunks):,} elements")

@@ -1,0 +1,334 @@
+"""What a run reports: ``metrics.jsonl``, the progress bar, the log, and at the end ``loss.png``,
+``sample.txt``, ``summary.json`` and ``summary.txt`` (rank 0, all in ``--out``).
+
+``metrics.jsonl`` holds one JSON line per step ``{"kind": "train", "step", "loss", "lr", "loss_scale",
+"grad_norm", "skipped", "tokens", "tokens_per_s", "time_s"}`` and per evaluation ``{"kind": "val",
+"step", "val_loss"}``; a resumed run rewrites it with the earlier session's records up to its
+checkpoint first, so it holds the whole run once per step. :class:`Report` is the loop's one handle on
+all of it; ranks other than 0 keep the same counters and write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from chunkzero.errors import DataError
+from chunkzero.train_config import TrainConfig
+
+from . import data as data_mod
+from .engine import Engine
+from .gpt import generate
+
+log = logging.getLogger("chunkzero.train")
+
+
+class Report:
+    """One run's reporting, on every rank (rank 0 writes). Counts the run's tokens (including the steps
+    before a resume), this session's tokens and training time (for tokens/s), and skipped steps.
+
+    Args:
+        cfg: the resolved config (``out`` set).
+        rank, world_size: this worker and the run's workers; ``device``: this worker's.
+        backend: the process group's backend (``"gloo"``, ``"nccl"``, ``"none"``).
+        start: the first step this session trains (1, or the step after a resumed checkpoint).
+        tokens_per_step: ``world_size · grad_accum · batch_size · seq_len``.
+    """
+
+    def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device, backend: str,
+                 start: int, tokens_per_step: int):
+        self.cfg, self.rank, self.world_size, self.device, self.backend = cfg, rank, world_size, device, backend
+        self.is_main = rank == 0
+        self.start, self.tokens_per_step = start, tokens_per_step
+        path = Path(cfg.out) / "metrics.jsonl"
+        history = read_metrics_history(path, start - 1) if self.is_main and cfg.resume else None
+        self.metrics = Metrics(path if self.is_main else None, history)
+        self.tokens = (start - 1) * tokens_per_step
+        self.session_tokens = 0
+        self.train_time_s = 0.0
+        self.skipped = 0
+        self.pbar = None
+
+    def begin(self, params: int, corpus: data_mod.Corpus, engine: Engine) -> None:
+        """Log the run's set-up (rank 0)."""
+        if not self.is_main:
+            return
+        cfg = self.cfg
+        log.info("model %s: %s parameters, %s, engine %s; %d worker(s) on %s (%s); %s tokens per step",
+                 cfg.model, f"{params:,}", cfg.mixed_precision, cfg.engine, self.world_size, self.device.type,
+                 self.backend, f"{self.tokens_per_step:,}")
+        log.info("data %s: %s train / %s val tokens (%s)", corpus.description, f"{corpus.train.size:,}",
+                 f"{corpus.val.size:,}", "; ".join(corpus.notes))
+        log.info("%s", engine.describe())
+
+    def open_progress(self) -> None:
+        """Show the progress bar of the steps (rank 0, on stderr)."""
+        if not self.is_main:
+            return
+        from tqdm import tqdm
+
+        tty = sys.stderr.isatty()  # in a log file, a refresh every 30 s instead of every 0.5 s
+        self.pbar = tqdm(total=self.cfg.steps, initial=self.start - 1, desc="train", unit="step",
+                         dynamic_ncols=True, file=sys.stderr,
+                         mininterval=0.5 if tty else 30.0, maxinterval=10.0 if tty else 60.0)
+
+    def train_step(self, step: int, loss: float, lr: float, engine: Engine, applied: bool, dt_s: float) -> None:
+        """Record optimizer step ``step``: its loss (the mean over ranks), learning rate, whether the update
+        was ``applied`` (not skipped for non-finite gradients) and its time ``dt_s`` in seconds."""
+        self.train_time_s += dt_s
+        self.tokens += self.tokens_per_step
+        self.session_tokens += self.tokens_per_step
+        self.skipped += not applied
+        scale = engine.loss_scale
+        self.metrics.write({"kind": "train", "step": step, "loss": loss, "lr": lr, "loss_scale": scale,
+                            "grad_norm": engine.last_grad_norm, "skipped": not applied, "tokens": self.tokens,
+                            "tokens_per_s": self.tokens_per_step / dt_s, "time_s": round(self.train_time_s, 4)})
+        if self.pbar is not None:
+            self.pbar.set_postfix_str(f"loss {loss:.4f} | {self.session_tokens / self.train_time_s:,.0f} tok/s | "
+                                      f"lr {lr:.2e} | scale {scale:g}", refresh=False)
+            self.pbar.update(1)
+
+    def val(self, step: int, val_loss: float, train_loss: float | None = None) -> None:
+        """Record the validation loss after step ``step`` (and log it with the step's ``train_loss``)."""
+        self.metrics.write({"kind": "val", "step": step, "val_loss": val_loss})
+        if self.is_main and train_loss is None:
+            log.info("step %d: val loss %.4f", step, val_loss)
+        elif self.is_main:
+            log.info("step %d: train loss %.4f, val loss %.4f", step, train_loss, val_loss)
+
+    def close_progress(self) -> None:
+        if self.pbar is not None:
+            self.pbar.close()
+
+    def summary(self, *, params: int, corpus: data_mod.Corpus, engine: Engine, val_loss: float, memory: list[dict],
+                prompt: str, sample: str, wall_time_s: float) -> dict:
+        """The run's ``summary.json``: first and last losses of the whole run (all sessions, from
+        ``metrics.jsonl``; on ranks other than 0, of this session) with their steps, tokens, times, peak
+        ``memory`` per rank and the ``sample``. ``val_loss``: the last evaluation's."""
+        cfg, nan = self.cfg, float("nan")
+        m = self.metrics
+        (t0_step, first), (t1_step, last) = (m.train[0], m.train[-1]) if m.train \
+            else ((self.start, nan), (cfg.steps, nan))
+        (v0_step, val0), (v1_step, val_loss) = (m.val[0], m.val[-1]) if m.val \
+            else ((self.start - 1, nan), (cfg.steps, val_loss))
+        return {
+            "model": cfg.model, "params": params, "mixed_precision": cfg.mixed_precision, "engine": cfg.engine,
+            "world_size": self.world_size, "device": self.device.type, "backend": self.backend,
+            "data": corpus.summary(), "steps": cfg.steps, "skipped_steps": self.skipped,
+            "tokens_per_step": self.tokens_per_step, "tokens": self.tokens,
+            "train_loss_first": first, "train_loss_last": last,
+            "train_loss_first_step": t0_step, "train_loss_last_step": t1_step,
+            "val_loss_step0": val0, "val_loss_final": val_loss, "val_ratio": val_loss / val0 if val0 else nan,
+            "val_loss_first_step": v0_step, "val_loss_final_step": v1_step,
+            "wall_time_s": wall_time_s, "train_time_s": self.train_time_s,
+            "tokens_per_s": self.session_tokens / self.train_time_s if self.train_time_s else 0.0,
+            "peak_memory": memory, "memory_report": engine.memory_report(),
+            "out": str(cfg.out), "sample": {"prompt": prompt, "text": sample},
+        }
+
+    def finish(self, summary: dict) -> None:
+        """Rank 0: close ``metrics.jsonl``; write ``sample.txt``, ``loss.png``, ``summary.txt`` and
+        ``summary.json``; log the sample and the summary table."""
+        if not self.is_main:
+            return
+        cfg, out = self.cfg, Path(self.cfg.out)
+        self.metrics.close()
+        prompt, sample = summary["sample"]["prompt"], summary["sample"]["text"]
+        (out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
+        plot_loss(out / "loss.png", self.metrics,
+                  f"{cfg.model} · {self.world_size} × {self.device.type} · {cfg.mixed_precision} · seed {cfg.seed}")
+        table = summary_table(summary)
+        (out / "summary.txt").write_text(table + "\n", encoding="utf-8")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        log.info("sample (prompt %r):\n%s\n", prompt, sample)
+        log.info("%s", table)
+
+
+def sample_text(engine: Engine, corpus: data_mod.Corpus, cfg: TrainConfig, device: torch.device) -> tuple[str, str]:
+    """``(prompt, text)``: the prompt and the prompt followed by ``cfg.sample_tokens`` sampled tokens. Every rank
+    must call it (each forward gathers chunks); all ranks sample the same tokens (same seed)."""
+    tok = corpus.tokenizer
+    try:
+        ids = list(tok.encode(cfg.prompt.encode("utf-8")))
+    except DataError:
+        ids = []
+    if not ids:  # pre-tokenized data without a tokenizer: prompt with the first validation tokens
+        ids = [int(t) for t in corpus.val[:16]]
+    ids = ids[-cfg.block_size:]
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    engine.model.eval()
+    out = generate(engine.model, idx, cfg.sample_tokens, block_size=min(cfg.block_size, cfg.seq_len),
+                   temperature=cfg.temperature, top_k=cfg.top_k, generator=gen)
+    engine.model.train()
+    return tok.decode(ids), tok.decode(out[0].tolist())
+
+
+
+def peak_memory_mib(device: torch.device) -> dict:
+    """This rank's peak memory: CUDA allocator peak on a GPU, else the process's peak resident set."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    d = {"peak_rss_mib": round(rss, 1)}
+    if device.type == "cuda":
+        d["peak_cuda_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return d
+
+
+def read_metrics_history(path: Path, upto_step: int) -> list[dict]:
+    """The records of an earlier session's ``metrics.jsonl`` up to step ``upto_step`` (a resumed run's
+    checkpoint step), in file order. Later records belong to steps that the resumed run trains again
+    (the earlier session outlived its last checkpoint) and are dropped; so are unreadable lines (a line
+    cut short by a kill)."""
+    records = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return records
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] <= upto_step:
+            records.append(r)
+    return records
+
+
+class Metrics:
+    """``metrics.jsonl`` (rank 0): one JSON object per line, flushed at once. ``history``: a resumed run's
+    earlier records (:func:`read_metrics_history`); the file is rewritten with exactly those first, so it
+    holds the whole run once per step, and :attr:`train` / :attr:`val` cover the whole run."""
+
+    def __init__(self, path: Path | None, history: list[dict] | None = None):
+        self.path = path
+        self.train: list[tuple[int, float]] = []
+        self.val: list[tuple[int, float]] = []
+        for r in history or ():
+            self._record(r)
+        if path is not None and history is not None:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
+            os.replace(tmp, path)
+        self.f = open(path, "a", buffering=1) if path is not None else None
+
+    def _record(self, record: dict) -> None:
+        if record.get("kind") == "train" and "loss" in record:
+            self.train.append((record["step"], record["loss"]))
+        elif record.get("kind") == "val" and "val_loss" in record:
+            self.val.append((record["step"], record["val_loss"]))
+
+    def val_at(self, step: int) -> float | None:
+        """The logged validation loss at ``step``, if any."""
+        return next((v for s, v in self.val if s == step), None)
+
+    def write(self, record: dict) -> None:
+        self._record(record)
+        if self.f is not None:
+            self.f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
+def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
+    """The loss curve: training loss per step (and its running mean) and validation loss points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    if metrics.train:
+        steps, losses = zip(*metrics.train)
+        ax.plot(steps, losses, lw=0.7, alpha=0.45, color="tab:blue", label="train (per step)")
+        k = max(1, len(losses) // 50)
+        smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
+        ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train (mean of {k})")
+    if metrics.val:
+        vs, vl = zip(*metrics.val)
+        ax.plot(vs, vl, "o-", color="tab:orange", lw=1.4, ms=4, label="validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _fmt_time(s: float) -> str:
+    m, s = divmod(s, 60)
+    return f"{int(m)}m {s:04.1f}s" if m else f"{s:.1f}s"
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def summary_table(s: dict) -> str:
+    mem = "; ".join(
+        f"rank {r}: " + ", ".join(f"{v:,.0f} MiB {k.replace('peak_', '').replace('_mib', '').replace('_', ' ')}"
+                                  for k, v in m.items())
+        for r, m in enumerate(s["peak_memory"]))
+    v0, v1 = s["val_loss_step0"], s["val_loss_final"]
+    rows = [
+        ("model", f"{s['model']} ({_fmt_count(s['params'])} parameters), {s['mixed_precision']}, engine {s['engine']}"),
+        ("workers", f"{s['world_size']} × {s['device']} ({s['backend']})"),
+        ("data", f"{s['data']['source']}: {_fmt_count(s['data']['train_tokens'])} train / "
+                 f"{_fmt_count(s['data']['val_tokens'])} val tokens"),
+        ("steps", f"{s['steps']} × {s['tokens_per_step']:,} tokens"),
+        ("tokens", f"{s['tokens']:,}"),
+        ("train loss", f"{s['train_loss_first']:.4f} (step {s.get('train_loss_first_step', 1)}) → "
+                       f"{s['train_loss_last']:.4f} (step {s.get('train_loss_last_step', s['steps'])})"),
+        ("val loss", f"{v0:.4f} (step {s.get('val_loss_first_step', 0)}) → "
+                     f"{v1:.4f} (step {s.get('val_loss_final_step', s['steps'])}), ratio {v1 / v0:.3f}"),
+        ("wall time", f"{_fmt_time(s['wall_time_s'])} (training {_fmt_time(s['train_time_s'])})"),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
+        ("peak memory", mem),
+        ("outputs", f"{s['out']}/ (metrics.jsonl, loss.png, sample.txt, summary.txt, train.log)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["chunkzero train — summary", "-" * 25] + [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+class _TqdmHandler(logging.StreamHandler):
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # pragma: no cover
+            self.handleError(record)
+
+
+def setup_logging(rank: int, out: Path | None) -> None:
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if rank == 0 and out is not None:
+        fh = logging.FileHandler(out / "train.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(fh)
+    for name in ("torch.distributed", "torch.distributed.elastic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Orbax logs through absl: INFO lines on every save ("Created BasePyTreeCheckpointHandler", "Closing
+    # _NonBlockingMetadataStore", "[wait_until_finished] ...") would flood the console and train.log (a short
+    # run with checkpoints logs no absl WARNING). JAX's distributed service announces itself at INFO.
+    for name in ("absl", "jax._src.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,142 @@
+"""Checking a run on this machine before any worker starts: devices, workers, precision, model, data.
+
+:func:`validate` is the launcher's (and, under ``torchrun``, every worker's) check of every user input:
+first :meth:`chunkzero.train_config.TrainConfig.check` (what is wrong on any machine), then what needs
+this one — a CUDA device for ``--device cuda``, ``--nproc`` within the devices or cores, a model that
+exists with a block size that holds ``--seq-len``, kernels for ``--mixed-precision``, a usable
+``--out`` and a corpus of at least one sequence. It returns the config with its resolved fields
+(``device``, ``nproc``/``world_size``, ``out``, ``model_kind``, ``block_size``) and the corpus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from chunkzero.errors import ConfigError
+from chunkzero.run_dir import check_out_dir, fresh_run_dir
+from chunkzero.train_config import TrainConfig
+
+from . import data as data_mod
+from .models import load_run_corpus, model_block_size
+
+log = logging.getLogger("chunkzero.train")
+
+
+def available_cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def max_cpu_workers() -> int:
+    """CPU workers allowed: one per available core, but at least 2 (the default run's two)."""
+    return max(2, available_cpu_cores())
+
+
+def resolve_device(device: str) -> str:
+    """``"cuda"`` or ``"cpu"``.
+
+    Raises:
+        ConfigError: ``--device cuda`` without a CUDA device.
+    """
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    return device
+
+
+def precision_unsupported(precision: str, device: str) -> str | None:
+    """Why ``device`` (``"cpu"`` or ``"cuda"``) cannot train in ``precision``, or ``None`` when it can.
+    On CPU a small GPT-like forward and backward (linear, layer norm, causal attention, cross-entropy)
+    in that dtype must run (it does with torch 2.13 on x86, fp16 included); on a GPU, bf16 needs compute
+    capability 8.0 (Ampere) or newer."""
+    if precision == "fp32":
+        return None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if device == "cuda":
+        # No kernel probe on a GPU: the launcher must not hold a CUDA context while its workers run.
+        major, minor = torch.cuda.get_device_capability(0)
+        if precision == "bf16" and major < 8:
+            return f"bfloat16 needs a GPU of compute capability 8.0 or newer, this one is {major}.{minor}"
+        return None
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(2, 4, 8, generator=g).to(dtype).requires_grad_()
+        lin = nn.Linear(8, 8).to(dtype)
+        ln = nn.LayerNorm(8).to(dtype)
+        h = ln(lin(x)).view(2, 4, 2, 4).transpose(1, 2)
+        y = F.scaled_dot_product_attention(h, h, h, is_causal=True).transpose(1, 2).reshape(8, 8)
+        F.cross_entropy(y.float(), torch.zeros(8, dtype=torch.long)).backward()
+    except Exception as e:  # the kernels raise RuntimeError/NotImplementedError
+        return str(e).splitlines()[0]
+    return None
+
+
+def check_precision(precision: str, device: str) -> None:
+    """Refuse a mixed precision this device cannot train in (:func:`precision_unsupported`).
+
+    Raises:
+        ConfigError: naming the precision, the device and the reason.
+    """
+    reason = precision_unsupported(precision, device)
+    if reason:
+        raise ConfigError(f"--mixed-precision {precision} cannot run on {device}: {reason}")
+
+
+def resolve_workers(cfg: TrainConfig) -> int:
+    """The world size: ``WORLD_SIZE`` under ``torchrun`` (``--nproc`` is then ignored, with a warning on
+    rank 0), else ``--nproc`` (default one per GPU, or 2 on CPU) for ``cfg.device`` (resolved).
+
+    Raises:
+        ConfigError: ``--nproc`` beyond the visible GPUs or the allowed CPU workers.
+    """
+    if "WORLD_SIZE" in os.environ:  # under torchrun: the world is given
+        world = int(os.environ["WORLD_SIZE"])
+        if cfg.nproc is not None and int(os.environ.get("RANK", 0)) == 0:
+            log.warning("--nproc %d ignored: running under torchrun with world size %d", cfg.nproc, world)
+        return world
+    limit = torch.cuda.device_count() if cfg.device == "cuda" else max_cpu_workers()
+    nproc = cfg.nproc if cfg.nproc is not None else (limit if cfg.device == "cuda" else 2)
+    if nproc > limit:
+        what = (f"{limit} CUDA device(s) visible" if cfg.device == "cuda"
+                else f"at most {limit} CPU workers allowed (one per available core, at least 2)")
+        raise ConfigError(f"--nproc {nproc} is more than this machine allows: {what}")
+    return nproc
+
+
+def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, data_mod.Corpus]:
+    """Check every user input before any worker starts; return the resolved config and the corpus.
+
+    Resolves ``device``, ``nproc``/``world_size`` (from the environment under ``torchrun``), ``out``
+    (``runs/<timestamp>`` by default; only with ``check_out``, which also checks it), ``model_kind`` and
+    ``block_size``, and sets ``validated``.
+
+    Raises:
+        ConfigError / DataError: one line naming the input at fault.
+    """
+    cfg = dataclasses.replace(cfg)
+    cfg.check()
+    cfg.device = resolve_device(cfg.device)
+    cfg.world_size = resolve_workers(cfg)
+    if "WORLD_SIZE" not in os.environ:
+        cfg.nproc = cfg.world_size
+    cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
+    if cfg.seq_len > cfg.block_size:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
+    check_precision(cfg.mixed_precision, cfg.device)
+    if check_out:
+        if cfg.out is None:
+            cfg.out = str(fresh_run_dir(Path("runs")))
+        check_out_dir(cfg)
+    corpus = load_run_corpus(cfg)
+    cfg.validated = True
+    return cfg, corpus

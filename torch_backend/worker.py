@@ -1,0 +1,141 @@
+"""What one worker of ``chunkzero train`` runs: :func:`worker_main`.
+
+Started by :func:`torch_backend.launch.launch` (``nproc`` local processes) or run directly under
+``torchrun``; either way ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+are in the environment. The worker joins the process group (:func:`init_distributed`), checks its
+inputs with the others (all train or all stop with one message), prepares ``--out`` (rank 0), writes
+``pids/rank<r>.pid`` and runs :func:`torch_backend.train.train`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from chunkzero.errors import ChunkZeroError
+from chunkzero.run_dir import prepare_out_dir
+from chunkzero.train_config import TrainConfig
+
+from .collectives import all_gather_json, barrier, world_group
+from .launch import EXIT_PEER_LOST
+from .models import load_run_corpus
+from .report import setup_logging
+from .resolve import available_cpu_cores, resolve_device, validate
+from .train import StepHook, train
+
+log = logging.getLogger("chunkzero.train")
+
+PEER_LOST_GRACE_S = 3.0
+"""How long a worker that lost a peer waits before exiting (the agent polls every 0.5 s)."""
+
+
+def init_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
+    """``(rank, world_size, local_rank, device)``; joins the process group given by the environment
+    (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``… set by ``torchrun`` or our launcher) with a collective
+    timeout of ``cfg.timeout_s``, so a vanished peer ends the run instead of hanging for 30 minutes."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device_type = resolve_device(cfg.device)
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, available_cpu_cores() // max(1, local_world)))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=_dt.timedelta(seconds=cfg.timeout_s), **kwargs)
+    return rank, world, local_rank, device
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says another worker vanished (a broken or timed-out collective)."""
+    if isinstance(exc, getattr(dist, "DistBackendError", ())) or isinstance(exc, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("connection closed by peer", "connection reset", "broken pipe", "timed out",
+                            "timeout", "read error"))
+
+
+def _check_together(cfg: TrainConfig, rank: int, group):
+    """Every rank checks its inputs at once (under torchrun nobody did yet; a launched run's were checked
+    by the launcher, so only the corpus is loaded); rank 0 alone resolves and checks ``--out``. The
+    verdicts are exchanged, so either all ranks train or all stop with one error.
+
+    Returns ``(error message or None, resolved config, corpus)``."""
+    error, corpus = None, None
+    try:
+        if cfg.validated:
+            corpus = load_run_corpus(cfg)
+        else:
+            cfg, corpus = validate(cfg, check_out=rank == 0)
+    except ChunkZeroError as e:
+        error = str(e)
+    verdicts = all_gather_json([error, cfg.out], group)
+    errors = [e for e, _ in verdicts if e is not None]
+    if not errors:
+        cfg.out = verdicts[0][1]
+    return (errors[0] if errors else None), cfg, corpus
+
+
+def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
+    """What one worker runs. Returns ``{"status": "ok", "summary": ...}`` or ``{"status": "error",
+    "message": ...}`` for bad input (the CLI prints it once and exits 2); exits with
+    :data:`torch_backend.launch.EXIT_PEER_LOST` when another worker vanished mid-run.
+    ``on_step_end``: hooks for :func:`torch_backend.train.train`."""
+    rank = int(os.environ.get("RANK", 0))
+    setup_logging(rank, None)
+    try:
+        rank, world, _, device = init_distributed(cfg)
+        group = world_group()
+        error, cfg, corpus = _check_together(cfg, rank, group)
+        if error is not None:
+            return {"status": "error", "message": error}
+        out = Path(cfg.out)
+        previous_config = None
+        if rank == 0:
+            prepare_out_dir(cfg)
+            if cfg.resume:
+                try:
+                    previous_config = json.loads((out / "config.json").read_text())
+                except (OSError, ValueError):
+                    previous_config = None
+            (out / "config.json").write_text(json.dumps(
+                {**cfg.to_dict(), "world_size": world, "data_summary": corpus.summary()}, indent=2) + "\n")
+            setup_logging(rank, out)
+        barrier(group)
+        pid_dir = out / "pids"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
+        summary = train(cfg, corpus, rank, world, device, previous_config, on_step_end=on_step_end)
+        return {"status": "ok", "summary": summary}
+    except ChunkZeroError as e:
+        return {"status": "error", "message": str(e)}
+    except Exception as e:
+        if is_peer_failure(e):
+            log.error("rank %d: a collective failed, another worker has stopped (%s)", rank, str(e).splitlines()[0])
+            sys.stderr.flush()
+            # Give the agent time to see the worker that died first (it reports one failure per poll and
+            # stops the rest), so the run names the cause and not this consequence.
+            time.sleep(PEER_LOST_GRACE_S)
+            os._exit(EXIT_PEER_LOST)
+        raise
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # pragma: no cover - best effort at exit
+                pass
