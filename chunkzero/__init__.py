@@ -14,6 +14,7 @@ from .errors import (
     LayoutError,
     LayoutFormatError,
     LayoutVersionError,
+    PlacementBudgetError,
     ShapeMismatchError,
     UnusedParameterError,
 )
@@ -21,6 +22,7 @@ from .configs import model_specs
 from .cost import StrategyCost, chunk_zero3_cost, compare_strategies, ddp_cost, fsdp_cost
 from .layout import ChunkInfo, ChunkLayout, TensorPlacement, TensorSpec
 from .placement import ChunkPlacement, Location, chunk_placements, offload_count, static_placement
+from .placement_auto import PlacementPlan, StepSchedule, plan_placement
 from .search import SearchResult, build_layout, gemini_search, search_chunk_size
 from .states import LEGAL_TRANSITIONS, ChunkStates, TensorState
 
@@ -29,7 +31,10 @@ __version__ = "0.1.0"
 __all__ = [
     "ChunkPlacement",
     "Location",
+    "PlacementBudgetError",
+    "PlacementPlan",
     "SearchResult",
+    "StepSchedule",
     "StrategyCost",
     "build_layout",
     "chunk_placements",
@@ -40,6 +45,7 @@ __all__ = [
     "gemini_search",
     "model_specs",
     "offload_count",
+    "plan_placement",
     "search_chunk_size",
     "static_placement",
     "ChunkInfo",
