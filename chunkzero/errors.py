@@ -47,6 +47,20 @@ class ConfigError(ChunkZeroError, ValueError):
     """An argument or configuration value is invalid; the message names it."""
 
 
+class PlacementBudgetError(ConfigError):
+    """A device memory budget cannot hold one chunk access: the accessed chunk plus the non-model
+    memory recorded at that access exceed it. Attributes give the numbers, all in bytes."""
+
+    def __init__(self, budget_bytes: int, access: int, chunk: int, chunk_bytes: int, non_model_bytes: int):
+        self.budget_bytes, self.access, self.chunk = budget_bytes, access, chunk
+        self.chunk_bytes, self.non_model_bytes = chunk_bytes, non_model_bytes
+        super().__init__(
+            f"device budget of {budget_bytes} bytes is too small for access {access} (chunk {chunk}): "
+            f"the chunk needs {chunk_bytes} bytes and the non-model memory at that access is "
+            f"{non_model_bytes} bytes, {chunk_bytes + non_model_bytes} bytes in all"
+        )
+
+
 class DataError(ConfigError):
     """The training data cannot be used: a missing path, an empty directory, a corpus shorter than one
     sequence, token ids the model cannot embed. The message names the path and the numbers."""
