@@ -130,3 +130,61 @@ def broadcast_from_first(tensor: torch.Tensor, group) -> None:
     if _world(group) > 1:
         src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         dist.broadcast(tensor, src=src, group=group)
+
+
+# ---------------------------------------------------------------- small host-side agreements
+# Used by checkpoints: a port to agree on, per-rank JSON records, "did every rank succeed". Tensor
+# collectives only (never torch's object collectives), so peer data is never unpickled.
+
+__all__ += ["all_gather_json", "all_ranks_ok", "broadcast_int"]
+
+
+def _control_device(group) -> torch.device:
+    """Where a group's small control tensors live: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_int(value: int, group) -> int:
+    """The group's first rank's ``value`` (an int64, e.g. a port number), on every rank."""
+    if _world(group) == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_control_device(group))
+    broadcast_from_first(t, group)
+    return int(t.item())
+
+
+def all_ranks_ok(ok: bool, group) -> bool:
+    """Whether every rank of the group reports ``ok`` (one all-reduce of a failure flag)."""
+    if _world(group) == 1:
+        return bool(ok)
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=_control_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item()) == 0
+
+
+def all_gather_json(obj, group) -> list:
+    """Every rank's JSON-serializable ``obj``, in rank order.
+
+    Two tensor all-gathers: each rank's byte length, then its UTF-8 JSON bytes padded to the longest;
+    each is decoded with ``json.loads``, never unpickled.
+
+    Raises:
+        TypeError / ValueError: ``obj`` is not JSON-serializable (before any collective).
+    """
+    import json
+
+    if _world(group) == 1:
+        return [obj]
+    data = json.dumps(obj).encode("utf-8")
+    device = _control_device(group)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(_world(group))]
+    dist.all_gather(sizes, n, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(out, buf, group=group)
+    return [json.loads(bytes(o[: int(s.item())].cpu().numpy())) for o, s in zip(out, sizes)]

@@ -170,3 +170,4 @@ def test_async_save_keeps_the_values_it_was_handed(tmp_path):
     wait_until_finished()
     params, _ = read_shards(tmp_path / "1", read_meta(tmp_path, 1), layout, 0)
     np.testing.assert_array_equal(params[0], np.full(numel, 1.0, np.float32))
+
