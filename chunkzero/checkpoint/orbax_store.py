@@ -217,6 +217,8 @@ def save_step(
     manager = _manager(directory, _manager_options(max_to_keep, options))
     manager.wait_until_finished()
     existing = list_steps(directory)
+    if sorted(manager.all_steps()) != existing:  # the root changed outside this manager
+        manager.reload()
     if step in existing:
         raise CheckpointError(f"step {step} already exists under {str(directory)!r}; refusing to overwrite it")
     if existing and step < existing[-1]:
