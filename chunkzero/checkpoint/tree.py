@@ -44,7 +44,7 @@ def shard_arrays(meta: CheckpointMeta, params: Mapping[int, Any],
 
     Returns:
         ``path -> 1-D numpy array`` in :meth:`CheckpointMeta.expected_arrays` order (cast where the
-        dtype differs; otherwise the arrays given, not copies).
+        dtype differs; otherwise views of the arrays given).
 
     Raises:
         ConfigError: a shard or an optimizer-state key is missing, or ``optim`` holds other keys than
