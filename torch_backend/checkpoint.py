@@ -161,7 +161,8 @@ def save_checkpoint(
         data_position=None if data_position is None else _json_ready(dict(data_position), "data_position"),
         extra=None if extra is None else _json_ready(dict(extra), "extra"),
     )
-    # One gather before any write: every rank's RNG state and the checksums of its own shards.
+    # One gather before any write: every rank's RNG state and the checksums of its own shards (and the
+    # place where ranks can compare what they were asked to write before any of them writes).
     own = {"rng": own_rng, "sums": meta.shard_checksums(rank, shard_arrays(meta, params, optim))}
     everyone = all_gather_json(own, group)
     meta.rng_states = [e["rng"] for e in everyone]
