@@ -201,7 +201,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from chunkzero.errors import ChunkZeroError
 
     try:
-        from torch_backend.export import export_checkpoint  # lazily: imports torch and orbax
+        from chunkzero.checkpoint.export import export_checkpoint  # lazily: imports orbax and tensorstore
 
         t0 = time.perf_counter()
         r = export_checkpoint(args.checkpoint, args.out, format=args.format, dtype=args.dtype, step=args.step,

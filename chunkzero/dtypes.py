@@ -56,3 +56,20 @@ def canonical_dtype(dtype: object) -> str:
 def itemsize_bytes(dtype: object) -> int:
     """Bytes per element of ``dtype``."""
     return ITEMSIZE_BYTES[canonical_dtype(dtype)]
+
+
+def numpy_dtype(dtype: object):
+    """The numpy dtype of ``dtype`` (bfloat16 as ``ml_dtypes.bfloat16``, which JAX ships; imported on
+    first use).
+
+    Raises:
+        ConfigError: the dtype is not one chunks can hold.
+    """
+    import numpy as np
+
+    name = canonical_dtype(dtype)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import PARAMS_KEY, chunk_key, list_steps, read_meta, resolve_step_dir
+from .checkpoint import META_FILENAME, META_ITEM, PARAMS_KEY, chunk_key, list_steps, read_meta, resolve_step_dir
 from .dtypes import itemsize_bytes
 
 
@@ -35,7 +35,7 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
     """
     step_dir = resolve_step_dir(path, step)
     meta = read_meta(step_dir)
-    doc = json.loads((step_dir / "meta" / "metadata").read_text())
+    doc = json.loads((step_dir / META_ITEM / META_FILENAME).read_text())
     layout = meta.layout
     expected = meta.expected_arrays()
     steps = list_steps(step_dir.parent)

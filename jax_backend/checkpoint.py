@@ -1,12 +1,12 @@
 """chunkzero checkpoints in JAX: restore on any device count, save back for torch.
 
-The format is :mod:`chunkzero.checkpoint`'s (DESIGN.md §5); the Orbax plumbing is in
-:mod:`jax_backend.orbax_io`. A checkpoint saved at world size ``W`` holds each chunk padded to a
-multiple of ``W``; restoring on a mesh whose data axis has ``n`` devices uses
-``meta.layout.relayout(n)``: every tensor keeps its chunk and offset, only the padding changes, so
-each chunk is read with ``global_shape=(new_size,)`` and ``strict=False`` (Orbax appends zeros or
-drops trailing padding) and a target sharding ``NamedSharding(mesh, P(axis))``, under which each
-device reads only the slice it owns. Keep-gathered chunks are restored replicated (``P()``).
+The JAX adapter of :mod:`chunkzero.checkpoint`, which owns the format and all Orbax I/O
+(:mod:`chunkzero.checkpoint.orbax_store`): here the chunk arrays get their shardings. A checkpoint saved
+at world size ``W`` holds each chunk padded to a multiple of ``W``; restoring on a mesh whose data axis
+has ``n`` devices uses ``meta.layout.relayout(n)``: every tensor keeps its chunk and offset, only the
+padding changes, so each chunk is read with ``global_shape=(new_size,)`` and ``strict=False`` (Orbax
+appends zeros or drops trailing padding) and a target sharding ``NamedSharding(mesh, P(axis))``, under
+which each device reads only the slice it owns. Keep-gathered chunks are restored replicated (``P()``).
 """
 
 from __future__ import annotations
@@ -19,28 +19,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from chunkzero.checkpoint import (
-    CHECKSUM_ALGORITHM,
-    META_ITEM,
     MIXED_PRECISIONS,
     OPTIM_KEY,
     PARAMS_KEY,
-    STATE_ITEM,
     CheckpointMeta,
     OptimizerMeta,
-    checksum_key,
-    chunk_index,
     chunk_key,
+    flat_arrays,
+    orbax_store,
     param_array_dtype,
-    shard_checksum,
+    read_meta,
+    state_tree,
 )
-from chunkzero.errors import CheckpointError, CheckpointFormatError, ConfigError
+from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.layout import ChunkLayout
 
-from . import orbax_io
 from .layout import Chunks, OptimizerChunks, check_chunks
 from .mesh import DEFAULT_AXIS, chunk_sharding, mesh_world_size
 
@@ -68,32 +64,24 @@ class RestoredCheckpoint:
 
 def abstract_state(layout: ChunkLayout, mesh: Mesh, *, axis: str = DEFAULT_AXIS,
                    state_keys: tuple[str, ...] | list[str] = ()) -> tuple[dict, dict]:
-    """Restore targets for :func:`orbax_io.restore_state`: ``(item, restore_args)`` trees.
+    """Restore targets for :func:`chunkzero.checkpoint.orbax_store.restore_arrays`: ``(item, restore_args)`` trees.
 
     ``item`` holds ``jax.ShapeDtypeStruct((size,), dtype, sharding=...)`` per chunk of ``layout``
     (sizes at the layout's world size), ``restore_args`` the matching ``ocp.ArrayRestoreArgs`` with
     ``strict=False`` so a checkpoint saved at another world size is re-padded. ``state_keys`` adds
     the optimizer-state subtrees (float32, trainable chunks).
     """
-    item: dict[str, Any] = {PARAMS_KEY: {}}
-    args: dict[str, Any] = {PARAMS_KEY: {}}
-
-    def add(item_node: dict, args_node: dict, c, dtype) -> None:
-        sharding = chunk_sharding(mesh, c, axis)
-        dt = jnp.dtype(dtype)
-        item_node[chunk_key(c.index)] = jax.ShapeDtypeStruct((c.size,), dt, sharding=sharding)
-        args_node[chunk_key(c.index)] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=(c.size,), dtype=dt, strict=False)
-
+    item: dict[tuple[str, ...], jax.ShapeDtypeStruct] = {}
     for c in layout.chunks:
-        add(item[PARAMS_KEY], args[PARAMS_KEY], c, param_array_dtype(c))
-    if state_keys:
-        item[OPTIM_KEY], args[OPTIM_KEY] = {}, {}
-        for key in state_keys:
-            item[OPTIM_KEY][key], args[OPTIM_KEY][key] = {}, {}
-            for c in layout.chunks:
-                if c.requires_grad:
-                    add(item[OPTIM_KEY][key], args[OPTIM_KEY][key], c, jnp.float32)
-    return item, args
+        item[(PARAMS_KEY, chunk_key(c.index))] = jax.ShapeDtypeStruct(
+            (c.size,), jnp.dtype(param_array_dtype(c)), sharding=chunk_sharding(mesh, c, axis))
+    for key in state_keys:
+        for c in layout.chunks:
+            if c.requires_grad:
+                item[(OPTIM_KEY, key, chunk_key(c.index))] = jax.ShapeDtypeStruct(
+                    (c.size,), jnp.float32, sharding=chunk_sharding(mesh, c, axis))
+    tree = state_tree(item)
+    return tree, orbax_store.array_restore_args(tree)
 
 
 @jax.jit
@@ -114,45 +102,20 @@ def _check_padding(chunks: Mapping[str, jax.Array], layout: ChunkLayout, where: 
                 )
 
 
-def _saved_shards(layout: ChunkLayout, chunk: int) -> list[tuple[int, int, int]]:
-    """``(saving rank, start, stop)``: the valid element range of each saved shard (one for a
-    keep-gathered chunk), the unit a checksum covers."""
-    c = layout.chunks[chunk]
-    if c.keep_gathered:
-        return [(0, 0, c.utilized)]
-    return [(q, layout.shard_range(chunk, q)[0], layout.shard_range(chunk, q)[0] + layout.valid_length(chunk, q))
-            for q in range(layout.world_size)]
-
-
-def _host(array: Any) -> np.ndarray | None:
-    """The whole array on this host, or ``None`` when part of it lives on another process."""
-    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+def _host_arrays(state: Mapping[str, Any]) -> dict[tuple[str, ...], np.ndarray] | None:
+    """Every array of ``state`` whole on this host, or ``None`` when part of one lives on another process."""
+    arrays = flat_arrays(state)
+    if any(isinstance(a, jax.Array) and not a.is_fully_addressable for a in arrays.values()):
         return None
-    return np.asarray(array)
-
-
-def _flat_arrays(state: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
-    out = {}
-    for k, v in state.get(PARAMS_KEY, {}).items():
-        out[(PARAMS_KEY, k)] = v
-    for key, sub in state.get(OPTIM_KEY, {}).items():
-        for k, v in sub.items():
-            out[(OPTIM_KEY, key, k)] = v
-    return out
+    return {p: np.asarray(a) for p, a in arrays.items()}
 
 
 def compute_checksums(state: Mapping[str, Any], layout: ChunkLayout) -> dict[str, Any] | None:
-    """The ``meta.checksums`` record of a ``state`` tree saved with ``layout`` (see
-    :func:`chunkzero.checkpoint.shard_checksum`): per array, one checksum per saving rank's shard over
-    its valid elements. ``None`` when an array is not fully addressable from this process (multi-host);
-    readers then skip verification."""
-    arrays = {}
-    for path, value in _flat_arrays(state).items():
-        host = _host(value)
-        if host is None:
-            return None
-        arrays[checksum_key(path)] = [shard_checksum(host[a:b]) for _, a, b in _saved_shards(layout, chunk_index(path[-1]))]
-    return {"algorithm": CHECKSUM_ALGORITHM, "arrays": arrays}
+    """The ``meta.checksums`` record of a ``state`` tree saved with ``layout``
+    (:meth:`CheckpointMeta.checksums_of_arrays`); ``None`` when an array is not fully addressable from
+    this process (multi-host), and readers then skip verification."""
+    host = _host_arrays(state)
+    return None if host is None else CheckpointMeta(step=0, layout=layout).checksums_of_arrays(host)
 
 
 def verify_checksums(state: Mapping[str, Any], meta: CheckpointMeta, where: str) -> bool:
@@ -168,24 +131,33 @@ def verify_checksums(state: Mapping[str, Any], meta: CheckpointMeta, where: str)
         CheckpointError: a shard's checksum differs (names the array, the saving rank and the range).
         CheckpointFormatError: an array has no checksum in a checkpoint that has them.
     """
-    if not meta.checksums:
+    host = _host_arrays(state) if meta.checksums else None
+    if host is None:
         return False
-    sums = meta.checksums["arrays"]
-    for path, value in _flat_arrays(state).items():
-        key = checksum_key(path)
-        if key not in sums:
-            raise CheckpointFormatError(f"{where}/{META_ITEM}: no checksum for array {key!r}")
-        host = _host(value)
-        if host is None:
-            return False
-        for q, a, b in _saved_shards(meta.layout, chunk_index(path[-1])):
-            got = shard_checksum(host[a:b])
-            if got != sums[key][q]:
-                raise CheckpointError(
-                    f"{where}/{STATE_ITEM}: array {key!r} is corrupted: elements [{a}, {b}) saved by rank {q} have "
-                    f"checksum {got}, the metadata recorded {sums[key][q]}"
-                )
+    for path, a in host.items():
+        for q, start, stop in meta.saved_shards(path):
+            meta.verify_shard(path, q, a[start:stop], step_dir=where)
     return True
+
+
+def _restore(path, mesh: Mesh, axis: str, step: int | None, *, params: bool, optimizer: bool
+             ) -> tuple[RestoredCheckpoint, dict]:
+    """Restore the parameter and/or optimizer-state chunks of a checkpoint onto ``mesh``; also the raw
+    restored ``state`` tree."""
+    n = mesh_world_size(mesh, axis)
+    step_dir = orbax_store.committed_step_dir(path, step)
+    meta = read_meta(step_dir)
+    if optimizer and meta.optimizer is None:
+        raise CheckpointError(f"{step_dir}: checkpoint has no optimizer state (saved parameters only)")
+    meta.check_saved_arrays(orbax_store.read_array_metadata(step_dir), source=str(step_dir), with_optimizer=optimizer)
+    layout = meta.layout.relayout(n)
+    item, args = abstract_state(layout, mesh, axis=axis, state_keys=tuple(meta.optimizer.state_keys) if optimizer else ())
+    if not params:
+        del item[PARAMS_KEY], args[PARAMS_KEY]
+    state = orbax_store.restore_arrays(step_dir, item, args)
+    chunks = dict(state[PARAMS_KEY]) if params else {}
+    opt = {k: dict(v) for k, v in state[OPTIM_KEY].items()} if optimizer else None
+    return RestoredCheckpoint(chunks, layout, meta, opt, step_dir), state
 
 
 def restore_checkpoint(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS, step: int | None = None,
@@ -199,8 +171,8 @@ def restore_checkpoint(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS
         step: with a root, the step to restore.
         with_optimizer: also restore the optimizer-state chunks (``meta.optimizer.state_keys``).
         check_padding: verify the padding of every restored chunk is zeros (one reduction per chunk).
-        verify: check the restored data against ``meta.checksums`` when the checkpoint has them (the
-            torch backend writes them; costs one host copy of the restored arrays).
+        verify: check the restored data against ``meta.checksums`` when the checkpoint has them (costs
+            one host copy of the restored arrays).
 
     Returns:
         A :class:`RestoredCheckpoint`.
@@ -212,26 +184,14 @@ def restore_checkpoint(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS
         CheckpointFormatError: metadata fails validation, or an array it lists is missing or
             mis-shaped on disk (names the array and both shapes).
     """
-    n = mesh_world_size(mesh, axis)
-    root, s = orbax_io.resolve_checkpoint(path, step)
-    where = orbax_io.step_dir(root, s)
-    meta = orbax_io.read_meta(root, s)
-    if with_optimizer and meta.optimizer is None:
-        raise CheckpointError(f"{where}: checkpoint has no optimizer state (saved parameters only)")
-    orbax_io.check_arrays(meta, orbax_io.read_array_metadata(root, s), source=str(where), with_optimizer=with_optimizer)
-    layout = meta.layout.relayout(n)
-    keys = tuple(meta.optimizer.state_keys) if with_optimizer else ()
-    item, args = abstract_state(layout, mesh, axis=axis, state_keys=keys)
-    state = orbax_io.restore_state(root, s, item, args)
-    chunks = dict(state[PARAMS_KEY])
-    opt = {k: dict(v) for k, v in state[OPTIM_KEY].items()} if keys else None
+    r, state = _restore(path, mesh, axis, step, params=True, optimizer=with_optimizer)
     if verify:
-        verify_checksums(state, meta, str(where))
+        verify_checksums(state, r.meta, str(r.path))
     if check_padding:
-        _check_padding(chunks, layout, str(where), "params")
-        for k, v in (opt or {}).items():
-            _check_padding(v, layout, str(where), f"optimizer state {k!r}")
-    return RestoredCheckpoint(chunks, layout, meta, opt, where)
+        _check_padding(r.chunks, r.layout, str(r.path), "params")
+        for k, v in (r.opt_state_chunks or {}).items():
+            _check_padding(v, r.layout, str(r.path), f"optimizer state {k!r}")
+    return r
 
 
 def restore_chunks(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS, step: int | None = None,
@@ -258,22 +218,11 @@ def restore_optimizer_chunks(path: str | Path, mesh: Mesh, *, axis: str = DEFAUL
 
     Parameter arrays are not read. Errors as :func:`restore_checkpoint`.
     """
-    n = mesh_world_size(mesh, axis)
-    root, s = orbax_io.resolve_checkpoint(path, step)
-    where = orbax_io.step_dir(root, s)
-    meta = orbax_io.read_meta(root, s)
-    if meta.optimizer is None:
-        raise CheckpointError(f"{where}: checkpoint has no optimizer state (saved parameters only)")
-    orbax_io.check_arrays(meta, orbax_io.read_array_metadata(root, s), source=str(where))
-    layout = meta.layout.relayout(n)
-    item, args = abstract_state(layout, mesh, axis=axis, state_keys=tuple(meta.optimizer.state_keys))
-    del item[PARAMS_KEY], args[PARAMS_KEY]
-    state = orbax_io.restore_state(root, s, item, args)
-    verify_checksums(state, meta, str(where))
-    opt = {k: dict(v) for k, v in state[OPTIM_KEY].items()}
-    for k, v in opt.items():
-        _check_padding(v, layout, str(where), f"optimizer state {k!r}")
-    return opt, layout, meta.optimizer
+    r, state = _restore(path, mesh, axis, step, params=False, optimizer=True)
+    verify_checksums(state, r.meta, str(r.path))
+    for k, v in r.opt_state_chunks.items():
+        _check_padding(v, r.layout, str(r.path), f"optimizer state {k!r}")
+    return r.opt_state_chunks, r.layout, r.meta.optimizer
 
 
 def _as_jax(x: Any) -> jax.Array:
@@ -285,7 +234,7 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
                     optimizer_meta: OptimizerMeta | Mapping[str, Any] | None = None,
                     mixed_precision: str = "fp32", loss_scaler: dict | None = None, model_config: dict | None = None,
                     data_position: dict | None = None, rng_states: list[dict] | None = None, extra: dict | None = None,
-                    checksums: bool = True, options: ocp.CheckpointManagerOptions | None = None) -> Path:
+                    checksums: bool = True, options: Any = None) -> Path:
     """Write chunk arrays as a chunkzero checkpoint step ``<directory>/<step>/`` that torch can resume.
 
     Args:
@@ -294,7 +243,7 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
             (float32 masters for trainable chunks); ``jax.Array`` s keep their sharding (each device's
             shard is written once), numpy arrays are written whole.
         layout: the layout of the arrays; its ``world_size`` is recorded as the saving world size.
-        step: training step; must not exist under ``directory`` yet.
+        step: training step; must not exist under ``directory`` yet, nor be before its latest step.
         opt_state_chunks: ``{state_key: {chunk_key: f32[size]}}`` over trainable chunks, or ``None``.
         optimizer_meta: :class:`OptimizerMeta` (or its dict: ``class_name``, ``hyperparameters``,
             ``state_keys``, ``step``); its ``state_keys`` must be the keys of ``opt_state_chunks``.
@@ -302,27 +251,26 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
         loss_scaler, model_config, data_position, rng_states, extra: JSON-able, stored in ``meta``.
         checksums: record ``meta.checksums`` per saved shard (as the torch backend does, so its loader
             verifies what it reads); skipped when an array is not fully addressable (multi-host).
-        options: ``ocp.CheckpointManagerOptions`` passed through.
+        options: ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep``,
+            ``multiprocessing_options`` …).
 
     Returns:
-        The step directory.
+        The step directory (committed).
 
     Raises:
         LayoutError / ShapeMismatchError: a chunk is missing, extra or mis-sized (names it and both shapes).
         CheckpointError: a chunk has the wrong dtype, the optimizer arguments disagree, or the step
-            exists (nothing is overwritten).
-        ConfigError: bad ``mixed_precision`` or ``step``.
+            exists or is before the latest one (nothing is overwritten).
+        ConfigError: bad ``mixed_precision`` or ``step``, or metadata that is not JSON-serializable.
     """
     if mixed_precision not in MIXED_PRECISIONS:
         raise ConfigError(f"mixed_precision must be one of {MIXED_PRECISIONS}, got {mixed_precision!r}")
-    params = check_chunks(chunks, layout, what="chunks")
-    state: dict[str, Any] = {PARAMS_KEY: {}}
-    for c in layout.chunks:
-        arr = _as_jax(params[c.index])
-        want = jnp.dtype(param_array_dtype(c))
+    arrays: dict[tuple[str, ...], jax.Array] = {}
+    for i, a in check_chunks(chunks, layout, what="chunks").items():
+        arr, want = _as_jax(a), jnp.dtype(param_array_dtype(layout.chunks[i]))
         if arr.dtype != want:
-            raise CheckpointError(f"chunk {chunk_key(c.index)} is {arr.dtype}, the checkpoint stores it as {want}")
-        state[PARAMS_KEY][chunk_key(c.index)] = arr
+            raise CheckpointError(f"chunk {chunk_key(i)} is {arr.dtype}, the checkpoint stores it as {want}")
+        arrays[(PARAMS_KEY, chunk_key(i))] = arr
     if isinstance(optimizer_meta, Mapping):
         optimizer_meta = OptimizerMeta(**optimizer_meta)
     if opt_state_chunks is not None:
@@ -333,23 +281,23 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
                 f"optimizer state keys {sorted(opt_state_chunks)} differ from optimizer_meta.state_keys "
                 f"{sorted(optimizer_meta.state_keys)}"
             )
-        state[OPTIM_KEY] = {}
         for key in optimizer_meta.state_keys:
-            arrays = check_chunks(opt_state_chunks[key], layout, trainable_only=True, what=f"optimizer state {key!r}")
-            state[OPTIM_KEY][key] = {}
-            for i, a in arrays.items():
+            for i, a in check_chunks(opt_state_chunks[key], layout, trainable_only=True, what=f"optimizer state {key!r}").items():
                 a = _as_jax(a)
                 if a.dtype != jnp.float32:
                     raise CheckpointError(f"optimizer state {key!r} {chunk_key(i)} is {a.dtype}, expected float32")
-                state[OPTIM_KEY][key][chunk_key(i)] = a
+                arrays[(OPTIM_KEY, key, chunk_key(i))] = a
     elif optimizer_meta is not None and optimizer_meta.state_keys:
         raise CheckpointError(f"optimizer_meta lists state keys {optimizer_meta.state_keys} but no opt_state_chunks were given")
     meta = CheckpointMeta(
         step=step, layout=layout, mixed_precision=mixed_precision, optimizer=optimizer_meta, loss_scaler=loss_scaler,
         model_config=model_config, data_position=data_position, rng_states=rng_states, extra=extra,
-        checksums=compute_checksums(state, layout) if checksums else None,
     )
-    return orbax_io.write_checkpoint(directory, step, state, meta, options=options)
+    state = state_tree(arrays)
+    host = _host_arrays(state) if checksums else None
+    if host is not None:
+        meta.checksums = meta.checksums_of_arrays(host)
+    return orbax_store.save_step(directory, meta, state, options=options)
 
 
 __all__ = [

@@ -41,11 +41,17 @@ __all__ = [
     "agree",
     "agreement_group",
     "all_gather_flat",
+    "all_gather_json",
+    "all_mean",
+    "all_ranks_ok",
     "all_reduce_avg",
     "all_reduce_sum",
+    "barrier",
     "broadcast_from_first",
+    "broadcast_int",
     "default_backend",
     "reduce_scatter_avg",
+    "world_group",
 ]
 
 
@@ -234,9 +240,10 @@ def broadcast_from_first(tensor: torch.Tensor, group) -> None:
         dist.broadcast(tensor, src=src, group=group)
 
 
-# ============================================================================ the training run's helpers
-# Used by torch_backend.train and torch_backend.worker: scalars, small JSON records and a barrier among
-# the workers of a run. ``group`` follows this module's rule: ``None`` means no distributed run.
+# ============================================================================ small host-side agreements
+# Used by checkpoints and the training run: a scalar mean, a port to agree on, per-rank JSON records,
+# "did every rank succeed", a barrier. Tensor collectives only (never torch's object collectives), so
+# peer data is never unpickled. ``group`` follows this module's rule: ``None`` means no distributed run.
 
 
 def world_group():
@@ -244,8 +251,8 @@ def world_group():
     return dist.group.WORLD if dist.is_initialized() else None
 
 
-def _small_tensor_device(group) -> torch.device:
-    """Where a small message tensor must live for ``group``'s backend: this rank's CUDA device for NCCL."""
+def _control_device(group) -> torch.device:
+    """Where a group's small control tensors live: the current CUDA device for NCCL, else the CPU."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -256,37 +263,56 @@ def all_mean(value: float | torch.Tensor, group) -> float:
     float32 on NCCL. Every rank must call it: it is also a synchronisation point."""
     if _world(group) == 1:
         return float(value)
-    device = _small_tensor_device(group)
+    device = _control_device(group)
     dtype = torch.float32 if device.type == "cuda" else torch.float64
     t = torch.as_tensor(value, dtype=dtype, device=device).detach().clone().reshape(1)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return float(t / dist.get_world_size(group))
 
 
+def broadcast_int(value: int, group) -> int:
+    """The group's first rank's ``value`` (an int64, e.g. a port number), on every rank."""
+    if _world(group) == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_control_device(group))
+    broadcast_from_first(t, group)
+    return int(t.item())
+
+
+def all_ranks_ok(ok: bool, group) -> bool:
+    """Whether every rank of the group reports ``ok`` (one all-reduce of a failure flag)."""
+    if _world(group) == 1:
+        return bool(ok)
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=_control_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item()) == 0
+
+
 def all_gather_json(obj, group) -> list:
-    """Every rank's ``obj``, in rank order (``[obj]`` for ``None``). ``obj`` must be JSON-serialisable;
-    it travels as UTF-8 JSON bytes in a ``uint8`` tensor, after an all-gather of the byte lengths, so
-    nothing is unpickled. Tuples come back as lists.
+    """Every rank's JSON-serializable ``obj``, in rank order (``[obj]`` for ``None``); tuples come back
+    as lists.
+
+    Two tensor all-gathers: each rank's byte length, then its UTF-8 JSON bytes padded to the longest;
+    each is decoded with ``json.loads``, never unpickled.
 
     Raises:
-        TypeError: ``obj`` is not JSON-serialisable (raised before any communication).
+        TypeError / ValueError: ``obj`` is not JSON-serializable (before any collective).
     """
     import json
 
     if _world(group) == 1:
         return [obj]
     data = json.dumps(obj).encode("utf-8")
-    device = _small_tensor_device(group)
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    lengths = [int(s) for s in sizes]
-    buf = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    buf[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    gathered = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(gathered, buf, group=group)
-    return [json.loads(bytes(g[:n].cpu().numpy())) for g, n in zip(gathered, lengths)]
+    device = _control_device(group)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(_world(group))]
+    dist.all_gather(sizes, n, group=group)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    out = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(out, buf, group=group)
+    return [json.loads(bytes(o[: int(s.item())].cpu().numpy())) for o, s in zip(out, sizes)]
 
 
 def barrier(group) -> None:

@@ -1,4 +1,4 @@
-"""Restoring and saving chunkzero checkpoints in JAX (jax_backend.checkpoint, jax_backend.orbax_io)."""
+"""Restoring and saving chunkzero checkpoints in JAX (jax_backend.checkpoint over chunkzero.checkpoint)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from jax.sharding import PartitionSpec as P
 import jax_backend as jb
 from chunkzero import ChunkLayout, CheckpointError, ConfigError, TensorSpec
 from chunkzero.checkpoint import CheckpointFormatError, OptimizerMeta, chunk_key
-from jax_backend import orbax_io
+from chunkzero import checkpoint as ckpt
+from chunkzero.checkpoint import orbax_store
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_restore_on_any_device_count(torch_run, n):
     chunks, layout, opt = jb.restore_chunks(torch_run.root, jb.make_mesh(n), with_optimizer=True)
-    saved = orbax_io.read_meta(torch_run.root).layout
+    saved = ckpt.read_meta(torch_run.root).layout
     assert saved.world_size == 3 and layout == saved.relayout(n)
     for c in layout.chunks:
         a = chunks[chunk_key(c.index)]
@@ -48,13 +49,13 @@ def test_nested_unflatten_uses_module_paths(torch_run):
 def test_root_and_step_dir_resolve_the_same(torch_run, tmp_path):
     root = tmp_path / "ckpt"
     shutil.copytree(torch_run.root, root)
-    meta = orbax_io.read_meta(root)
+    meta = ckpt.read_meta(root)
     chunks, layout = jb.restore_chunks(root, jb.make_mesh(1))
     # a later step becomes the latest
     later = {k: v * 2 for k, v in chunks.items()}
     jb.save_checkpoint(root, later, layout, step=meta.step + 5)
-    assert orbax_io.list_steps(root) == [meta.step, meta.step + 5]
-    assert orbax_io.latest_step(root) == meta.step + 5
+    assert ckpt.list_steps(root) == [meta.step, meta.step + 5]
+    assert ckpt.latest_step(root) == meta.step + 5
     latest, _ = jb.restore_chunks(root, jb.make_mesh(1))
     first, _ = jb.restore_chunks(root, jb.make_mesh(1), step=meta.step)
     np.testing.assert_array_equal(np.asarray(latest["chunk_0000"]), 2 * np.asarray(first["chunk_0000"]))
@@ -65,10 +66,10 @@ def test_root_and_step_dir_resolve_the_same(torch_run, tmp_path):
 
 
 def test_read_meta_and_array_metadata_without_arrays(torch_run):
-    meta = orbax_io.read_meta(torch_run.root)
+    meta = ckpt.read_meta(torch_run.root)
     assert meta.step == torch_run.step and meta.layout.world_size == 3 and meta.model_config == torch_run.config.to_dict()
     assert meta.optimizer.state_keys == ["exp_avg", "exp_avg_sq"]
-    arrays = orbax_io.read_array_metadata(torch_run.step_dir)
+    arrays = orbax_store.read_array_metadata(torch_run.step_dir)
     assert arrays == meta.expected_arrays()
 
 
@@ -130,7 +131,7 @@ def test_save_refuses_to_overwrite_and_bad_dtypes(torch_run, tmp_path):
         jb.save_checkpoint(root, chunks, layout, step=99, opt_state_chunks={"exp_avg": chunks})
     with pytest.raises(ConfigError, match="mixed_precision"):
         jb.save_checkpoint(root, chunks, layout, step=99, mixed_precision="fp8")
-    assert orbax_io.list_steps(root) == [torch_run.step]
+    assert ckpt.list_steps(root) == [torch_run.step]
 
 
 def test_missing_and_corrupt_checkpoints_name_the_path(torch_run, tmp_path):
@@ -156,7 +157,7 @@ def test_missing_and_corrupt_checkpoints_name_the_path(torch_run, tmp_path):
     doc["layout"]["chunks"][0]["size"] += 3  # still a multiple of 3, but not the saved array's size
     doc.pop("checksums", None)
     f.write_text(json.dumps(doc))
-    with pytest.raises(CheckpointFormatError, match=rf"params/chunk_0000.*float32\[{size}\].*float32\[{size + 3}\]"):
+    with pytest.raises(CheckpointFormatError, match=rf"params\.chunk_0000.*float32\[{size}\].*float32\[{size + 3}\]"):
         jb.restore_chunks(wrong_layout, jb.make_mesh(1))
 
     no_data = tmp_path / "no_data"
@@ -208,7 +209,7 @@ def test_checksum_mismatch_is_reported(torch_run, tmp_path):
     sums[1] = "0" * 32
     f.write_text(json.dumps(doc))
     jb.restore_chunks(root, jb.make_mesh(2))  # parameters only: the optimizer state is not read
-    with pytest.raises(CheckpointError, match=r"'optim/exp_avg/chunk_0001' is corrupted.*saved by rank 1"):
+    with pytest.raises(CheckpointError, match=r"'optim\.exp_avg\.chunk_0001' in '.*/state' is corrupted.*saved by rank 1"):
         jb.restore_chunks(root, jb.make_mesh(2), with_optimizer=True)
 
 
@@ -217,7 +218,7 @@ def test_jax_save_writes_torch_compatible_checksums(torch_run, tmp_path):
     r = jb.restore_checkpoint(torch_run.root, jb.make_mesh(3), with_optimizer=True)
     jb.save_checkpoint(tmp_path, r.chunks, r.layout, step=r.meta.step, opt_state_chunks=r.opt_state_chunks,
                        optimizer_meta=r.meta.optimizer)
-    ours = orbax_io.read_meta(tmp_path).checksums
+    ours = ckpt.read_meta(tmp_path).checksums
     assert ours["algorithm"] == r.meta.checksums["algorithm"]
     if torch_run.writer == "torch_backend.save_checkpoint":
         assert ours["arrays"] == r.meta.checksums["arrays"]

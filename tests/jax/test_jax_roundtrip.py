@@ -17,7 +17,7 @@ from jaxtest_utils import CHUNK_SIZE, HYPER, batch
 
 import jax_backend as jb
 from chunkzero.checkpoint import chunk_key
-from jax_backend import orbax_io
+from chunkzero.checkpoint import read_meta
 
 PARAM_ATOL = 1e-6
 """Parameters after the step, absolute (params are O(0.1); fp32 rounding of one update is ~1e-9)."""
@@ -96,7 +96,7 @@ def test_jax_adamw_step_matches_torch_and_saves_for_torch(torch_run, tmp_path, n
         assert int(s["step"]) == torch_run.step + 1
     print(f"adamw n={n}: max |param_jax - param_torch| = {worst:.2e}")
 
-    meta = orbax_io.read_meta(root)
+    meta = read_meta(root)
     assert meta.step == torch_run.step + 1 and meta.optimizer.step == torch_run.step + 1
     assert meta.layout.world_size == n and meta.optimizer.class_name == "torch.optim.AdamW"
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
@@ -139,7 +139,7 @@ def test_jax_step_saved_at_3_devices_restores_at_8(torch_run, tmp_path):
     a, b = jb.unflatten(chunks, layout, nested=False), jb.unflatten(back, layout8, nested=False)
     for name in a:
         np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
-    assert orbax_io.read_meta(root).optimizer.step == torch_run.step + 1
+    assert read_meta(root).optimizer.step == torch_run.step + 1
 
 
 def test_torch_resumes_from_the_jax_step(torch_run, tmp_path):

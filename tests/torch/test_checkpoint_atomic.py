@@ -170,3 +170,19 @@ def test_async_save_keeps_the_values_it_was_handed(tmp_path):
     wait_until_finished()
     params, _ = read_shards(tmp_path / "1", read_meta(tmp_path, 1), layout, 0)
     np.testing.assert_array_equal(params[0], np.full(numel, 1.0, np.float32))
+
+
+def test_step_removed_outside_the_writer_can_be_written_again(tmp_path):
+    """The writer of a root is kept for the process; a step deleted by hand (a bad save thrown away)
+    can be saved again, and ``max_to_keep`` counts only the steps on disk."""
+    import shutil
+
+    meta = _tiny_meta(1)
+    write_shards(tmp_path, meta, 0, _shards(meta, 1.0), max_to_keep=2)
+    shutil.rmtree(tmp_path / "1")
+    write_shards(tmp_path, meta, 0, _shards(meta, 2.0), max_to_keep=2)
+    for step in (2, 3):
+        write_shards(tmp_path, _tiny_meta(step), 0, _shards(_tiny_meta(step), float(step)), max_to_keep=2)
+    assert checkpoint_steps(tmp_path) == [2, 3]
+    _, params = _expected(tmp_path, 3)
+    assert all(np.all(a == 3) for a in params.values())

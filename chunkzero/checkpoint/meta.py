@@ -1,4 +1,4 @@
-"""The checkpoint metadata schema shared by both backends (DESIGN.md §5).
+"""The checkpoint format's names and its metadata schema, shared by both backends (DESIGN.md §5).
 
 One step is one standard Orbax checkpoint directory ``<root>/<step>/`` with two items:
 
@@ -15,19 +15,27 @@ One step is one standard Orbax checkpoint directory ``<root>/<step>/`` with two 
 A plain ``orbax.checkpoint`` user restores ``state`` as numpy, or with target shardings on any
 device count (padding differs between world sizes; restore with ``global_shape`` of the new size,
 or slice ``[:utilized]``).
+
+Each saved shard carries a checksum over its valid elements; :class:`CheckpointMeta` knows the saved
+shards' ranges (:meth:`CheckpointMeta.saved_shards`), builds the record and verifies against it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, CheckpointFormatError, ConfigError, LayoutFormatError
-from .layout import ChunkInfo, ChunkLayout
+import numpy as np
+
+from ..errors import CheckpointError, CheckpointFormatError, LayoutFormatError
+from ..layout import ChunkInfo, ChunkLayout
+
+ArrayPath = tuple[str, ...]
+"""Path of one array in the ``state`` tree: ``("params", "chunk_0003")``, ``("optim", "exp_avg", "chunk_0003")``."""
 
 CHECKPOINT_FORMAT = "chunkzero.checkpoint"
 CHECKPOINT_VERSION = 1
@@ -57,6 +65,11 @@ def chunk_index(key: str) -> int:
     if not m:
         raise CheckpointFormatError(f"{key!r} is not a chunk key (expected chunk_NNNN)")
     return int(m.group(1))
+
+
+def array_name(path: ArrayPath) -> str:
+    """Name of array ``path`` in messages: ``"params.chunk_0003"`` (the name Orbax gives it on disk)."""
+    return ".".join(path)
 
 
 def param_array_dtype(chunk: ChunkInfo) -> str:
@@ -95,11 +108,12 @@ class CheckpointMeta:
         data_position: JSON-able data-loader position, to resume the data stream.
         rng_states: one JSON-able RNG-state dict per saving rank (or ``None``).
         extra: anything else the caller passed (JSON-able).
-        checksums: optional integrity record of the ``state`` arrays, written by the torch backend:
+        checksums: optional integrity record of the ``state`` arrays, written at save by both backends:
             ``{"algorithm": "sum64+xor64", "arrays": {"params/chunk_0000": [hex per saving rank], ...}}``
             — one entry per saved shard (one for a keep-gathered chunk), computed over the shard's
-            valid (unpadded) elements; see :func:`shard_checksum`. Absent (``None``) in checkpoints
-            written without it; readers then skip verification. Serialized only when present.
+            valid (unpadded) elements; see :func:`shard_checksum` and :meth:`verify_shard`. Absent
+            (``None``) in checkpoints written without it; readers then skip verification. Serialized
+            only when present.
     """
 
     step: int
@@ -224,13 +238,13 @@ class CheckpointMeta:
             raise CheckpointFormatError(f"{source}: not valid JSON ({e})") from None
         return cls.from_dict(doc, source=source)
 
-    def expected_arrays(self) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+    def expected_arrays(self) -> dict[ArrayPath, tuple[tuple[int, ...], str]]:
         """Every array the ``state`` item must hold: ``path -> (global shape, dtype)``.
 
         Paths are tuples of tree keys, e.g. ``("params", "chunk_0003")`` or
         ``("optim", "exp_avg", "chunk_0003")``.
         """
-        out: dict[tuple[str, ...], tuple[tuple[int, ...], str]] = {}
+        out: dict[ArrayPath, tuple[tuple[int, ...], str]] = {}
         for c in self.layout.chunks:
             out[(PARAMS_KEY, chunk_key(c.index))] = ((c.size,), param_array_dtype(c))
         if self.optimizer is not None:
@@ -239,6 +253,103 @@ class CheckpointMeta:
                     if c.requires_grad:
                         out[(OPTIM_KEY, key, chunk_key(c.index))] = ((c.size,), "float32")
         return out
+
+    # ------------------------------------------------------------------ the saved arrays
+    def check_saved_arrays(self, saved: Mapping[ArrayPath, tuple[tuple[int, ...], str] | None], *, source: str,
+                           with_optimizer: bool = True) -> None:
+        """Check that the ``state`` item holds every array this metadata promises.
+
+        Args:
+            saved: the arrays on disk, ``path -> (global shape, dtype)``, or ``-> None`` where only
+                their presence is known (shapes are then checked when the arrays are opened).
+            source: the file or directory the listing came from, for messages.
+            with_optimizer: also require the optimizer-state arrays.
+
+        Raises:
+            CheckpointFormatError: the first missing array (and how many are), or an array whose
+                shape or dtype differs (names ``source``, the array, and both).
+        """
+        wanted = {p: v for p, v in self.expected_arrays().items() if with_optimizer or p[0] == PARAMS_KEY}
+        missing = [p for p in wanted if p not in saved]
+        if missing:
+            more = f" ({len(missing)} missing)" if len(missing) > 1 else ""
+            raise CheckpointFormatError(f"{source}: array {array_name(missing[0])!r} listed by the checkpoint metadata is not saved{more}")
+        for path, (shape, dtype) in wanted.items():
+            got = saved[path]
+            if got is not None and (tuple(got[0]), str(got[1])) != (tuple(shape), dtype):
+                raise CheckpointFormatError(
+                    f"{source}: array {array_name(path)!r} is {got[1]}{list(got[0])}, the metadata's layout says {dtype}{list(shape)}"
+                )
+
+    def saved_shards(self, path: ArrayPath) -> list[tuple[int, int, int]]:
+        """``(saving rank, start, stop)``: the valid element range of each saved shard of array ``path``
+        (chunk coordinates, padding excluded; one range for a keep-gathered chunk, which is saved once)
+        — the unit a checksum covers and a storage read decodes."""
+        layout, chunk = self.layout, chunk_index(path[-1])
+        if layout.chunks[chunk].keep_gathered:
+            return [(0, 0, layout.chunks[chunk].utilized)]
+        starts = [layout.shard_range(chunk, q)[0] for q in range(layout.world_size)]
+        return [(q, a, a + layout.valid_length(chunk, q)) for q, a in enumerate(starts)]
+
+    # ------------------------------------------------------------------ checksums
+    def shard_checksums(self, rank: int, shards: Mapping[ArrayPath, Any]) -> dict[str, str]:
+        """This saving rank's part of the record: ``checksum_key(path) -> shard_checksum`` over the valid
+        elements of each of its shards (``path -> 1-D array``: the rank's shard, a keep-gathered chunk whole)."""
+        return {checksum_key(p): shard_checksum(np.asarray(a)[: self.layout.valid_length(chunk_index(p[-1]), rank)])
+                for p, a in shards.items()}
+
+    def checksums_from_ranks(self, per_rank: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+        """The ``checksums`` record from every saving rank's :meth:`shard_checksums`, in rank order
+        (a keep-gathered chunk's entry from rank 0).
+
+        Raises:
+            CheckpointError: a rank sent no checksum for an array (the ranks disagree on what they save).
+        """
+        arrays: dict[str, list[str]] = {}
+        for path in self.expected_arrays():
+            key = checksum_key(path)
+            ranks = [0] if self.layout.chunks[chunk_index(path[-1])].keep_gathered else range(len(per_rank))
+            for q in ranks:
+                if key not in per_rank[q]:
+                    raise CheckpointError(f"rank {q} computed no checksum for array {array_name(path)!r}; the ranks disagree on what they save")
+            arrays[key] = [per_rank[q][key] for q in ranks]
+        return {"algorithm": CHECKSUM_ALGORITHM, "arrays": arrays}
+
+    def checksums_of_arrays(self, arrays: Mapping[ArrayPath, Any]) -> dict[str, Any]:
+        """The ``checksums`` record of whole arrays (``path -> 1-D host array`` at this layout's world
+        size): each saved shard's checksum over its range."""
+        return {"algorithm": CHECKSUM_ALGORITHM,
+                "arrays": {checksum_key(p): [shard_checksum(np.asarray(a)[s:e]) for _, s, e in self.saved_shards(p)]
+                           for p, a in arrays.items()}}
+
+    def verify_shard(self, path: ArrayPath, rank: int, data: Any, *, step_dir: str | Path) -> bool:
+        """Check saved shard ``rank`` of array ``path`` against the recorded checksum.
+
+        Args:
+            data: the shard's valid elements (:meth:`saved_shards` gives their range), as read back.
+            step_dir: the step's directory, for messages.
+
+        Returns:
+            ``False`` when the checkpoint has no checksums (nothing verified), else ``True``.
+
+        Raises:
+            CheckpointFormatError: the checkpoint has checksums but none for ``path``.
+            CheckpointError: the checksum differs (names the array, the directory, the saving rank
+                and the element range).
+        """
+        if self.checksums is None:
+            return False
+        sums = self.checksums["arrays"].get(checksum_key(path))
+        if sums is None:
+            raise CheckpointFormatError(f"{Path(step_dir) / META_ITEM}: no checksum for array {array_name(path)!r}")
+        got = shard_checksum(data)
+        if got != sums[rank]:
+            _, start, stop = self.saved_shards(path)[rank]
+            raise CheckpointError(
+                f"array {array_name(path)!r} in {str(Path(step_dir) / STATE_ITEM)!r} is corrupted: elements [{start}, {stop}) "
+                f"saved by rank {rank} have checksum {got}, the metadata recorded {sums[rank]}"
+            )
+        return True
 
 
 CHECKSUM_ALGORITHM = "sum64+xor64"
@@ -251,8 +362,6 @@ def shard_checksum(data: Any) -> str:
     the 16-hex-digit wrapping sum of the words followed by the 16-hex-digit XOR of the words. Cheap
     (one pass at memory speed) and it changes with any single-bit or single-word corruption.
     """
-    import numpy as np
-
     b = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     n8 = b.size - b.size % 8
     words = b[:n8].view("<u8")
@@ -264,7 +373,7 @@ def shard_checksum(data: Any) -> str:
     return f"{total:016x}{xor:016x}"
 
 
-def checksum_key(path: tuple[str, ...]) -> str:
+def checksum_key(path: ArrayPath) -> str:
     """Key of array ``path`` in ``checksums["arrays"]``: ``"params/chunk_0000"``."""
     return "/".join(path)
 
@@ -294,87 +403,3 @@ def _tuple(kinds) -> tuple:
 
 def _kind_names(kinds) -> str:
     return " or ".join(k.__name__ for k in _tuple(kinds))
-
-
-# ---------------------------------------------------------------------------- steps on disk
-# Plain file-system reads (no Orbax, no cross-process sync), so any single process may call them.
-# Orbax writes a step under a temporary name and renames it to ``<step>`` when the save commits,
-# so only all-digit directory names holding both items are committed steps.
-
-
-def is_step_dir(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is one committed step directory (``<root>/<int>/`` with both items)."""
-    p = Path(path)
-    return p.name.isdigit() and (p / META_ITEM).is_dir() and (p / STATE_ITEM).is_dir()
-
-
-def list_steps(root: str | os.PathLike) -> list[int]:
-    """Committed steps under ``root``, ascending (``[]`` if ``root`` does not exist); a save that died
-    midway is not listed."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name) for p in root.iterdir() if is_step_dir(p))
-
-
-def latest_step(root: str | os.PathLike) -> int | None:
-    """The highest committed step under ``root``, or ``None`` if there is none."""
-    steps = list_steps(root)
-    return steps[-1] if steps else None
-
-
-def resolve_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
-    """The directory of one committed step.
-
-    Args:
-        path: a checkpoint root (``runs/ckpt``) or one step's directory (``runs/ckpt/100``).
-        step: the step under a root; ``None`` means the latest (or ``path`` itself if it is a step).
-
-    Raises:
-        CheckpointError: the path does not exist, holds no committed step, or not ``step`` (the
-            message lists the steps it does hold).
-        ConfigError: ``step`` is not an int, or contradicts the step directory given.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {str(path)!r} does not exist")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise ConfigError(f"step must be an int, got {step!r}")
-    if is_step_dir(path):
-        if step is not None and step != int(path.name):
-            raise ConfigError(f"step={step} but {str(path)!r} is the directory of step {path.name}")
-        return path
-    steps = list_steps(path)
-    if not steps:
-        raise CheckpointError(
-            f"no committed checkpoint step under {str(path)!r} (expected <root>/<step>/ with {STATE_ITEM!r} and {META_ITEM!r})"
-        )
-    if step is None:
-        step = steps[-1]
-    if step not in steps:
-        held = ", ".join(map(str, steps))
-        raise CheckpointError(f"no committed step {step} under {str(path)!r} (steps held: {held})")
-    return path / str(step)
-
-
-def read_meta(path: str | os.PathLike, step: int | None = None) -> CheckpointMeta:
-    """Read and validate a step's ``meta`` item without touching its arrays (never unpickles).
-
-    Args:
-        path, step: as :func:`resolve_step_dir`.
-
-    Raises:
-        CheckpointError: no such step, or the meta file is missing.
-        CheckpointFormatError: the file is not valid JSON or does not match the schema, or its step
-            differs from the directory's (names the file and the field).
-    """
-    step_dir = resolve_step_dir(path, step)
-    meta_file = step_dir / META_ITEM / META_FILENAME
-    try:
-        text = meta_file.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint metadata {str(meta_file)!r} is missing") from None
-    meta = CheckpointMeta.from_json(text, source=str(meta_file))
-    if int(step_dir.name) != meta.step:
-        raise CheckpointFormatError(f"{meta_file}: field 'step': {meta.step} differs from the directory's step {step_dir.name}")
-    return meta

@@ -1,0 +1,417 @@
+"""The one place that touches Orbax: every ``CheckpointManager`` is built here, every save and restore
+goes through it, and so do the Orbax files and read specs that the TensorStore reader and the export use.
+
+Nothing imports ``orbax.checkpoint`` (nor, through it, JAX) until a function here needs it — :func:`_ocp`
+is the one accessor — so ``import chunkzero`` stays framework-free.
+
+**Managers.** One write manager per checkpoint root and process, cached and rebuilt when its options
+change, so saves to a root queue behind one another. An asynchronous save returns once Orbax holds the
+arrays; the next save, :func:`wait_until_finished`, a read of the same root (:func:`committed_step_dir`) or
+the process's exit waits for its commit. Read-only managers are built per read.
+
+**Saves** (:func:`save_step`, used by the torch ranks' parallel write and by JAX). The metadata is read
+back before anything is written; the step must be new and after the latest committed step (nothing is
+overwritten); Orbax writes into a temporary directory and renames it once every process has finished
+(the atomic commit), so a save killed midway leaves the previous step as the latest; ``max_to_keep``
+deletes older steps after a commit. Each process writes the shards its ``jax.Array`` s hold (OCDBT, one
+data sub-tree per process); a replicated array is written once.
+
+**Restores** with target shardings (:func:`restore_arrays`) serve JAX; the torch ranks read with
+TensorStore through :mod:`chunkzero.checkpoint.reader`, opened with Orbax's own read spec
+(:func:`array_read_spec`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, CheckpointFormatError, ConfigError
+from .meta import META_ITEM, STATE_ITEM, ArrayPath, CheckpointMeta, array_name
+from .steps import list_steps, resolve_step_dir
+from .tree import flat_arrays
+
+logger = logging.getLogger("chunkzero.checkpoint")
+
+COMPRESS = os.environ.get("CHUNKZERO_CHECKPOINT_COMPRESS", "0") == "1"
+"""Compress the ``state`` arrays with zstd. Off by default: fp32 training state compresses by ~9% at a
+large CPU cost, and integrity is checked by checksums."""
+
+
+def _ocp():
+    """``orbax.checkpoint``, imported on first use (it imports JAX)."""
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+# ====================================================================== write managers (one per root)
+
+
+@dataclasses.dataclass
+class _Managed:
+    manager: Any
+    options: Any
+
+
+_MANAGERS: dict[str, _Managed] = {}
+_MANAGERS_LOCK = threading.Lock()
+_EXIT_HOOK_REGISTERED = False
+
+
+def _manager_options(max_to_keep: int | None, options: Any = None) -> Any:
+    """The write options of a root: the caller's ``CheckpointManagerOptions`` (default: asynchronous
+    saves) with ``create`` set and ``max_to_keep`` applied. Barrier timeouts belong here
+    (``async_options``, ``multiprocessing_options``)."""
+    ocp = _ocp()
+    if options is None:
+        return ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True)
+    options = dataclasses.replace(options, read_only=False, create=True)
+    return options if max_to_keep is None else dataclasses.replace(options, max_to_keep=max_to_keep)
+
+
+def _manager(directory: Path, options: Any):
+    """The cached write manager of ``directory`` (an absolute path), rebuilt if ``options`` changed."""
+    ocp = _ocp()
+    key = str(directory)
+    with _MANAGERS_LOCK:
+        m = _MANAGERS.get(key)
+        if m is not None and m.options == options:
+            return m.manager
+        if m is not None:
+            m.manager.wait_until_finished()
+            m.manager.close()
+        _register_exit_hook()
+        # ``state`` through the PyTree handler: the on-disk format of ``StandardSave``, and subsets restore
+        handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS), META_ITEM: ocp.JsonCheckpointHandler()}
+        manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+        _MANAGERS[key] = _Managed(manager, options)
+        return manager
+
+
+def wait_until_finished(directory: str | os.PathLike | None = None) -> None:
+    """Block until this process's pending asynchronous saves (to the root ``directory``, or all) are committed.
+
+    Called automatically before the next save, before a read of the same root and at exit.
+
+    Raises:
+        Whatever the pending save raised (Orbax's error).
+    """
+    with _MANAGERS_LOCK:
+        items = list(_MANAGERS.items())
+    want = None if directory is None else str(Path(directory).resolve())
+    for key, m in items:
+        if want is None or key == want:
+            m.manager.wait_until_finished()
+
+
+def committed_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
+    """:func:`~chunkzero.checkpoint.steps.resolve_step_dir` once this process's pending saves under
+    ``path`` (a root or one step's directory) have committed, so a read sees every step it saved.
+
+    Raises:
+        CheckpointError, ConfigError: as ``resolve_step_dir``; whatever a pending save raised.
+    """
+    resolved = Path(path).resolve()
+    wait_until_finished(resolved)
+    wait_until_finished(resolved.parent)
+    return resolve_step_dir(path, step)
+
+
+def _register_exit_hook() -> None:
+    """Wait for pending saves at exit, before Python stops its thread pools.
+
+    Orbax commits an asynchronous save on worker threads; at interpreter exit ``concurrent.futures``
+    refuses new work as soon as ``threading._shutdown`` runs its exit hooks — before ``atexit`` handlers.
+    So the hook goes into the same list (``threading._register_atexit``, run last-registered first, i.e.
+    before the thread pools' own hook registered at import); where that is unavailable, a plain
+    ``atexit`` handler registered after JAX's and Orbax's.
+    """
+    global _EXIT_HOOK_REGISTERED
+    if _EXIT_HOOK_REGISTERED:
+        return
+    _EXIT_HOOK_REGISTERED = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_finish_at_exit)
+            return
+        except RuntimeError:  # interpreter already shutting down
+            pass
+    atexit.register(_finish_at_exit)
+
+
+def _finish_at_exit() -> None:
+    with _MANAGERS_LOCK:
+        items = list(_MANAGERS.values())
+        _MANAGERS.clear()
+    for m in items:
+        try:
+            m.manager.wait_until_finished()
+            m.manager.close()
+        except Exception as e:  # pragma: no cover - exit path
+            logger.error("pending checkpoint save failed at exit: %s", e)
+
+
+# ====================================================================== save
+
+
+def _document(meta: CheckpointMeta) -> dict[str, Any]:
+    """``meta`` as the JSON document to save, validated by reading it back (never write what cannot be read)."""
+    try:
+        doc = json.loads(json.dumps(meta.to_dict(), allow_nan=True))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint metadata must be JSON-serializable: {e}") from None
+    CheckpointMeta.from_dict(doc, source="metadata to save")
+    return doc
+
+
+def save_step(
+    directory: str | os.PathLike,
+    meta: CheckpointMeta,
+    state: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+    *,
+    async_save: bool = False,
+    max_to_keep: int | None = None,
+    options: Any = None,
+) -> Path:
+    """Write step ``meta.step`` under ``directory`` (collective over the processes that hold ``state``'s shards).
+
+    Args:
+        directory: checkpoint root (created if missing).
+        meta: the metadata document.
+        state: the ``state`` tree (:func:`~chunkzero.checkpoint.tree.state_tree`) of ``jax.Array`` s
+            (each process writes the shards it holds) or numpy arrays (written by the primary process),
+            or a function returning it, called once the arguments are checked.
+        async_save: return once Orbax holds the arrays; the commit completes in the background.
+        max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: keep all, or as ``options`` says).
+        options: ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``multiprocessing_options`` …).
+
+    Returns:
+        ``directory/<step>`` (committed unless ``async_save``).
+
+    Raises:
+        ConfigError: bad ``step`` or ``max_to_keep``, or metadata that is not JSON-serializable.
+        CheckpointFormatError: the metadata does not validate.
+        CheckpointError: the step exists already or is before the latest step (nothing is
+            overwritten), or Orbax failed (names the step and directory).
+    """
+    step = meta.step
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1):
+        raise ConfigError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+    directory = Path(directory).resolve()  # Orbax wants absolute paths
+    doc = _document(meta)
+    tree = state() if callable(state) else state
+
+    ocp = _ocp()
+    manager = _manager(directory, _manager_options(max_to_keep, options))
+    manager.wait_until_finished()
+    existing = list_steps(directory)
+    if sorted(manager.all_steps()) != existing:  # the root changed outside this manager
+        manager.reload()
+    if step in existing:
+        raise CheckpointError(f"step {step} already exists under {str(directory)!r}; refusing to overwrite it")
+    if existing and step < existing[-1]:
+        raise CheckpointError(f"step {step} is before the latest step {existing[-1]} under {str(directory)!r}; "
+                              "steps only grow (write elsewhere to branch)")
+    try:
+        saved = manager.save(
+            step,
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave(tree), META_ITEM: ocp.args.JsonSave(doc)}),
+            force=True,
+        )
+        if saved and not async_save:
+            manager.wait_until_finished()
+    except Exception as e:
+        raise CheckpointError(f"saving step {step} to {str(directory)!r} failed: {type(e).__name__}: {e}") from e
+    if not saved:
+        raise CheckpointError(f"Orbax declined to save step {step} under {str(directory)!r}")
+    return directory / str(step)
+
+
+# ====================================================================== restore (JAX: target shardings)
+
+
+@contextmanager
+def _read_manager(root: Path) -> Iterator[Any]:
+    """A read-only manager on ``root`` (``state`` through the PyTree handler, so subsets restore)."""
+    ocp = _ocp()
+    # read-only managers never save: save_interval_steps=0 as Orbax would set it, without its warning
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(root.absolute(), item_handlers=handlers, options=options) as manager:
+        yield manager
+
+
+def read_array_metadata(path: str | os.PathLike, step: int | None = None) -> dict[ArrayPath, tuple[tuple[int, ...], str]]:
+    """Global shape and dtype of every array of a step's ``state`` item, without reading any array.
+
+    Args:
+        path, step: as :func:`~chunkzero.checkpoint.steps.resolve_step_dir`.
+
+    Returns:
+        ``{("params", "chunk_0000"): ((size,), "float32"), ("optim", "exp_avg", "chunk_0000"): ...}``,
+        the form of :meth:`CheckpointMeta.expected_arrays`.
+
+    Raises:
+        CheckpointError: missing path or step, or unreadable ``state`` metadata (names the path).
+    """
+    step_dir = committed_step_dir(path, step)
+    where = step_dir / STATE_ITEM
+    try:
+        with _read_manager(step_dir.parent) as manager:
+            tree = manager.item_metadata(int(step_dir.name))[STATE_ITEM]
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint array metadata {where}: {type(e).__name__}: {e}") from e
+    if tree is None:
+        raise CheckpointError(f"checkpoint has no {STATE_ITEM!r} item: {where}")
+    return {p: (tuple(int(d) for d in m.shape), str(m.dtype)) for p, m in flat_arrays(getattr(tree, "tree", tree)).items()}
+
+
+def array_restore_args(item: Mapping[str, Any]) -> Any:
+    """Restore arguments for a tree of ``jax.ShapeDtypeStruct`` s with shardings: each array is read at
+    its target sharding (each device reads only its slice) with ``global_shape`` its shape and
+    ``strict=False``, so an array saved at another world size is zero-padded or truncated to it."""
+    import jax
+
+    ocp = _ocp()
+    return jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False), dict(item)
+    )
+
+
+def restore_arrays(step_dir: str | os.PathLike, item: Mapping[str, Any], restore_args: Mapping[str, Any]) -> dict:
+    """Restore a subset of a committed step's ``state`` item.
+
+    Args:
+        step_dir: the step's directory (:func:`committed_step_dir`).
+        item: the subtree to restore (``{"params": {chunk_key: jax.ShapeDtypeStruct}}``); arrays not in
+            it are not read.
+        restore_args: the same structure of ``ArrayRestoreArgs`` (:func:`array_restore_args`), or
+            ``RestoreArgs(restore_type=np.ndarray)`` for numpy.
+
+    Returns:
+        The restored tree, shaped like ``item``.
+
+    Raises:
+        CheckpointError: Orbax cannot read an array (names the path).
+    """
+    ocp = _ocp()
+    step_dir = Path(step_dir)
+    args = ocp.args.PyTreeRestore(item=dict(item), restore_args=dict(restore_args), partial_restore=True)
+    try:
+        with _read_manager(step_dir.parent) as manager:
+            restored = manager.restore(int(step_dir.name), args=ocp.args.Composite(**{STATE_ITEM: args}))
+    except Exception as e:
+        raise CheckpointError(f"cannot restore checkpoint arrays from {step_dir / STATE_ITEM}: {type(e).__name__}: {e}") from e
+    return restored[STATE_ITEM]
+
+
+# ====================================================================== Orbax's files, for the TensorStore reader
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayIndex:
+    """What a ``state`` item's ``_METADATA`` file says: the saved array paths and their storage driver."""
+
+    item_dir: Path
+    paths: frozenset[ArrayPath]
+    use_ocdbt: bool
+    use_zarr3: bool
+
+
+def array_index(item_dir: str | os.PathLike) -> ArrayIndex:
+    """Parse ``<item_dir>/_METADATA`` (plain JSON; no array is opened).
+
+    Raises:
+        CheckpointError: the file is missing.
+        CheckpointFormatError: it is not a valid Orbax metadata file (names it).
+    """
+    item_dir = Path(item_dir).absolute()  # Orbax and TensorStore want absolute paths
+    md = item_dir / "_METADATA"
+    try:
+        doc = json.loads(md.read_bytes())
+        paths = frozenset(tuple(k["key"] for k in v["key_metadata"]) for v in doc.get("tree_metadata", {}).values())
+        return ArrayIndex(item_dir, paths, bool(doc.get("use_ocdbt", True)), bool(doc.get("use_zarr3", False)))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint array metadata {str(md)!r} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise CheckpointFormatError(f"{md}: not a valid Orbax metadata file ({e})") from None
+    except (KeyError, TypeError):
+        raise CheckpointFormatError(f"{md}: malformed tree_metadata entry") from None
+
+
+def ts_context(index: ArrayIndex) -> Any:
+    """The TensorStore context Orbax reads a checkpoint with (shared by every array of one read)."""
+    return _ocp().type_handlers.get_ts_context(use_ocdbt=index.use_ocdbt)
+
+
+def array_read_spec(index: ArrayIndex, path: ArrayPath, context: Any) -> dict:
+    """The TensorStore spec that opens saved array ``path`` read-only, as Orbax itself would open it."""
+    from etils import epath
+
+    ocp = _ocp()
+    info = ocp.type_handlers.ParamInfo(name=array_name(path), parent_dir=epath.Path(index.item_dir),
+                                       is_ocdbt_checkpoint=index.use_ocdbt, use_zarr3=index.use_zarr3, ts_context=context)
+    return ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=index.use_ocdbt)
+
+
+# ====================================================================== the export's parameter tree
+
+
+def write_param_tree(out: str | os.PathLike, tree: Mapping[str, Any], leaf_type: type) -> None:
+    """Write a nested tree of lazy leaves as an Orbax PyTree checkpoint at ``out``, one leaf in memory at a time.
+
+    Args:
+        out: the (absolute) output directory; must not exist.
+        tree: nested dicts whose leaves are ``leaf_type`` instances with ``shape``, ``dtype``, ``size``,
+            ``ndim``, ``order`` (a sort key: leaves are written in that order) and ``load()`` (the
+            numpy array, read when written and dropped after).
+        leaf_type: the leaves' class.
+
+    On disk the leaves are ordinary numpy arrays (value type ``np.ndarray``) written by Orbax's own
+    ``NumpyHandler``, so ``StandardCheckpointer().restore(out)`` returns them.
+    """
+    ocp = _ocp()
+    registry = ocp.type_handlers.create_type_handler_registry((leaf_type, _streaming_numpy_handler()))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as checkpointer:
+        checkpointer.save(Path(out), args=ocp.args.PyTreeSave(dict(tree)))
+
+
+def _streaming_numpy_handler():
+    """Orbax's ``NumpyHandler``, loading each lazy leaf only when it is written, in the leaves' order."""
+    ocp = _ocp()
+    from orbax.checkpoint import future as ocp_future
+    from orbax.checkpoint._src.serialization import ocdbt_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    class StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
+        async def serialize(self, values, infos, args=None):
+            args = list(args or [ocp.SaveArgs()] * len(values))
+            return [ocp_future.CommitFutureAwaitingContractedSignals(self._stream(values, infos, args), name="chunkzero_export")]
+
+        async def _stream(self, values, infos, args):
+            for i in sorted(range(len(values)), key=lambda i: values[i].order):
+                value, info, arg = values[i], infos[i], args[i]
+                await info.await_path_creation()
+                a = value.load()
+                spec = ts_utils.build_array_write_spec(
+                    info=info, arg=arg, global_shape=a.shape, local_shape=a.shape, dtype=a.dtype,
+                    use_ocdbt=info.is_ocdbt_checkpoint,
+                    process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
+                    metadata_key=self._metadata_key,
+                ).json
+                await self._open_and_write(a, spec, info.ts_context)
+                del a
+
+    return StreamingNumpyHandler()

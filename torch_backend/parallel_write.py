@@ -1,0 +1,190 @@
+"""The torch ranks' parallel checkpoint write: each rank is one JAX process that hands Orbax its own shards.
+
+The first save starts ``jax.distributed`` on CPU (coordinator on ``MASTER_ADDR`` at a free port chosen
+by rank 0 and broadcast over the model's process group; ``num_processes`` = world size, ``process_id`` =
+rank). A sharded chunk becomes ``jax.make_array_from_single_device_arrays((size,), NamedSharding(mesh,
+P('dp')), [shard])`` over a mesh of one CPU device per process, so each rank hands Orbax only its own
+shard and Orbax writes each shard from the process that holds it. A keep-gathered chunk is replicated
+(``P()``) and written once. The write itself — checks, commit, keep-last-N — is
+:func:`chunkzero.checkpoint.orbax_store.save_step`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from chunkzero.checkpoint import CheckpointMeta, chunk_index, orbax_store, shard_arrays, state_tree
+from chunkzero.errors import CheckpointError
+
+__all__ = ["ProcessMesh", "process_mesh", "write_shards"]
+
+
+class ProcessMesh:
+    """One CPU device per process on a 1-D mesh ``('dp',)``; device ``r`` belongs to rank ``r``."""
+
+    def __init__(self, rank: int, world_size: int):
+        import jax
+        from jax.sharding import Mesh
+
+        self.rank, self.world_size = rank, world_size
+        if world_size == 1:
+            devices = [jax.local_devices(backend="cpu")[0]]
+        else:
+            by_process: dict[int, Any] = {}
+            for d in jax.devices("cpu"):
+                by_process.setdefault(d.process_index, d)
+            if sorted(by_process) != list(range(world_size)):
+                raise CheckpointError(
+                    f"jax.distributed sees processes {sorted(by_process)}, expected 0..{world_size - 1}"
+                )
+            devices = [by_process[p] for p in range(world_size)]
+        self.device = devices[rank]
+        self.mesh = Mesh(np.array(devices), ("dp",))
+
+    def global_array(self, local: np.ndarray, size: int, replicated: bool):
+        """The 1-D global array of ``size`` elements whose only local piece is ``local``.
+
+        ``local`` is this rank's shard (``size / world_size`` elements) or, for a replicated
+        (keep-gathered) chunk, the whole chunk.
+        """
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        sharding = NamedSharding(self.mesh, P() if replicated else P("dp"))
+        # An explicit copy: on CPU, device_put may alias an aligned numpy buffer instead of copying it,
+        # and ``local`` is a view of a live shard that training changes while an async save writes.
+        piece = jax.device_put(np.array(local, copy=True), self.device)
+        piece.block_until_ready()
+        return jax.make_array_from_single_device_arrays((size,), sharding, [piece])
+
+
+_RUNTIME: ProcessMesh | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError:
+            s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _use_cpu_jax() -> None:
+    """Keep JAX in a torch process on the CPU (it must never grab accelerator memory)."""
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except Exception:  # backends already initialized: whatever they are, we only use CPU devices
+        pass
+
+
+def process_mesh(rank: int, world_size: int, process_group=None, *, coordinator: str | None = None) -> ProcessMesh:
+    """This process's JAX mesh, starting ``jax.distributed`` on CPU the first time (world size > 1).
+
+    Args:
+        rank, world_size: this process's data-parallel rank and the world size.
+        process_group: the torch process group over which rank 0 broadcasts the coordinator port;
+            ``None`` is the default group. Not needed when ``coordinator`` is given.
+        coordinator: ``host:port`` of the JAX coordinator (default: ``MASTER_ADDR`` and a free port).
+
+    Raises:
+        CheckpointError: JAX was already started for another world size or rank in this process, or
+            JAX computations ran before the first save (``jax.distributed`` must start first).
+    """
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is not None:
+            if (_RUNTIME.rank, _RUNTIME.world_size) != (rank, world_size):
+                raise CheckpointError(
+                    f"this process already checkpoints as rank {_RUNTIME.rank} of {_RUNTIME.world_size}; "
+                    f"cannot switch to rank {rank} of {world_size} (jax.distributed starts once per process)"
+                )
+            return _RUNTIME
+        import jax
+
+        _use_cpu_jax()
+        if world_size > 1:
+            if coordinator is None:
+                import torch.distributed as dist
+
+                from .collectives import broadcast_int
+
+                host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+                group = process_group if process_group is not None else dist.group.WORLD
+                port = broadcast_int(_free_port(host) if rank == 0 else 0, group)
+                coordinator = f"{host}:{port}"
+            try:
+                jax.distributed.initialize(
+                    coordinator_address=coordinator,
+                    num_processes=world_size,
+                    process_id=rank,
+                    local_device_ids=None,
+                    initialization_timeout=int(os.environ.get("CHUNKZERO_JAX_INIT_TIMEOUT", "300")),
+                )
+            except RuntimeError as e:
+                raise CheckpointError(
+                    f"cannot start jax.distributed for rank {rank} of {world_size} at {coordinator}: {e} "
+                    "(in a torch training process JAX must not run computations before the first save)"
+                ) from e
+        _RUNTIME = ProcessMesh(rank, world_size)
+        return _RUNTIME
+
+
+def write_shards(
+    directory: str | os.PathLike,
+    meta: CheckpointMeta,
+    rank: int,
+    params: Mapping[int, np.ndarray],
+    optim: Mapping[str, Mapping[int, np.ndarray]] | None = None,
+    *,
+    async_save: bool = False,
+    max_to_keep: int | None = None,
+    process_group=None,
+    coordinator: str | None = None,
+) -> Path:
+    """Write step ``meta.step`` from this rank's shards (collective over the ``meta.world_size`` ranks).
+
+    Args:
+        directory: checkpoint root; the step goes to ``directory/<step>/``.
+        meta: the metadata document (its layout's world size is the number of writing processes).
+        rank: this process's rank.
+        params: chunk index -> this rank's shard of the chunk's ``params`` array (``shard_numel``
+            elements, padded, dtype :func:`~chunkzero.checkpoint.param_array_dtype`), for every chunk;
+            keep-gathered chunks whole.
+        optim: state key -> chunk index -> fp32 shard, for every trainable chunk.
+        async_save: return once the shards are handed to Orbax; the write completes in the
+            background (the next save, a load of ``directory`` or process exit waits for it).
+        max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: keep all).
+        process_group, coordinator: as :func:`process_mesh`.
+
+    Returns:
+        ``directory/<step>`` (committed unless ``async_save``).
+
+    Raises:
+        ConfigError: a shard is missing, bad ``max_to_keep``, metadata that is not JSON-serializable.
+        CheckpointError: the step already exists or is not after the latest step, or the write failed.
+        ShapeMismatchError: a shard's numel differs from the layout's shard numel (names the array).
+    """
+    layout = meta.layout
+
+    def tree():
+        shards = shard_arrays(meta, params, optim)  # checked before jax.distributed starts
+        runtime = process_mesh(rank, layout.world_size, process_group, coordinator=coordinator)
+        arrays = {}
+        for path, local in shards.items():
+            c = layout.chunks[chunk_index(path[-1])]
+            arrays[path] = runtime.global_array(local, c.size, c.keep_gathered)
+        return state_tree(arrays)
+
+    return orbax_store.save_step(directory, meta, tree, async_save=async_save, max_to_keep=max_to_keep)
