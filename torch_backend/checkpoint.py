@@ -139,6 +139,7 @@ def save_checkpoint(
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    model.synchronize()  # no collective still writing a shard this save reads
     layout: ChunkLayout = model.layout
     rank = int(model.rank)
     group = getattr(model, "process_group", None)
@@ -225,6 +226,7 @@ def load_checkpoint(
         CheckpointFormatError: malformed metadata (names the file and field).
         ShapeMismatchError: a tensor's shape differs between the model and the checkpoint.
     """
+    model.synchronize()  # no collective still writing a shard this load overwrites
     rank, world = int(model.rank), int(model.world_size)
     group = getattr(model, "process_group", None)
     error: BaseException | None = None

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from chunkzero import ChunkLayout, TensorSpec, TensorState
+from chunkzero import ChunkLayout, ChunkPlacement, Location, TensorSpec, TensorState, static_placement
 from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
 from . import collectives
@@ -83,13 +83,6 @@ def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, i
 
     result = search_chunk_size(specs, world_size)
     return int(result.chunk_size), int(getattr(result, "keep_gathered_below_numel", 0) or 0)
-
-
-def _offload_count(frac: float, n: int) -> int:
-    """Number of chunks (first in chunk order) a fraction ``frac`` of ``n`` chunks offloads: ``ceil``."""
-    import math
-
-    return min(n, math.ceil(frac * n - 1e-9)) if frac > 0 else 0
 
 
 def _engine_code(fn):
@@ -154,6 +147,8 @@ class ZeroDDP(nn.Module):
             keeps them gathered from forward until the backward reduces them (fewer gathers, more memory).
         find_unused_parameters: reduce a zero gradient for parameters that got none on any rank,
             instead of raising (the optimizer then skips them, as torch skips ``grad is None``).
+        placement: ``"static"`` (Gemini's static policy): the two fractions below decide, once, where
+            each chunk's tensors live (:func:`chunkzero.static_placement`; :attr:`placements`).
         offload_optim_frac: fraction of trainable chunks (first in chunk order, rounded up) whose fp32
             master, gradient and optimizer state live on the host.
         offload_param_frac: fraction of sharded chunks whose compute-dtype parameter shard lives on the
@@ -178,6 +173,7 @@ class ZeroDDP(nn.Module):
         chunk_size: int | None = None,
         mixed_precision: str = "fp32",
         prefetch: int = 1,
+        placement: str = "static",
         reshard_after_forward: bool = True,
         find_unused_parameters: bool = False,
         offload_optim_frac: float = 0.0,
@@ -196,6 +192,8 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch must be a non-negative int (chunks), got {prefetch!r}")
+        if placement != "static":
+            raise ConfigError(f"placement must be 'static', got {placement!r}")
 
         self.module = module
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -239,14 +237,13 @@ class ZeroDDP(nn.Module):
         self.layout: ChunkLayout = ChunkLayout.build(specs, chunk_size, self.world_size, keep_gathered_below_numel=keep_below)
         """The core layout (tensors → chunks → shards); identical on every rank."""
 
-        # ---- placement (offload) decisions
-        trainable = [c.index for c in self.layout.chunks if c.requires_grad]
-        sharded = [c.index for c in self.layout.chunks if not c.keep_gathered]
-        self.offload_param_chunks: tuple[int, ...] = tuple(sharded[: _offload_count(self.offload_param_frac, len(sharded))])
-        optim_off = set(trainable[: _offload_count(self.offload_optim_frac, len(trainable))])
-        optim_off |= {i for i in self.offload_param_chunks if self.layout.chunks[i].requires_grad}
-        self.offload_optim_chunks: tuple[int, ...] = tuple(sorted(optim_off))
-        cpu = torch.device("cpu")
+        # ---- placement: where each chunk's parameter shard, master, gradient and optimizer state live
+        self.placements: tuple[ChunkPlacement, ...] = static_placement(
+            self.layout.chunks, offload_optim_frac=self.offload_optim_frac, offload_param_frac=self.offload_param_frac)
+        """One :class:`chunkzero.ChunkPlacement` per chunk (Gemini's static policy over the fractions)."""
+        self.offload_param_chunks: tuple[int, ...] = tuple(p.index for p in self.placements if p.param_offloaded)
+        self.offload_optim_chunks: tuple[int, ...] = tuple(p.index for p in self.placements if p.optim_offloaded)
+        where = {Location.DEVICE: self.device, Location.HOST: torch.device("cpu"), None: self.device}
 
         # ---- build the chunks (one full chunk in memory at a time)
         by_name = {names[0]: p for p, names in groups.values()}
@@ -270,8 +267,8 @@ class ZeroDDP(nn.Module):
                 self.rank,
                 {t.name: by_name[t.name] for t in placements},
                 device=self.device,
-                param_device=cpu if info.index in self.offload_param_chunks else self.device,
-                master_device=cpu if info.index in self.offload_optim_chunks else self.device,
+                param_device=where[self.placements[info.index].param],
+                master_device=where[self.placements[info.index].master],
                 group=process_group,
                 divide_first=divide_first,
                 initial=initial,
