@@ -373,11 +373,20 @@ class ZeroDDP(nn.Module):
         finally:
             self._mode_stack.pop()
 
-    def intercepting(self):
-        """Context in which torch calls that use this model's parameters gather their chunks; a
-        ``ZeroOptimizer.backward`` runs the backward in it, so that a recomputation outside any module
-        call (``checkpoint(fn, ...)`` of a plain function) finds its parameters."""
-        return self._intercepting() if not self._mode_stack else contextlib.nullcontext()
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` with this model's parameter access on for the whole backward, so that a
+        recomputation that uses parameters outside any module call (``checkpoint(fn, ...)`` of a plain
+        function) finds them gathered. ``ZeroOptimizer.backward`` calls it. (A plain
+        ``loss.backward()`` covers recomputations that call modules: activation checkpointing of
+        blocks, Hugging Face ``gradient_checkpointing_enable()``.)"""
+        run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+        if run is None or self._mode_stack:
+            loss.backward()
+            return
+        with self._intercepting():
+            # the engine directly: Tensor.backward would go through the mode, whose handler runs with
+            # the mode off, and the engine keeps the modes active when it starts
+            run((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
     def _use_chunk(self, c: Chunk) -> None:
         """Have ``c`` gathered for a computation now (forward, or a recomputation in backward)."""

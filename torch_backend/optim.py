@@ -150,8 +150,7 @@ class ZeroOptimizer:
         """``(loss * loss_scale).backward()``; records the scale so ``step`` unscales by it."""
         scale = self.scaler.scale if self.fp16 else 1.0
         self._grad_scale = scale
-        with self.model.intercepting():
-            (loss * scale if scale != 1.0 else loss).backward()
+        self.model.backward(loss * scale if scale != 1.0 else loss)
         self.model.raise_pending_error()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002
