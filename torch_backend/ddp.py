@@ -65,6 +65,7 @@ from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterErr
 from . import collectives
 from .access import ParamAccessMode, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
 from .chunks import TORCH_DTYPES, Chunk
+from .materialize import MetaMaterializer
 from .memory import MEMORY_KINDS, MemoryReport
 from .schedule import BACKWARD, FORWARD, OUTSIDE, Scheduler
 from .state_dict import full_state_dict, load_full_state_dict
@@ -113,6 +114,24 @@ class _Entry:
         self.placeholder = None
 
 
+def _default_device() -> torch.device:
+    """Where a meta-device module is materialized by default: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _under_torch_compile() -> bool:
+    """Whether this call runs under ``torch.compile`` (traced, or run eagerly inside a compiled frame)."""
+    if torch.compiler.is_compiling():
+        return True
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    return eval_frame is not None and eval_frame.get_eval_frame_callback() is not None
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """A ``torch.compile``'d module (dynamo's ``OptimizedModule``), told without importing dynamo."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
 def _tensors_in(out) -> list[torch.Tensor]:
     """Tensors in a forward's output: nested tuples, lists, dicts and mappings (HF ``ModelOutput``)."""
     leaves, _ = tree_flatten(out)
@@ -155,6 +174,13 @@ class ZeroDDP(nn.Module):
             host between uses (their master too); each gather copies it to the device first.
         keep_gathered: parameters to pack into keep-gathered (never sharded, all-reduced) chunks: an
             iterable of names (any alias matches) or a predicate ``name -> bool``.
+        device: where a module built on the meta device is materialized (default: the current CUDA
+            device, else the CPU); for other modules it must be ``None`` or their device.
+        param_init_fn: for a module built under ``torch.device("meta")``: ``fn(submodule)`` initializes a
+            submodule's own parameters and buffers in place; it is called per submodule, in module
+            order, while the chunks are built (FSDP1's convention), so no rank holds the whole model.
+            ``None``: each submodule's ``reset_parameters()`` (under the same seed, the values equal
+            eager init's). ``lambda m: None`` leaves them uninitialized, for ``load_pretrained``.
 
     Shard-level API (for checkpoints): :attr:`layout`, :attr:`rank`, :attr:`world_size`,
     :attr:`process_group`, :attr:`chunks`, :meth:`master_shard`, :meth:`low_precision_shard`,
@@ -179,6 +205,8 @@ class ZeroDDP(nn.Module):
         offload_optim_frac: float = 0.0,
         offload_param_frac: float = 0.0,
         keep_gathered: Iterable[str] | Callable[[str], bool] | None = None,
+        device: torch.device | str | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -216,9 +244,17 @@ class ZeroDDP(nn.Module):
             groups.setdefault(id(p), (p, []))[1].append(name)
         if not groups:
             raise ConfigError(f"{type(module).__name__} has no parameters to shard")
-        devices = {p.device for p, _ in groups.values()}
-        if len(devices) != 1:
+        devices = {p.device for p, _ in groups.values() if not p.is_meta}
+        if len(devices) > 1:
             raise ConfigError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
+        materializer = None
+        if any(p.is_meta for p, _ in groups.values()):
+            target = torch.device(device) if device is not None else (devices.pop() if devices else _default_device())
+            materializer = MetaMaterializer(module, target, param_init_fn)
+            devices = {target}
+        elif device is not None and torch.device(device) != next(iter(devices)):
+            raise ConfigError(f"device={str(device)!r} differs from the parameters' device {next(iter(devices))}; "
+                              "it is for modules built on the meta device")
         self.device: torch.device = devices.pop()
         for p, names in groups.values():
             if not p.is_floating_point():
@@ -259,6 +295,8 @@ class ZeroDDP(nn.Module):
             initial = torch.zeros(info.size, dtype=torch.float32, device=self.device)
             with torch.no_grad():
                 for t in placements:
+                    if materializer is not None:
+                        by_name[t.name] = materializer.values(by_name[t.name])
                     initial[t.offset : t.end].copy_(by_name[t.name].detach().reshape(-1))
             collectives.broadcast_from_first(initial, process_group)
             chunk = Chunk(
@@ -282,14 +320,28 @@ class ZeroDDP(nn.Module):
             if not chunk.resident:
                 self._chunk_by_storage[chunk.storage_key] = chunk
 
+        if materializer is not None:
+            materializer.finish()  # buffers of submodules after the last parameter
+
         # ---- collectives, hooks, per-step state
         self._sched = Scheduler(self.chunks, num_tensors=len(self.layout.tensors), prefetch=prefetch,
                                 group=collectives.agreement_group(process_group), world_size=self.world_size)
         self._trainable = [e for e in self._entries.values() if e.param.requires_grad]
         self._hook_handles = [e.param.register_post_accumulate_grad_hook(self._make_post_grad_hook(e)) for e in self._trainable]
+        # torch.compile'd submodules run as one unit: their chunks are gathered before the call and the
+        # access mode is suspended inside it (the compiled graph sees plain, gathered parameters)
+        self._compiled: dict[int, list[_Entry]] = {}
+        inside: set[int] = set()
         for sub in module.modules():
-            self._hook_handles.append(sub.register_forward_pre_hook(self._submodule_pre_hook))
-            self._hook_handles.append(sub.register_forward_hook(self._submodule_post_hook, always_call=True))
+            if _is_compiled(sub) and id(sub) not in inside:
+                self._compiled[id(sub)] = [self._entries_by_id[id(p)] for p in sub.parameters() if id(p) in self._entries_by_id]
+                inside |= {id(m) for m in sub._orig_mod.modules()}
+        for sub in module.modules():
+            if id(sub) not in inside:
+                self._hook_handles.append(sub.register_forward_pre_hook(self._submodule_pre_hook))
+                self._hook_handles.append(sub.register_forward_hook(self._submodule_post_hook, always_call=True))
+        self._suspended: list[tuple[nn.Module, Any]] = []
+        self._release_later: list[tuple[Chunk, Any]] = []
         self._sync = True
         self._in_engine = False
         self._phase: str | None = None
@@ -329,6 +381,9 @@ class ZeroDDP(nn.Module):
         Raises:
             UnusedParameterError: the previous backward left a parameter without a gradient on every rank.
         """
+        if _under_torch_compile():
+            raise ConfigError("torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
+                              "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)")
         self.raise_pending_error()
         self._clear_placeholders()
         if self.compute_dtype != torch.float32:
@@ -407,43 +462,54 @@ class ZeroDDP(nn.Module):
             return func(*args, **kwargs)
         finally:
             for e in entries:
-                c = e.chunk
-                if c.states.state(e.name) is S.COMPUTE:
-                    c.states.transition(e.name, S.HOLD)
-                if self._phase is not FORWARD:
-                    continue
-                used = self._fwd_used.setdefault(c.index, set())
-                used.add(e.name)
-                if (
-                    self._release_in_forward
-                    and not c.resident
-                    and len(used) == c.states.num_tensors
-                    and c.states.can_release
-                ):
-                    c.release()
+                if e.chunk.states.state(e.name) is S.COMPUTE:
+                    e.chunk.states.transition(e.name, S.HOLD)
+                self._after_use(e)
+
+    def _after_use(self, e: _Entry) -> None:
+        """In forward, a chunk is released once every tensor of it has been used."""
+        if self._phase is not FORWARD:
+            return
+        c = e.chunk
+        used = self._fwd_used.setdefault(c.index, set())
+        used.add(e.name)
+        if self._release_in_forward and not c.resident and len(used) == c.states.num_tensors and c.states.can_release:
+            c.release()
 
     # ------------------------------------------------------------------ submodule calls outside forward
     @_engine_code
     def _submodule_pre_hook(self, module, args):
-        if self._mode_stack:
-            return  # inside ZeroDDP.forward, or already intercepting
-        if torch._C._current_autograd_node() is not None:
-            # called while the autograd engine runs a node: a recomputation (activation checkpointing)
-            self._begin_backward()
-        elif torch.is_grad_enabled():
-            raise ConfigError(
-                f"{type(module).__name__} (inside a ZeroDDP) was called directly with gradients enabled: call the "
-                "ZeroDDP wrapper itself (model(...)) so that its backward can re-gather the chunks; under "
-                "torch.no_grad() submodules may be called directly (e.g. model.module.generate(...))")
-        else:
-            self._phase = OUTSIDE
-            self._sched.start(OUTSIDE)
-        mode = ParamAccessMode(self)
-        mode.__enter__()
-        self._mode_stack.append((module, mode))
+        if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
+            if torch._C._current_autograd_node() is not None:
+                # called while the autograd engine runs a node: a recomputation (activation checkpointing)
+                self._begin_backward()
+            elif torch.is_grad_enabled():
+                raise ConfigError(
+                    f"{type(module).__name__} (inside a ZeroDDP) was called directly with gradients enabled: call "
+                    "the ZeroDDP wrapper itself (model(...)) so that its backward can re-gather the chunks; under "
+                    "torch.no_grad() submodules may be called directly (e.g. model.module.generate(...))")
+            else:
+                self._phase = OUTSIDE
+                self._sched.start(OUTSIDE)
+            mode = ParamAccessMode(self)
+            mode.__enter__()
+            self._mode_stack.append((module, mode))
+        entries = self._compiled.get(id(module))
+        if entries is not None:
+            for c in sorted({e.chunk.index for e in entries}):
+                self._use_chunk(self.chunks[c])
+            top = torch._C._pop_torch_function_stack()
+            if isinstance(top, ParamAccessMode):
+                self._suspended.append((module, top))
+            else:  # another mode above ours: leave the stack as it is
+                torch._C._push_on_torch_function_stack(top)
 
     @_engine_code
     def _submodule_post_hook(self, module, args, output):
+        if self._suspended and self._suspended[-1][0] is module:
+            torch._C._push_on_torch_function_stack(self._suspended.pop()[1])
+            for e in self._compiled[id(module)]:
+                self._after_use(e)
         if not self._mode_stack or self._mode_stack[-1][0] is not module:
             return
         _, mode = self._mode_stack.pop()
@@ -482,18 +548,46 @@ class ZeroDDP(nn.Module):
         return x
 
     def _unpacked(self, c: Chunk) -> None:
+        self._flush_releases()
         if torch.is_grad_enabled():  # a create_graph backward: the new graph keeps raw references
             c.pinned = "graph"
         self._sched.ensure(c, BACKWARD)
 
     @_engine_code
     def _saved_released(self, c: Chunk, e: _Entry | None) -> None:
-        """Autograd freed a saved reference to ``c`` (``e``: the parameter it referred to)."""
+        """Autograd freed a saved reference to ``c`` (``e``: the parameter it referred to).
+
+        A chunk no saved tensor needs is released at once — autograd frees a node's saved tensors
+        after the node ran — except inside a custom ``autograd.Function``'s backward, which may free
+        them before it computes with them (compiled graphs do): then once that node has finished.
+        """
         c.saved_refs -= 1
         if e is not None and e.saved_refs == 0 and c.states.state(e.name) is S.COMPUTE:
             c.states.transition(e.name, S.HOLD)
-        if self._phase is BACKWARD and c.saved_refs == 0 and c.pinned is None:
+        if self._phase is not BACKWARD or c.saved_refs != 0 or c.pinned is not None:
+            return
+        node = torch._C._current_autograd_node()
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            if not any(n is node for _, n in self._release_later):
+                node.register_hook(lambda *_, n=node: self._flush_releases(finished=n))
+            self._release_later.append((c, node))
+        else:
             self._release_if_idle(c)
+
+    @_engine_code
+    def _flush_releases(self, finished=None) -> None:
+        """Release the chunks whose last reference a custom function's backward freed, once it ran
+        (``finished``: the node whose post-hook calls this)."""
+        if not self._release_later:
+            return
+        node = torch._C._current_autograd_node()
+        keep = []
+        for c, freed_in in self._release_later:
+            if freed_in is node and freed_in is not finished:
+                keep.append((c, freed_in))  # that node is still running
+            elif c.saved_refs == 0 and c.pinned is None:
+                self._release_if_idle(c)
+        self._release_later = keep
 
     @staticmethod
     def _release_if_idle(c: Chunk) -> None:
@@ -522,6 +616,7 @@ class ZeroDDP(nn.Module):
     @_engine_code
     def _on_grad(self, e: _Entry, param) -> None:
         self._begin_backward()
+        self._flush_releases()
         c = e.chunk
         grad = param.grad
         param.grad = None
@@ -572,6 +667,7 @@ class ZeroDDP(nn.Module):
         finally:
             self._phase = None
             self._bwd_grads = set()
+            self._release_later = []
             for c in self.chunks:
                 # a create_graph backward's chunks stay for the next backward; every other pin ends here
                 c.pinned = "graph-held" if c.pinned == "graph" else None

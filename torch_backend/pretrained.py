@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chunkzero.checkpoint import matching_names
+from chunkzero.checkpoint import is_step_dir, latest_step, matching_names
 from chunkzero.checkpoint.export import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from chunkzero.errors import CheckpointError, ShapeMismatchError
 from chunkzero.layout import ChunkLayout
@@ -120,6 +120,11 @@ class _SafetensorsSource(_Source):
             raise CheckpointError(f"cannot read {key!r} from {str(self.file_of[key])!r}: {e}") from None
 
 
+def _is_chunkzero_checkpoint(path: Path) -> bool:
+    """A chunkzero checkpoint root (``runs/ckpt``) or one of its step directories."""
+    return path.is_dir() and (is_step_dir(path) or latest_step(path) is not None)
+
+
 def _open_source(source) -> _Source:
     if isinstance(source, Mapping):
         return _DictSource(source, "state dict")
@@ -163,8 +168,10 @@ def load_pretrained(model, source, *, strict: bool = True, prefix: str = "") -> 
 
     Args:
         source: a state dict (``{name: tensor}``), a ``.pt``/``.bin`` file (``torch.load`` with
-            ``weights_only=True``), a ``.safetensors`` file, or a directory holding ``model.safetensors``,
-            ``model.safetensors.index.json`` or ``pytorch_model.bin``.
+            ``weights_only=True``), a ``.safetensors`` file, a directory holding ``model.safetensors``,
+            ``model.safetensors.index.json`` or ``pytorch_model.bin``, or a chunkzero checkpoint (a
+            root or one step's directory, of any world size: its parameters only, as
+            :func:`~torch_backend.load_checkpoint` reads them; ``prefix`` does not apply).
         strict: require every parameter and buffer of the model and no other key under ``prefix``.
         prefix: only keys starting with ``prefix`` are considered, with it removed — load a sub-model
             from a bigger model's weights (``prefix="transformer."``). Keys outside it are ignored.
@@ -179,6 +186,11 @@ def load_pretrained(model, source, *, strict: bool = True, prefix: str = "") -> 
         CheckpointError: with ``strict``, missing or unexpected keys (all listed); nothing loaded. An
             unreadable file (names it).
     """
+    if not isinstance(source, Mapping) and not prefix and _is_chunkzero_checkpoint(Path(source)):
+        from .checkpoint import load_checkpoint
+
+        meta = load_checkpoint(source, model, load_rng=False)  # streams each saved shard into the owners
+        return ImportReport([], [], len(meta.layout.tensors))
     src = _open_source(source)
     keys = [k[len(prefix):] for k in src.keys() if k.startswith(prefix)]
     present = set(keys)

@@ -242,3 +242,136 @@ def worker_no_silent_noops(rank: int, world: int):
     optim.backward(lm_loss(model, batch))
     assert optim.step()
     return True
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x).squeeze(-1)
+
+
+def worker_compile(rank: int, world: int):
+    """``ZeroDDP(torch.compile(module))`` and compiled blocks train equal to the eager reference;
+    ``torch.compile`` of the ZeroDDP itself is refused with a clear error."""
+    from chunkzero.errors import ConfigError
+    from torch_backend import ZeroDDP, ZeroOptimizer
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(4 * world, 16, generator=g), torch.randn(4 * world, generator=g)) for _ in range(3)]
+
+    def loss_fn(m, batch):
+        x, y = batch
+        return F.mse_loss(m(x), y)
+
+    for how in ("blocks", "whole"):
+        module = Blocks()
+        ref = copy.deepcopy(module)
+        if how == "whole":
+            module = torch.compile(module, backend="aot_eager")  # dynamo + AOT autograd, no codegen
+        else:
+            for i, block in enumerate(module.blocks):
+                module.blocks[i] = torch.compile(block)  # inductor
+        model = ZeroDDP(module, chunk_size=700, prefetch=1)
+        optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
+        ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+        for batch in data:
+            optim.backward(loss_fn(model, micro(batch, rank, world)))
+            optim.step()
+            optim.zero_grad()
+            loss_fn(ref, batch).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        got = {k.replace("_orig_mod.", ""): v for k, v in model.state_dict().items()}
+        assert_state_close(got, ref.state_dict(), **FP32)
+        assert model.gathered_chunks() == []
+    try:
+        torch.compile(ZeroDDP(Blocks()), backend="aot_eager")(data[0][0])
+    except ConfigError as e:
+        assert "compile the module or its blocks" in str(e), str(e)
+    else:
+        raise AssertionError("torch.compile of a ZeroDDP ran without a word")
+    return True
+
+
+class Tied(nn.Module):
+    """Embedding, LayerNorm, Linear layers, and a head tied to the embedding after construction."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(3))
+        self.head = nn.Linear(16, 10)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return self.head(x)
+
+
+class RawParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+
+def worker_meta_init(rank: int, world: int, weights_path: str):
+    """A module built on the meta device: its values (reset_parameters per submodule, in module order)
+    equal eager init's under the same seed, tied weights stay tied, it trains equal to the eager
+    reference; load_pretrained fills an uninitialized one; a submodule without reset_parameters is
+    refused with a clear error naming it."""
+    from chunkzero.errors import ConfigError
+    from torch_backend import ZeroDDP, ZeroOptimizer
+    from torch_backend.pretrained import load_pretrained
+
+    torch.manual_seed(0)
+    eager = Tied()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lazy = Tied()
+    model = ZeroDDP(lazy, chunk_size=400, device="cpu")
+    assert len(model.chunks) >= 3 and lazy.head.weight is lazy.emb.weight
+    assert not any(p.is_meta for p in lazy.parameters())
+    assert_state_close(model.state_dict(), eager.state_dict(), rtol=0, atol=0)
+
+    optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
+    ref_opt = torch.optim.AdamW(eager.parameters(), **ADAMW)
+    data = [torch.randint(0, 10, (2 * world, 6), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+
+    def loss_fn(m, idx):
+        return F.cross_entropy(m(idx).flatten(0, 1), idx.flatten())
+
+    _train_both(model, optim, eager, ref_opt, loss_fn, data, rank, world)
+
+    # uninitialized on purpose, then streamed from a safetensors file
+    with torch.device("meta"):
+        empty = Tied()
+    model2 = ZeroDDP(empty, chunk_size=400, device="cpu", param_init_fn=lambda m: None)
+    report = load_pretrained(model2, weights_path)
+    assert report.missing_keys == [] and report.unexpected_keys == []
+    from safetensors.torch import load_file
+
+    loaded, saved = model2.state_dict(), load_file(weights_path)
+    for k, v in saved.items():
+        torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
+    torch.testing.assert_close(loaded["head.weight"], saved["emb.weight"], rtol=0, atol=0)  # tied
+
+    with torch.device("meta"):
+        raw = RawParam()
+    try:
+        ZeroDDP(raw, device="cpu")
+    except ConfigError as e:
+        assert "RawParam" in str(e) and "param_init_fn" in str(e), str(e)
+    else:
+        raise AssertionError("a meta parameter without an initializer was accepted")
+    model3 = ZeroDDP(RawParam().to("meta"), device="cpu", param_init_fn=lambda m: torch.nn.init.ones_(m.w))
+    assert torch.equal(model3.state_dict()["w"], torch.ones(4, 4))
+    return True

@@ -26,3 +26,20 @@ def test_ranks_that_use_different_experts(world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_plain_optimizer_or_clip_over_parameters_raises(world):
     run_distributed(recipe_cases.worker_no_silent_noops, world, timeout=600)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_torch_compile(world):
+    run_distributed(recipe_cases.worker_compile, world, timeout=900)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_meta_device_init(world, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    weights = {k: v.contiguous() for k, v in recipe_cases.Tied().state_dict().items() if k != "head.weight"}
+    path = tmp_path / "tied.safetensors"
+    save_file(weights, str(path))
+    run_distributed(recipe_cases.worker_meta_init, world, str(path), timeout=600)
