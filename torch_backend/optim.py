@@ -117,6 +117,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.defaults = inner.defaults
         self._states = PieceStates(model, inner.state, inner.param_groups, self._pieces)
         self._tensor_index = {t.name: i for i, t in enumerate(model.layout.tensors)}
+        self._trainable = torch.zeros(len(model.layout.tensors), dtype=torch.bool)
+        self._trainable[[self._tensor_index[n] for g in self.group_names for n in g]] = True
+        self._master_ptrs = {ci: (model.chunks[ci].master.data_ptr(), model.chunks[ci].master.device) for ci in self._pieces}
         self.fp16 = model.mixed_precision == "fp16"
         self.scaler = DynamicLossScaler(initial_scale if self.fp16 else 1.0, growth_interval=growth_interval,
                                         hysteresis=hysteresis, min_scale=min(min_scale, initial_scale) if self.fp16 else 1.0)
@@ -285,19 +288,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = [c.master.grad for c in self._chunks if c.master.grad is not None]
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)
-        active = self.model.grad_received | self._kept_grads
-        pieces = [p for ps in self._pieces.values() for p in ps]
-        for p in pieces:
-            p.follow_master()
-            p.param.grad = p.grad_view() if active[p.tensor_index] else None
+        active = (self.model.grad_received | self._kept_grads) & self._trainable
+        flags = active.tolist()
+        for ci, ps in self._pieces.items():
+            master = self.model.chunks[ci].master
+            if self._master_ptrs[ci] != (master.data_ptr(), master.device):  # the master was replaced
+                self._master_ptrs[ci] = (master.data_ptr(), master.device)
+                for p in ps:
+                    p.follow_master()
+            for p in ps:
+                p.param.grad = p.grad_view() if flags[p.tensor_index] else None
         try:
             self.optimizer.step()
         finally:
-            for p in pieces:
-                p.param.grad = None
-        trainable = torch.zeros_like(active)
-        trainable[[self._tensor_index[n] for g in self.group_names for n in g]] = True
-        self._states.steps[active & trainable] += 1
+            for ps in self._pieces.values():
+                for p in ps:
+                    p.param.grad = None
+        self._states.steps[active] += 1
         self._states.adopt()
         for c in self._chunks:
             c.refresh_from_master()

@@ -56,10 +56,8 @@ class Piece:
         return torch.zeros_like(self.param) if g is None else g[self.offset : self.offset + self.numel]
 
     def follow_master(self) -> None:
-        """Point the parameter at the chunk's current master storage (if the master was replaced)."""
-        if self.param.data_ptr() != self.chunk.master.data_ptr() + self.offset * self.param.element_size() or \
-                self.param.device != self.chunk.master.device:
-            self.param.data = self.master_view()
+        """Point the parameter at the chunk's current master storage (after the master was replaced)."""
+        self.param.data = self.master_view()
 
 
 def build_pieces(model) -> dict[int, list[Piece]]:
