@@ -170,3 +170,21 @@ def test_old_checkpoint_without_groups_keeps_several_groups_own(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="chunkzero.checkpoint"):
         optim_shards.load_hyperparameters(two, saved)
     assert [g["lr"] for g in two.param_groups] == [0.1, 0.1] and "keep their own" in caplog.text
+
+
+@pytest.mark.parametrize("engine", ["zero", "ddp"])
+def test_train_engine_decays_matrices_only(engine):
+    """``chunkzero train``'s optimizer: nanoGPT's two groups, weight decay on tensors of >= 2 dimensions."""
+    from chunkzero.train_config import TrainConfig
+    from torch_backend.engine import Engine
+    from torch_backend.gpt import GPT, gpt_config
+
+    cfg = TrainConfig(engine=engine, weight_decay=0.1)
+    e = Engine(GPT(gpt_config("gpt-tiny")), cfg, torch.device("cpu"))
+    groups = e.param_groups()
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    dims = [{p.dim() >= 2 for p in g["params"]} for g in groups] if engine == "ddp" else [
+        {len(e.model.layout.tensor(n).shape) >= 2 for n in names} for names in e.optim.group_names]
+    assert dims == [{True}, {False}]
+    e.set_lr(1e-4)
+    assert [g["lr"] for g in groups] == [1e-4, 1e-4]
