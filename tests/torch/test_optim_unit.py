@@ -132,6 +132,10 @@ def test_checkpoint_keeps_a_never_stepped_tensor_without_state(tmp_path):
     meta = read_meta(tmp_path, 2).optimizer
     assert meta.tensor_steps == {"unused": 0} and meta.hyperparameters["max_norm"] == 0.5
     assert [g["lr"] for g in meta.param_groups] == [0.3, 4e-3] and meta.param_groups[0]["params"] == ["unused"]
+    from chunkzero.inspection import format_inspection, inspect_checkpoint
+
+    text = format_inspection(inspect_checkpoint(tmp_path))
+    assert "param group 0: 1 tensor(s), lr=0.3" in text and "param group 1:" in text and "unused=0" in text, text
     other, other_optim = build()
     other_optim.max_norm = None
     load_checkpoint(tmp_path, other, other_optim)
@@ -188,3 +192,22 @@ def test_train_engine_decays_matrices_only(engine):
     assert dims == [{True}, {False}]
     e.set_lr(1e-4)
     assert [g["lr"] for g in groups] == [1e-4, 1e-4]
+
+
+def test_pieces_follow_a_replaced_master():
+    """If a chunk's master tensor is replaced (same values), the pieces step the new one: the run equals
+    one without the replacement (bf16, so the low-precision shard is refreshed from the master)."""
+    runs = []
+    for replace in (False, True):
+        model = ZeroDDP(zero_cases.Odd(), chunk_size=100, mixed_precision="bf16")
+        optim = ZeroOptimizer(model, torch.optim.Adam, **ADAMW)
+        for i, batch in enumerate(zero_cases.batches("odd", 2, 2)):
+            if replace and i == 1:
+                for c in model.chunks:
+                    if c.requires_grad:
+                        c.master = torch.nn.Parameter(c.master.detach().clone())
+            optim.backward(zero_cases.odd_loss(model, batch))
+            optim.step()
+            optim.zero_grad()
+        runs.append(model.state_dict())
+    zero_cases.assert_state_close(runs[1], runs[0], rtol=0, atol=0)
