@@ -68,6 +68,9 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
         "optimizer": None if opt is None else {
             "class_name": opt.class_name, "state_keys": list(opt.state_keys), "step": opt.step,
             "hyperparameters": opt.hyperparameters,
+            "param_groups": None if opt.param_groups is None else [
+                {"tensors": len(g["params"]), **{k: v for k, v in g.items() if k != "params"}} for g in opt.param_groups],
+            "tensor_steps": opt.tensor_steps,
         },
         "loss_scaler": meta.loss_scaler,
         "data_position": meta.data_position,
@@ -103,6 +106,14 @@ def format_inspection(info: dict[str, Any], *, max_tensors: int | None = None) -
     if opt:
         lines.append(f"  optimizer {opt['class_name']} step {opt['step']}, states {', '.join(opt['state_keys']) or '-'}; "
                      + ", ".join(f"{k}={v}" for k, v in opt["hyperparameters"].items()))
+        first = opt["param_groups"][0] if opt["param_groups"] else {}
+        for i, g in enumerate(opt["param_groups"] or []):
+            differs = {k: v for k, v in g.items() if k != "tensors" and (i == 0 or first.get(k) != v)}
+            lines.append(f"    param group {i}: {g['tensors']} tensor(s)" + "".join(
+                f", {k}={v}" for k, v in differs.items() if i > 0 or k in ("lr", "weight_decay")))
+        if opt["tensor_steps"]:
+            lines.append(f"    {len(opt['tensor_steps'])} tensor(s) at another step (0: no state yet): "
+                         + ", ".join(f"{n}={s}" for n, s in list(opt["tensor_steps"].items())[:5]))
     else:
         lines.append("  no optimizer state")
     if info["loss_scaler"]:

@@ -17,6 +17,7 @@ stays zero (zero gradient, zero parameter, zero moments).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,11 +41,23 @@ def adamw_hyperparameters(optimizer_meta: OptimizerMeta) -> dict[str, float]:
     """``{"learning_rate", "b1", "b2", "eps", "weight_decay"}`` for ``optax.adamw`` from torch AdamW metadata.
 
     Raises:
-        ConfigError: the optimizer is not AdamW, or uses ``amsgrad`` / ``maximize`` (not mirrored).
+        ConfigError: the optimizer is not AdamW, uses ``amsgrad`` / ``maximize``, has param groups whose
+            hyper-parameters differ, or tensors at different steps (none of which is mirrored).
     """
     name = optimizer_meta.class_name
     if not name.lower().endswith("adamw"):
         raise ConfigError(f"optimizer {name!r} is not AdamW; only torch.optim.AdamW / optax.adamw state is mirrored")
+    groups = optimizer_meta.param_groups or []
+    for i, g in enumerate(groups[1:], 1):
+        for key in (*TORCH_ADAMW_DEFAULTS, "amsgrad", "maximize"):
+            if g.get(key) != groups[0].get(key):
+                raise ConfigError(
+                    f"param group {i} has {key}={g.get(key)!r}, group 0 has {groups[0].get(key)!r}: one optax.adamw over "
+                    "the chunk arrays takes one set of hyper-parameters, so per-group ones are not mirrored")
+    if optimizer_meta.tensor_steps:
+        some = next(iter(optimizer_meta.tensor_steps))
+        raise ConfigError(f"{len(optimizer_meta.tensor_steps)} tensor(s) (e.g. {some!r}) are at another step than "
+                          f"{optimizer_meta.step}: optax keeps one step count for all of them")
     hp = {**TORCH_ADAMW_DEFAULTS, **optimizer_meta.hyperparameters}
     for flag in ("amsgrad", "maximize"):
         if hp.get(flag):
@@ -124,5 +137,6 @@ def adamw_step(chunks: Mapping[str, jax.Array], grads: Mapping[str, jax.Array],
     new_opt, count = adam_state_to_chunks(state)
     same = set(optimizer_meta.state_keys) == set(new_opt)
     keys = list(optimizer_meta.state_keys) if same else list(new_opt)
-    new_meta = OptimizerMeta(optimizer_meta.class_name, dict(optimizer_meta.hyperparameters), keys, count)
+    new_meta = dataclasses.replace(optimizer_meta, hyperparameters=dict(optimizer_meta.hyperparameters), state_keys=keys,
+                                   step=count)
     return {**dict(chunks), **new_trainable}, new_opt, new_meta

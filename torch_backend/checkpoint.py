@@ -202,8 +202,8 @@ def load_checkpoint(
     rank succeeded, at the cost of a second copy of this rank's state in memory.
 
     Restores: fp32 master shards (and the low-precision shards from them), optimizer state shards and
-    step count, hyper-parameters (``lr``, ``betas`` …, not kernel flags like ``foreach``), the loss
-    scaler, and — when the checkpoint was saved at this world size — each rank's Python, numpy, torch
+    step counts (per tensor where they differ), every param group's hyper-parameters (``lr``, ``betas``
+    …, not kernel flags like ``foreach``) and ``max_norm``, the loss scaler, and — when the checkpoint was saved at this world size — each rank's Python, numpy, torch
     and CUDA RNG states. At another world size the RNGs are re-seeded from ``(step, rank)`` with a
     warning.
 
@@ -212,7 +212,8 @@ def load_checkpoint(
         step: the step to load (default: the latest committed one).
         optimizer: the :class:`~torch_backend.ZeroOptimizer` to restore, or ``None`` (parameters only).
         load_rng: restore (or re-seed) the RNG states.
-        load_hyperparameters: overwrite the optimizer's hyper-parameters with the saved ones.
+        load_hyperparameters: overwrite the optimizer's hyper-parameters (every group's, and
+            ``max_norm``) with the saved ones; the saved groups must then hold the same tensors.
         staged: leave the model untouched on any failure (see above).
 
     Returns:
@@ -222,7 +223,8 @@ def load_checkpoint(
     Raises:
         CheckpointError: no such step, a truncated or missing array (names the file and array), a
             tensor of the model missing from the checkpoint or vice versa, an optimizer of another class,
-            a checkpoint without optimizer state, or another rank failed to read.
+            a checkpoint without optimizer state, param groups of other tensors (with
+            ``load_hyperparameters``), or another rank failed to read.
         CheckpointFormatError: malformed metadata (names the file and field).
         ShapeMismatchError: a tensor's shape differs between the model and the checkpoint.
     """
@@ -246,8 +248,10 @@ def load_checkpoint(
                     f"{optim_shards.class_name(inner)} (pass optimizer=None to load parameters only)"
                 )
             optim_keys = list(meta.optimizer.state_keys)
+            if load_hyperparameters:
+                optim_shards.check_param_groups(model, optimizer, meta.optimizer, source=f"checkpoint {str(step_dir)!r}")
         reader = ChunkReader(step_dir, meta)
-        into, live_state = ({}, {}) if staged else optim_shards.live_buffers(model, optimizer, optim_keys)
+        into = {} if staged else optim_shards.live_buffers(model, optimizer, optim_keys)
         params, optim = read_shards(step_dir, meta, model.layout, rank, optim_keys=optim_keys, reader=reader, into=into)
     except Exception as e:  # agree first, re-raise after
         error = e
@@ -263,11 +267,11 @@ def load_checkpoint(
     for i, shard in params.items():
         model.load_master_shard(i, to_torch(shard))  # in place already: refreshes the low-precision shard
     if optimizer is not None and meta.optimizer is not None:
-        optim_shards.load_optimizer_state(model, optimizer, meta.optimizer, optim, into, live_state)
+        optim_shards.load_optimizer_state(model, optimizer, meta.optimizer, optim)
         if meta.loss_scaler is not None:
             optimizer.load_loss_scaler_state(meta.loss_scaler)
         if load_hyperparameters:
-            optim_shards.load_hyperparameters(optimizer, meta.optimizer.hyperparameters)
+            optim_shards.load_hyperparameters(optimizer, meta.optimizer)
     if load_rng:
         if meta.rng_states is not None and len(meta.rng_states) == world:
             set_rng_state(meta.rng_states[rank], source=f"{step_dir}/{META_ITEM} rng_states[{rank}]")

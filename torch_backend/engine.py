@@ -16,9 +16,18 @@ from chunkzero.errors import ConfigError
 from chunkzero.train_config import TrainConfig
 
 
+def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """nanoGPT's two param groups over ``module``'s trainable parameters: ``weight_decay`` on tensors
+    of 2 or more dimensions (matrices, embeddings), none on the others (biases, LayerNorm weights)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 class Engine:
     """``model`` (the wrapped module) and ``optim`` for ``cfg.engine``, on ``device``; AdamW with betas
-    (0.9, 0.95), ``cfg.lr``, ``cfg.weight_decay`` and clipping at ``cfg.max_norm`` (0: none).
+    (0.9, 0.95), ``cfg.lr``, weight decay ``cfg.weight_decay`` on tensors of 2 or more dimensions
+    only (:func:`decay_groups`) and clipping at ``cfg.max_norm`` (0: none).
 
     Raises:
         ConfigError: ``--engine zero`` where ``torch_backend.ZeroDDP`` cannot be imported.
@@ -34,28 +43,22 @@ class Engine:
             except ImportError as e:
                 raise ConfigError(f"--engine zero: torch_backend.ZeroDDP is not available ({e})") from None
             self.model = ZeroDDP(module.to(device), mixed_precision=cfg.mixed_precision, chunk_size=cfg.chunk_size)
-            self.optim = ZeroOptimizer(self.model, torch.optim.AdamW, lr=cfg.lr, max_norm=cfg.max_norm or None,
-                                       weight_decay=cfg.weight_decay, betas=betas)
+            self.optim = ZeroOptimizer(self.model, torch.optim.AdamW, param_groups=decay_groups(module, cfg.weight_decay),
+                                       lr=cfg.lr, max_norm=cfg.max_norm or None, betas=betas)
         else:
             from torch.nn.parallel import DistributedDataParallel
 
             module = module.to(device)
             ids = [device.index] if device.type == "cuda" else None
             self.model = DistributedDataParallel(module, device_ids=ids) if dist.is_initialized() else module
-            self.optim = torch.optim.AdamW(module.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           betas=betas)
+            self.optim = torch.optim.AdamW(decay_groups(module, cfg.weight_decay), lr=cfg.lr, betas=betas)
 
     @property
     def module(self) -> nn.Module:
         return getattr(self.model, "module", self.model)
 
     def param_groups(self) -> list[dict]:
-        opt = self.optim
-        for _ in range(3):
-            if hasattr(opt, "param_groups"):
-                return opt.param_groups
-            opt = getattr(opt, "optim", getattr(opt, "optimizer", None))
-        raise RuntimeError("cannot find the optimizer's param_groups to set the learning rate")
+        return self.optim.param_groups
 
     def set_lr(self, lr: float) -> None:
         for g in self.param_groups():

@@ -1,11 +1,12 @@
-"""``ZeroOptimizer``: a torch optimizer on fp32 master shards, with dynamic loss scaling and
-global-norm clipping (ColossalAI Gemini's ``ZeroOptimizer``; mixed-precision training after
+"""``ZeroOptimizer``: a ``torch.optim.Optimizer`` on fp32 master shards, with param groups, dynamic loss
+scaling and global-norm clipping (ColossalAI Gemini's ``ZeroOptimizer``; mixed-precision training after
 Micikevicius et al. 2018, "Mixed Precision Training"; the hysteresis scaler is Megatron-LM's).
 
-The inner optimizer (any elementwise torch optimizer: AdamW, Adam, SGD with momentum …) sees one
-fp32 ``nn.Parameter`` per trainable chunk — this rank's master shard (a keep-gathered chunk's
-whole master) — whose ``.grad`` the model's backward fills with the averaged gradient shard.
-``step()``:
+The inner optimizer (any elementwise torch optimizer: AdamW, Adam, SGD with momentum …) steps one
+fp32 parameter per tensor piece this rank owns (:mod:`.optim_pieces`: views into the chunk's master
+shard), placed in its tensor's param group (:mod:`.optim_groups`). The ZeroOptimizer *is* a torch
+optimizer: its ``param_groups`` and ``state`` are the inner optimizer's own objects, so LR schedulers,
+step hooks and ``state_dict`` work as with any torch optimizer. ``step()``:
 
 1. sums the squared gradient norms of all chunks over valid elements (keep-gathered chunks counted
    once, on rank 0) and all-reduces them: one collective gives the global norm and the overflow flag
@@ -13,8 +14,10 @@ whole master) — whose ``.grad`` the model's backward fills with the averaged g
 2. on overflow skips the update (parameters and optimizer state untouched), drops the gradients
    and backs the loss scale off per hysteresis;
 3. else unscales by the scale *the backward used* (recorded by :meth:`ZeroOptimizer.backward`) and
-   clips like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model, runs the inner optimizer,
-   refreshes the low-precision shards from the masters, and only then updates the scale.
+   clips like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model, gives each piece of a tensor
+   that received a gradient its gradient (the others keep ``grad=None`` and are skipped, as torch
+   skips them: no weight decay, no moment update), runs the inner optimizer, refreshes the
+   low-precision shards from the masters, and only then updates the scale.
 """
 
 from __future__ import annotations
@@ -24,106 +27,99 @@ from typing import Any
 
 import torch
 
-from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
+from chunkzero.errors import CheckpointError, ConfigError
 
-from . import collectives
+from . import collectives, optim_state_dict
 from .ddp import ZeroDDP
+from .loss_scale import DynamicLossScaler
+from .optim_groups import group_specs, resolve_params
+from .optim_pieces import PieceStates, build_pieces
 
 __all__ = ["DynamicLossScaler", "ZeroOptimizer"]
 
-
-class DynamicLossScaler:
-    """Dynamic loss scale with growth interval and hysteresis (Megatron-LM's ``DynamicGradScaler``).
-
-    On an overflow the growth counter resets and the hysteresis counter drops by one; when it reaches
-    zero the scale is multiplied by ``backoff_factor`` (not below ``min_scale``) — so ``hysteresis=1``
-    halves at the first overflow. After ``growth_interval`` overflow-free steps in a row the scale is
-    multiplied by ``growth_factor`` (not above ``max_scale``) and the hysteresis counter is refilled.
-    """
-
-    def __init__(self, initial_scale: float = 2.0**16, *, growth_interval: int = 1000, hysteresis: int = 2,
-                 min_scale: float = 1.0, max_scale: float = 2.0**32, growth_factor: float = 2.0, backoff_factor: float = 0.5):
-        if not initial_scale > 0:
-            raise ConfigError(f"initial_scale must be > 0, got {initial_scale!r}")
-        if not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ConfigError(f"growth_interval must be a positive int (steps), got {growth_interval!r}")
-        if not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ConfigError(f"hysteresis must be a positive int (overflows), got {hysteresis!r}")
-        if not 0 < min_scale <= initial_scale:
-            raise ConfigError(f"min_scale must be in (0, initial_scale], got {min_scale!r}")
-        if not growth_factor > 1 or not 0 < backoff_factor < 1:
-            raise ConfigError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor!r}, {backoff_factor!r}")
-        self.scale = float(initial_scale)
-        self.growth_interval = growth_interval
-        self.hysteresis = hysteresis
-        self.min_scale = float(min_scale)
-        self.max_scale = float(max_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_tracker = 0
-        self.hysteresis_tracker = hysteresis
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.growth_tracker = 0
-                self.hysteresis_tracker = self.hysteresis
-                self.scale = min(self.scale * self.growth_factor, self.max_scale)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in (
-            "scale", "growth_tracker", "hysteresis_tracker", "growth_interval", "hysteresis",
-            "min_scale", "max_scale", "growth_factor", "backoff_factor")}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            if not hasattr(self, k):
-                raise CheckpointError(f"unknown loss-scaler field {k!r}")
-            setattr(self, k, type(getattr(self, k))(v))
+NOT_ELEMENTWISE = ("Adafactor", "LBFGS", "Muon", "SparseAdam")
+"""torch optimizers whose update depends on a whole tensor's shape (or needs closures / sparse
+gradients): wrong on flat shards, so refused."""
 
 
-class ZeroOptimizer:
-    """Mixed-precision optimizer over a :class:`ZeroDDP` model's fp32 master shards.
+def _refuse(what: str):
+    def method(*args, **kwargs):
+        raise ConfigError(f"ZeroOptimizer.optimizer.{what}() would act on this rank's flat shard pieces; "
+                          f"call ZeroOptimizer.{what}() instead")
+    return method
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Mixed-precision optimizer over a :class:`ZeroDDP` model's fp32 master shards (a torch optimizer).
 
     Args:
         model: the wrapped model.
-        optimizer_class: an elementwise ``torch.optim.Optimizer`` class (AdamW, Adam, SGD …); built
-            with one param group holding one master shard per trainable chunk.
+        optimizer_class: an elementwise ``torch.optim.Optimizer`` class (AdamW, Adam, SGD …), or a
+            factory called as ``optimizer_class(groups, **defaults)`` that must use the groups it is given.
+        param_groups: ``[{"params": [...], "lr": ..., "weight_decay": ...}, ...]``; ``params`` holds
+            parameters of ``model.module`` (objects or ``named_parameters()`` pairs) or their names (any
+            alias). Trainable parameters not listed form a default group, last. Each group's
+            hyper-parameters are honoured exactly; keys the optimizer does not know are refused.
         max_norm: clip gradients to this global L2 norm (unscaled), like ``clip_grad_norm_``.
         initial_scale, growth_interval, hysteresis, min_scale: dynamic loss scaling, used in fp16
             only (bf16/fp32 use scale 1 and still skip non-finite steps).
-        **hyperparameters: passed to ``optimizer_class`` (``lr``, ``betas``, ``weight_decay`` …).
+        **defaults: the optimizer's defaults (``lr``, ``betas``, ``weight_decay`` …), for every group.
 
-    Per-parameter param groups are not supported (a chunk mixes parameters): every parameter gets
-    the same hyper-parameters, as in Gemini.
+    ``param_groups`` (the live list of group dicts LR schedulers change), ``state``, ``defaults``,
+    ``zero_grad(set_to_none)``, ``state_dict()`` / ``load_state_dict()`` (torch's format, full-shaped,
+    keyed by parameter name), ``add_param_group``, step and state-dict hooks behave as torch's.
+    ``step()`` returns whether the update was applied (``False``: skipped on overflow); closures are
+    refused.
 
     Shard-level API (for checkpoints): :meth:`shard_state`, :meth:`load_shard_state`,
-    :meth:`loss_scaler_state`, :meth:`load_loss_scaler_state`, :attr:`step_count`.
+    :meth:`tensor_steps`, :meth:`load_tensor_steps`, :meth:`loss_scaler_state`,
+    :meth:`load_loss_scaler_state`, :meth:`hyperparameters`, :attr:`group_names`, :attr:`step_count`.
 
     Raises:
-        ConfigError: ``model`` is not a ZeroDDP, ``max_norm`` is not positive, bad scaler settings.
+        ConfigError: ``model`` is not a ZeroDDP; ``max_norm`` is not positive; bad scaler settings;
+            a bad param group (unknown, frozen, foreign or twice-listed parameter, unknown key); a
+            non-elementwise optimizer; a factory that builds groups of its own.
     """
 
-    def __init__(self, model: ZeroDDP, optimizer_class=torch.optim.AdamW, *, max_norm: float | None = None,
-                 initial_scale: float = 2.0**16, growth_interval: int = 1000, hysteresis: int = 2,
-                 min_scale: float = 1.0, **hyperparameters):
+    def __init__(self, model: ZeroDDP, optimizer_class=torch.optim.AdamW, *, param_groups=None,
+                 max_norm: float | None = None, initial_scale: float = 2.0**16, growth_interval: int = 1000,
+                 hysteresis: int = 2, min_scale: float = 1.0, **defaults):
         if not isinstance(model, ZeroDDP):
             raise ConfigError(f"ZeroOptimizer needs a ZeroDDP model, got {type(model).__name__}")
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ConfigError(f"max_norm must be a positive number or None, got {max_norm!r}")
+        if getattr(optimizer_class, "__name__", "") in NOT_ELEMENTWISE:
+            raise ConfigError(f"{optimizer_class.__name__} is not elementwise (its update depends on whole tensors); "
+                              "ZeroOptimizer steps flat shards of tensors: use an elementwise optimizer (AdamW, Adam, SGD …)")
         self.model = model
         self.max_norm = None if max_norm is None else float(max_norm)
         self._chunks = [c for c in model.chunks if c.requires_grad]
         if not self._chunks:
             raise ConfigError("the model has no trainable parameters")
-        self.optimizer: torch.optim.Optimizer = optimizer_class([c.master for c in self._chunks], **hyperparameters)
-        """The inner torch optimizer (its params are the master shards; use it for LR schedulers)."""
+        specs = group_specs(model, param_groups)
+        self._pieces = build_pieces(model)
+        self._piece_of = {p.name: p for pieces in self._pieces.values() for p in pieces}
+        self.group_names: list[list[str]] = [list(s.names) for s in specs]
+        """Per param group: the primary names of its tensors (the same on every rank)."""
+        self._default_group = next((i for i, s in enumerate(specs) if s.is_default), None)
+        groups = [{"params": self._params_of(s.names), **s.options} for s in specs]
+        inner = self._build_inner(optimizer_class, groups, defaults)
+        self.optimizer: torch.optim.Optimizer = inner
+        """The inner torch optimizer over this rank's pieces (shares ``param_groups`` and ``state``)."""
+        # torch's Optimizer set-up (hooks, step patching) on a placeholder, then the inner's groups and state
+        self._constructing = True
+        try:
+            torch.optim.Optimizer.__init__(self, [torch.zeros(0)], dict(inner.defaults))
+        finally:
+            self._constructing = False
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self.defaults = inner.defaults
+        self._states = PieceStates(model, inner.state, inner.param_groups, self._pieces)
+        self._tensor_index = {t.name: i for i, t in enumerate(model.layout.tensors)}
+        self._trainable = torch.zeros(len(model.layout.tensors), dtype=torch.bool)
+        self._trainable[[self._tensor_index[n] for g in self.group_names for n in g]] = True
+        self._master_ptrs = {ci: (model.chunks[ci].master.data_ptr(), model.chunks[ci].master.device) for ci in self._pieces}
         self.fp16 = model.mixed_precision == "fp16"
         self.scaler = DynamicLossScaler(initial_scale if self.fp16 else 1.0, growth_interval=growth_interval,
                                         hysteresis=hysteresis, min_scale=min(min_scale, initial_scale) if self.fp16 else 1.0)
@@ -132,14 +128,76 @@ class ZeroOptimizer:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         """Global unscaled gradient L2 norm before clipping, from the last ``step()`` (``inf``/``nan`` on overflow)."""
-        self._names = [t.name for c in self._chunks for t in c.placements]
         self._grad_scale = 1.0
         """The loss scale the gradients now accumulated were computed with (set by :meth:`backward`)."""
+        self._kept_grads = torch.zeros(len(model.layout.tensors), dtype=torch.bool)
+        """Tensors whose gradient ``zero_grad(set_to_none=False)`` zeroed instead of dropping (stepped with zeros)."""
+        self._passes_seen = model.backward_passes
+        self._passes_scaled = 0
 
-    # ------------------------------------------------------------------ training
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def _params_of(self, names: list[str]) -> list[torch.nn.Parameter]:
+        return [self._piece_of[n].param for n in names if n in self._piece_of]
+
+    def _build_inner(self, optimizer_class, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+        try:
+            inner = optimizer_class(groups, **defaults)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{getattr(optimizer_class, '__name__', optimizer_class)}(param groups, **{defaults}) failed: {e}") from None
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer_class must build a torch.optim.Optimizer, got {type(inner).__name__}")
+        if len(inner.param_groups) != len(groups) or any(
+                g is not mine or len(g["params"]) != len(mine_params) or any(a is not b for a, b in zip(g["params"], mine_params))
+                for g, mine, mine_params in zip(inner.param_groups, groups, [list(g["params"]) for g in groups])):
+            raise ConfigError(
+                f"{getattr(optimizer_class, '__name__', optimizer_class)} built param groups of its own instead of the ones "
+                "it was given: ZeroOptimizer must place every parameter (its shard pieces) itself; pass the groups as "
+                "ZeroOptimizer(model, torch.optim.AdamW, param_groups=[...], lr=...)")
+        self._check_group_keys(inner.param_groups, inner.defaults)
+        for what in ("add_param_group", "state_dict", "load_state_dict"):
+            setattr(inner, what, _refuse(what))
+        return inner
+
+    @staticmethod
+    def _check_group_keys(groups: list[dict], defaults: dict, first: int = 0) -> None:
+        known = set(defaults) | {"params", "param_names"}
+        for i, g in enumerate(groups[first:], first):
+            unknown = sorted(set(g) - known)
+            if unknown:
+                raise ConfigError(f"param group {i}: {', '.join(map(repr, unknown))} is not a hyper-parameter of the "
+                                  f"optimizer (it knows {', '.join(sorted(defaults))})")
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Move parameters of the default group (the ones ``param_groups=`` did not list) into a new
+        group with its own hyper-parameters (every rank, the same call).
+
+        Raises:
+            ConfigError: a parameter is not in the default group (it already has a group of its own),
+                or as the constructor's ``param_groups``.
+        """
+        if getattr(self, "_constructing", False):
+            return torch.optim.Optimizer.add_param_group(self, param_group)
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            raise ConfigError("add_param_group needs a dict with a 'params' entry")
+        names = resolve_params(self.model, param_group["params"], f"param group {len(self.param_groups)}")
+        default = set() if self._default_group is None else set(self.group_names[self._default_group])
+        for n in names:
+            if n not in default:
+                owner = next(i for i, g in enumerate(self.group_names) if n in g)
+                raise ConfigError(f"parameter {n!r} already belongs to param group {owner}; add_param_group only takes "
+                                  "parameters of the default group (those param_groups= did not list)")
+        if len(set(names)) != len(names):
+            raise ConfigError("add_param_group lists a parameter twice")
+        group = {**{k: v for k, v in param_group.items() if k != "params"}, "params": self._params_of(names)}
+        self._check_group_keys([group], self.defaults)
+        moved = {id(p) for p in group["params"]}
+        dg = self.param_groups[self._default_group]
+        dg["params"] = [p for p in dg["params"] if id(p) not in moved]
+        self.group_names[self._default_group] = [n for n in self.group_names[self._default_group] if n not in set(names)]
+        type(self.optimizer).add_param_group(self.optimizer, group)
+        self.group_names.append(names)
+        for ci in self._pieces:
+            self._states.attach(ci)  # a fused/capturable group keeps its steps elsewhere
 
     @property
     def loss_scale(self) -> float:
@@ -150,13 +208,38 @@ class ZeroOptimizer:
         """``(loss * loss_scale).backward()``; records the scale so ``step`` unscales by it."""
         scale = self.scaler.scale if self.fp16 else 1.0
         self._grad_scale = scale
-        self.model.backward(loss * scale if scale != 1.0 else loss)
+        before = self.model.backward_passes
+        try:
+            self.model.backward(loss * scale if scale != 1.0 else loss)
+        finally:
+            self._passes_scaled += self.model.backward_passes - before
         self.model.raise_pending_error()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002
-        """Drop all gradients (the model's buffers and the fp32 gradient shards)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (the model's buffers and the fp32 gradient shards).
+
+        ``set_to_none=False`` keeps torch's meaning: a parameter that had a gradient keeps a zero one, so
+        the next step updates it even if it then receives none (weight decay, moments).
+        """
+        if set_to_none:
+            self._kept_grads.zero_()
+        else:
+            self._kept_grads |= self.model.grad_received
+        self._drop_gradients()
+
+    def _drop_gradients(self) -> None:
         self.model.zero_grad()
         self._grad_scale = 1.0
+        self._passes_seen = self.model.backward_passes
+        self._passes_scaled = 0
+
+    def _check_scaled_backwards(self) -> None:
+        unscaled = self.model.backward_passes - self._passes_seen - self._passes_scaled
+        if self.fp16 and unscaled > 0:
+            self._drop_gradients()
+            raise ConfigError(
+                f"{unscaled} backward pass(es) through the model ran without ZeroOptimizer.backward: in fp16 the loss "
+                "must be scaled, so call optim.backward(loss) instead of loss.backward() (the gradients were dropped)")
 
     def _global_sq_norm(self) -> float:
         device = self.model.device
@@ -171,12 +254,19 @@ class ZeroOptimizer:
         return float(total.item())
 
     @torch.no_grad()
-    def step(self) -> bool:
-        """Clip, unscale, update the master shards, refresh the low-precision shards.
+    def step(self, closure=None) -> bool:
+        """Clip, unscale, update the master shards, refresh the low-precision shards (collective).
 
         Returns:
             ``True`` if the update was applied, ``False`` if it was skipped (overflow).
+
+        Raises:
+            ConfigError: a closure was passed; in fp16, a backward ran without :meth:`backward`.
+            UnusedParameterError: the last backward left a parameter without a gradient.
         """
+        if closure is not None:
+            raise ConfigError("ZeroOptimizer.step does not take a closure: run optim.backward(loss), then optim.step()")
+        self._check_scaled_backwards()
         self.model.raise_pending_error()
         self.model.finish_gradients()
         sq = self._global_sq_norm()
@@ -184,7 +274,7 @@ class ZeroOptimizer:
         if not math.isfinite(sq):
             self.last_grad_norm = sq
             self.skipped_steps += 1
-            self.zero_grad()
+            self._drop_gradients()
             self.scaler.update(True)
             return False
         norm = math.sqrt(sq) / scale
@@ -197,10 +287,26 @@ class ZeroOptimizer:
         grads = [c.master.grad for c in self._chunks if c.master.grad is not None]
         if factor != 1.0 and grads:
             torch._foreach_mul_(grads, factor)
-        self.optimizer.step()
-        for c in self.model.chunks:
-            if c.requires_grad:
-                c.refresh_from_master()
+        active = (self.model.grad_received | self._kept_grads) & self._trainable
+        flags = active.tolist()
+        for ci, ps in self._pieces.items():
+            master = self.model.chunks[ci].master
+            if self._master_ptrs[ci] != (master.data_ptr(), master.device):  # the master was replaced
+                self._master_ptrs[ci] = (master.data_ptr(), master.device)
+                for p in ps:
+                    p.follow_master()
+            for p in ps:
+                p.param.grad = p.grad_view() if flags[p.tensor_index] else None
+        try:
+            self.optimizer.step()
+        finally:
+            for ps in self._pieces.values():
+                for p in ps:
+                    p.param.grad = None
+        self._states.steps[active] += 1
+        self._states.adopt()
+        for c in self._chunks:
+            c.refresh_from_master()
         self.step_count += 1
         if self.fp16:
             self.scaler.update(False)
@@ -214,36 +320,51 @@ class ZeroOptimizer:
         return c
 
     def shard_state(self, chunk: int) -> dict[str, torch.Tensor]:
-        """This rank's optimizer state of ``chunk``: the live tensors of the inner optimizer.
+        """This rank's optimizer state of ``chunk``: the live flat buffers behind its pieces' state.
 
-        Per-element states (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer`` …) are 1-D fp32 tensors of
-        ``layout.shard_numel(chunk)`` elements aligned with :meth:`ZeroDDP.master_shard`; scalars
-        (``step``) are 0-d tensors. Empty before the first step.
+        Per-element states (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer`` …) are 1-D tensors of
+        ``layout.shard_numel(chunk)`` elements aligned with :meth:`ZeroDDP.master_shard` (zeros where
+        a tensor has no state, and in the padding); ``step`` is a 0-d float32 tensor, the largest of
+        the chunk's tensors' (see :meth:`tensor_steps`). Empty before the first step.
 
         Raises:
             ConfigError: ``chunk`` is frozen.
         """
-        return dict(self.optimizer.state.get(self._chunk(chunk).master, {}))
+        self._chunk(chunk)
+        return self._states.shard_state(chunk)
 
     def load_shard_state(self, chunk: int, state: dict[str, torch.Tensor | float]) -> None:
-        """Set this rank's optimizer state of ``chunk`` (the reverse of :meth:`shard_state`).
-
-        1-D states are copied to the master's device as fp32; ``step`` stays a float32 tensor.
+        """Set this rank's optimizer state of ``chunk`` (the reverse of :meth:`shard_state`): 1-D states
+        into its flat buffers (fp32, master device), ``step`` for every tensor of the chunk (without
+        one: :attr:`step_count`, at least 1). Follow with :meth:`load_tensor_steps` for tensors whose
+        step differs.
 
         Raises:
+            ConfigError: ``chunk`` is frozen.
             ShapeMismatchError: a 1-D state is not ``shard_numel`` long.
         """
-        c = self._chunk(chunk)
-        new: dict[str, Any] = {}
-        for key, value in state.items():
-            value = torch.as_tensor(value)
-            if value.dim() >= 1:
-                if tuple(value.shape) != (c.shard_numel,):
-                    raise ShapeMismatchError(f"chunk {chunk} optimizer state {key!r}", (c.shard_numel,), tuple(value.shape))
-                new[key] = value.to(c.master.device, torch.float32, copy=True)
-            else:
-                new[key] = value.to(torch.float32, copy=True) if value.is_floating_point() else value.clone()
-        self.optimizer.state[c.master] = new
+        self._chunk(chunk)
+        self._states.load_shard_state(chunk, state, max(self.step_count, 1))
+
+    def tensor_steps(self) -> dict[str, int]:
+        """Per trainable tensor (primary name): the updates applied to it — torch's per-parameter
+        ``step``; 0 for a tensor that never had a gradient (no state). The same on every rank."""
+        steps = self._states.steps
+        return {n: int(steps[self._tensor_index[n]]) for g in self.group_names for n in g}
+
+    def load_tensor_steps(self, steps: dict[str, int]) -> None:
+        """Set the step of the tensors named in ``steps`` (any alias); 0 drops a tensor's state.
+
+        Raises:
+            CheckpointError: a name is not a trainable tensor of the model.
+        """
+        layout = self.model.layout
+        for name, value in steps.items():
+            if name not in layout or not layout.tensor(name).requires_grad:
+                raise CheckpointError(f"optimizer step recorded for {name!r}, which is not a trainable tensor of the model")
+            self._states.steps[self._tensor_index[layout.tensor(name).name]] = int(value)
+        for ci in self._pieces:
+            self._states.attach(ci)
 
     def loss_scaler_state(self) -> dict[str, Any]:
         """The loss scaler's state (plain Python numbers) plus ``step_count``/``skipped_steps``."""
@@ -256,17 +377,14 @@ class ZeroOptimizer:
         self.scaler.load_state_dict(state)
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The inner param group's hyper-parameters (``lr``, ``betas`` …), without ``params``."""
-        return {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        """The first param group's hyper-parameters (``lr``, ``betas`` …, without ``params``) and
+        ``max_norm`` (``None``: no clipping); every group's are in ``param_groups``."""
+        return {**{k: v for k, v in self.param_groups[0].items() if k not in ("params", "param_names")},
+                "max_norm": self.max_norm}
 
     def state_bytes(self) -> list[tuple[torch.device, int]]:
         """``(device, bytes)`` of each optimizer state tensor this rank holds (exp_avg, exp_avg_sq …)."""
-        out = []
-        for st in self.optimizer.state.values():
-            for v in st.values():
-                if isinstance(v, torch.Tensor):
-                    out.append((v.device, v.numel() * v.element_size()))
-        return out
+        return self._states.state_bytes()
 
     def memory_report(self):
         """The model's :meth:`ZeroDDP.memory_report` with this optimizer's state shards counted."""
@@ -277,88 +395,39 @@ class ZeroOptimizer:
         """Torch's optimizer format keyed by parameter name, with full shapes (collective).
 
         ``{"state": {name: {"step": 0-d, "exp_avg": full-shaped fp32 CPU tensor, ...}},
-        "param_groups": [{hyper-parameters..., "params": [names in parameter order]}]}`` — the names
-        are the primary names of the trainable parameters in ``module.parameters()`` order, so
-        ``torch.optim.AdamW([p for p in module.parameters() if p.requires_grad]).load_state_dict``
-        accepts it. Chunks are gathered one at a time.
+        "param_groups": [{hyper-parameters..., "params": [names]}, ...]}`` — one entry per group with
+        its hyper-parameters; the names are the primary names of the group's tensors in the group's
+        order (the order ``param_groups=`` gave, the default group's in ``module.parameters()``
+        order), so a torch optimizer over the same groups of the unwrapped module loads it. A tensor
+        without state (no gradient yet) has no entry. Chunks are gathered one at a time. State-dict
+        pre/post hooks run as in torch.
         """
-        state: dict[str, dict[str, Any]] = {}
-        for c in self._chunks:
-            st = self.optimizer.state.get(c.master, {})
-            per = {t.name: {} for t in c.placements}
-            for key, value in st.items():
-                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == c.shard_numel:
-                    full = c.gather_shard_tensor(value)
-                    for t in c.placements:
-                        per[t.name][key] = full[t.offset : t.end].view(t.shape).to("cpu", copy=True)
-                    del full
-                else:
-                    for t in c.placements:
-                        per[t.name][key] = value.clone() if isinstance(value, torch.Tensor) else value
-            for name, s in per.items():
-                if s:
-                    state[name] = s
-        return {"state": state, "param_groups": [{**self.hyperparameters(), "params": list(self._names)}]}
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        out = optim_state_dict.full_state_dict(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's optimizer format: keyed by parameter name (as :meth:`state_dict` writes) or by
-        integer index (a plain torch optimizer over the trainable parameters in ``module.parameters()``
-        order). Every rank passes the same full state dict.
+        """Load torch's optimizer format: keyed by parameter name (any alias; as :meth:`state_dict`
+        writes) or by integer id (a torch optimizer over the same groups of the unwrapped module).
+        Restores every group's hyper-parameters (not kernel flags such as ``foreach``), in place, and
+        each tensor's state and step. Every rank passes the same full state dict. Load hooks run as
+        in torch.
 
         Raises:
-            CheckpointError: malformed dict, unknown/missing parameters, or groups with differing
-                hyper-parameters (per-parameter groups cannot be represented).
+            CheckpointError: malformed dict, another number of groups, a group of other parameters,
+                or names this model does not have.
             ShapeMismatchError: a state tensor's shape differs from its parameter's.
         """
-        try:
-            groups = state_dict["param_groups"]
-            saved_state = state_dict["state"]
-        except (KeyError, TypeError):
-            raise CheckpointError("optimizer state dict needs 'state' and 'param_groups'") from None
-        ids = [pid for g in groups for pid in g["params"]]
-        if all(isinstance(i, str) for i in ids):
-            key_to_name = {i: i for i in ids}
-            unknown = [i for i in ids if i not in self.model.layout]
-            if unknown:
-                raise CheckpointError(f"optimizer state names parameters this model does not have: {unknown}")
-            key_to_name = {i: self.model.layout.tensor(i).name for i in ids}
-        else:
-            if len(ids) != len(self._names):
-                raise CheckpointError(
-                    f"optimizer state has {len(ids)} parameters, the model has {len(self._names)} trainable ones")
-            key_to_name = dict(zip(ids, self._names))
-        missing = [n for n in self._names if n not in set(key_to_name.values())]
-        if missing:
-            raise CheckpointError(f"optimizer state lacks parameters: {missing}")
-        hypers = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        if any(h != hypers[0] for h in hypers[1:]):
-            raise CheckpointError("optimizer state has param groups with different hyper-parameters; "
-                                  "ZeroOptimizer keeps one group")
-        by_name = {key_to_name[k]: v for k, v in saved_state.items() if k in key_to_name}
-        for c in self._chunks:
-            shard: dict[str, Any] = {}
-            keys: list[str] = []
-            for t in c.placements:
-                for k in by_name.get(t.name, {}):
-                    if k not in keys:
-                        keys.append(k)
-            for key in keys:
-                fulls, scalar = {}, None
-                for t in c.placements:
-                    v = by_name.get(t.name, {}).get(key)
-                    if v is None:
-                        continue
-                    if key != "step" and isinstance(v, torch.Tensor) and (v.dim() > 0 or t.numel == 1):
-                        if tuple(v.shape) != t.shape:
-                            raise ShapeMismatchError(f"optimizer state {t.name}.{key}", t.shape, tuple(v.shape))
-                        fulls[t.name] = v
-                    elif scalar is None:
-                        scalar = v
-                if fulls:
-                    shard[key] = c.shard_from_full(fulls)
-                elif scalar is not None:
-                    shard[key] = scalar
-            if shard:
-                self.load_shard_state(c.index, shard)
-        for k, v in hypers[0].items():
-            self.optimizer.param_groups[0][k] = v
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        optim_state_dict.load_full_state_dict(self, state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

@@ -1,8 +1,11 @@
 """A ZeroOptimizer's state as numpy shards for the checkpoint format, and back.
 
-Per-element state (``exp_avg``, ``exp_avg_sq`` …) becomes one fp32 shard per trainable chunk; the step
-count and the hyper-parameters go into :class:`~chunkzero.checkpoint.OptimizerMeta`. On load, live CPU
-state tensors are offered as destination buffers, so the read lands in them without a second copy.
+Per-element state (``exp_avg``, ``exp_avg_sq`` …) becomes one fp32 shard per trainable chunk (the
+optimizer's flat state buffers, :mod:`.optim_pieces`); the step count, the per-tensor steps that differ
+from it, ``max_norm`` and every param group's hyper-parameters with its tensors' names go into
+:class:`~chunkzero.checkpoint.OptimizerMeta`. Groups are saved by tensor name, so they restore at any
+world size or chunk size. On load, live CPU state buffers are offered as destinations, so the read
+lands in them without a second copy.
 """
 
 from __future__ import annotations
@@ -19,11 +22,9 @@ from chunkzero.errors import CheckpointError
 from chunkzero.layout import ChunkLayout
 
 from .numpy_bridge import to_numpy, to_torch
+from .optim_state_dict import IMPLEMENTATION_FLAGS
 
 logger = logging.getLogger("chunkzero.checkpoint")
-
-IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
-"""Optimizer param-group entries that choose a kernel, not the math: recorded, never restored."""
 
 
 def jsonable(value: Any) -> Any:
@@ -59,24 +60,17 @@ def optimizer_shards(model, optimizer) -> tuple[OptimizerMeta, dict[str, dict[in
     layout: ChunkLayout = model.layout
     per_chunk: dict[int, dict[str, torch.Tensor]] = {}
     keys: list[str] = []
-    step: int | None = None
     for c in layout.chunks:
         if not c.requires_grad:
             continue
-        state = optimizer.shard_state(c.index)
         per_chunk[c.index] = {}
-        for key, value in state.items():
+        for key, value in optimizer.shard_state(c.index).items():
             value = torch.as_tensor(value)
             if value.dim() == 1 and value.numel() == layout.shard_numel(c.index):
                 per_chunk[c.index][key] = value
                 if key not in keys:
                     keys.append(key)
-            elif key == "step" and value.numel() == 1:
-                s = int(value.item())
-                if step is not None and s != step:
-                    logger.warning("optimizer 'step' differs between chunks (%d vs %d); saving %d", step, s, max(step, s))
-                step = s if step is None else max(step, s)
-            else:
+            elif key != "step":
                 raise CheckpointError(
                     f"optimizer state {key!r} of chunk {c.index} (shape {tuple(value.shape)}) is neither a per-element "
                     f"shard of {layout.shard_numel(c.index)} elements nor the step count; the chunkzero format cannot hold it"
@@ -89,13 +83,17 @@ def optimizer_shards(model, optimizer) -> tuple[OptimizerMeta, dict[str, dict[in
             else:
                 logger.warning("chunk %d has no optimizer state %r (saved as zeros)", i, k)
                 optim[k][i] = np.zeros(layout.shard_numel(i), dtype=np.float32)
-    hypers = {k: jsonable(v) for k, v in optimizer.hyperparameters().items()}
-    inner = getattr(optimizer, "optimizer", optimizer)
+    steps = optimizer.tensor_steps()
+    step = max(steps.values(), default=0) if keys else int(optimizer.step_count)
+    differing = {n: s for n, s in steps.items() if s != step}
     meta = OptimizerMeta(
-        class_name=class_name(inner),
-        hyperparameters=hypers,
+        class_name=class_name(optimizer.optimizer),
+        hyperparameters={k: jsonable(v) for k, v in optimizer.hyperparameters().items()},
         state_keys=keys,
-        step=int(step if step is not None else getattr(optimizer, "step_count", 0)),
+        step=int(step),
+        param_groups=[{**{k: jsonable(v) for k, v in g.items() if k not in ("params", "param_names")}, "params": list(names)}
+                      for g, names in zip(optimizer.param_groups, optimizer.group_names)],
+        tensor_steps=differing or None,
     )
     return meta, optim
 
@@ -107,59 +105,92 @@ def _cpu_view(t: torch.Tensor | None, numel: int, dtype: torch.dtype) -> np.ndar
     return t.detach().numpy()
 
 
-def live_buffers(model, optimizer, optim_keys: list[str]) -> tuple[dict[ArrayPath, np.ndarray], dict[int, dict[str, torch.Tensor]]]:
-    """Numpy views of the live CPU shards that a load can overwrite in place, by array path, and the
-    live optimizer-state dicts whose tensors those views are (chunks with a complete Adam-style state)."""
+def live_buffers(model, optimizer, optim_keys: list[str]) -> dict[ArrayPath, np.ndarray]:
+    """Numpy views of the live CPU shards (fp32 masters, optimizer state buffers) that a load can
+    overwrite in place, by array path."""
     layout: ChunkLayout = model.layout
     into: dict[ArrayPath, np.ndarray] = {}
-    live_state: dict[int, dict[str, torch.Tensor]] = {}
     for c in layout.chunks:
         n = layout.shard_numel(c.index)
-        if c.requires_grad:  # frozen chunks are saved in their own dtype: read, then cast
-            view = _cpu_view(model.master_shard(c.index), n, torch.float32)
-            if view is not None:
-                into[(PARAMS_KEY, chunk_key(c.index))] = view
-        if optimizer is None or not c.requires_grad or not optim_keys:
+        if not c.requires_grad:  # frozen chunks are saved in their own dtype: read, then cast
+            continue
+        view = _cpu_view(model.master_shard(c.index), n, torch.float32)
+        if view is not None:
+            into[(PARAMS_KEY, chunk_key(c.index))] = view
+        if optimizer is None:
             continue
         state = optimizer.shard_state(c.index)
-        views = {k: _cpu_view(state.get(k), n, torch.float32) for k in optim_keys}
-        step = state.get("step")
-        if all(v is not None for v in views.values()) and isinstance(step, torch.Tensor) and step.numel() == 1:
-            for k, v in views.items():
-                into[(OPTIM_KEY, k, chunk_key(c.index))] = v
-            live_state[c.index] = state
-    return into, live_state
+        for k in optim_keys:
+            view = _cpu_view(state.get(k), n, torch.float32)
+            if view is not None:
+                into[(OPTIM_KEY, k, chunk_key(c.index))] = view
+    return into
 
 
-def load_optimizer_state(model, optimizer, meta_optimizer: OptimizerMeta, optim: Mapping[str, Mapping[int, np.ndarray]],
-                         into: Mapping[ArrayPath, np.ndarray], live_state: Mapping[int, dict[str, torch.Tensor]]) -> None:
-    """Hand each trainable chunk's read state to the optimizer, with the saved step count (state read
-    in place into ``live_state`` only gets its step)."""
+def load_optimizer_state(model, optimizer, meta_optimizer: OptimizerMeta, optim: Mapping[str, Mapping[int, np.ndarray]]) -> None:
+    """Hand each trainable chunk's read state to the optimizer (state read in place into its live
+    buffers is not copied again), with the saved step and the per-tensor steps that differ from it."""
     keys = list(meta_optimizer.state_keys)
-    step_value = torch.tensor(float(meta_optimizer.step), dtype=torch.float32)
     for c in model.layout.chunks:
         if not c.requires_grad:
             continue
-        live = live_state.get(c.index)
-        if live is not None and keys and all(optim[k][c.index] is into.get((OPTIM_KEY, k, chunk_key(c.index))) for k in keys):
-            live["step"].copy_(step_value)  # the state tensors were overwritten in place
-            continue
         state: dict[str, Any] = {k: to_torch(optim[k][c.index]) for k in keys}
         if state:
-            state["step"] = step_value.clone()
+            state["step"] = torch.tensor(float(meta_optimizer.step), dtype=torch.float32)
         optimizer.load_shard_state(c.index, state)
+    if meta_optimizer.tensor_steps:
+        optimizer.load_tensor_steps(meta_optimizer.tensor_steps)
 
 
-def load_hyperparameters(optimizer, saved: Mapping[str, Any]) -> None:
-    """Overwrite the first param group's hyper-parameters with ``saved`` (not kernel flags, not ``params``)."""
-    group = optimizer.param_groups[0]
-    for key, value in saved.items():
-        if key in IMPLEMENTATION_FLAGS or key == "params" or key not in group:
-            continue
-        current = group[key]
-        if isinstance(current, torch.Tensor):
-            current.fill_(value)
-        elif isinstance(current, tuple):
-            group[key] = tuple(value)
+def check_param_groups(model, optimizer, saved: OptimizerMeta, *, source: str) -> None:
+    """Check, before anything is loaded, that the saved param groups are this optimizer's: as many,
+    each of the same tensors (by name or alias). Checkpoints without groups always pass.
+
+    Raises:
+        CheckpointError: the groups differ (names the group and a tensor; pass
+            ``load_hyperparameters=False`` to keep the optimizer's own).
+    """
+    if saved.param_groups is None:
+        return
+    layout = model.layout
+    fix = " (pass load_hyperparameters=False to keep this optimizer's hyper-parameters)"
+    if len(saved.param_groups) != len(optimizer.group_names):
+        raise CheckpointError(f"{source} holds {len(saved.param_groups)} param group(s), the optimizer has "
+                              f"{len(optimizer.group_names)}{fix}")
+    for i, (g, names) in enumerate(zip(saved.param_groups, optimizer.group_names)):
+        got = {layout.tensor(n).name if n in layout else n for n in g["params"]}
+        diff = sorted(got ^ set(names))
+        if diff:
+            where = "saved group" if diff[0] in got else "optimizer's group"
+            raise CheckpointError(f"{source}: param group {i} differs: {diff[0]!r} is only in the {where}{fix}")
+
+
+def load_hyperparameters(optimizer, saved: OptimizerMeta) -> None:
+    """Restore every param group's hyper-parameters (not kernel flags, not ``params``) and ``max_norm``.
+
+    A checkpoint without groups (one set of hyper-parameters) restores an optimizer of one group;
+    an optimizer of several groups keeps its own then (with a warning): the saved set cannot say
+    which group it was.
+    """
+    groups = saved.param_groups
+    if groups is None:
+        if len(optimizer.param_groups) == 1:
+            groups = [saved.hyperparameters]
         else:
-            group[key] = value
+            logger.warning("the checkpoint records one set of optimizer hyper-parameters, the optimizer has %d "
+                           "param groups: they keep their own", len(optimizer.param_groups))
+            groups = [{} for _ in optimizer.param_groups]
+    for group, values in zip(optimizer.param_groups, groups):
+        for key, value in values.items():
+            if key in IMPLEMENTATION_FLAGS or key in ("params", "param_names", "max_norm") or key not in group:
+                continue
+            current = group[key]
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            elif isinstance(current, tuple):
+                group[key] = tuple(value)
+            else:
+                group[key] = value
+    if "max_norm" in saved.hyperparameters:
+        value = saved.hyperparameters["max_norm"]
+        optimizer.max_norm = None if value is None else float(value)

@@ -10,7 +10,10 @@ One step is one standard Orbax checkpoint directory ``<root>/<step>/`` with two 
 
   Trainable chunks are stored as fp32 masters whatever the compute precision; frozen chunks in
   their own dtype and without optimizer state. Keep-gathered chunks are written once.
-* ``meta`` — a JSON document validated by :class:`CheckpointMeta` (never unpickled).
+* ``meta`` — a JSON document validated by :class:`CheckpointMeta` (never unpickled). Its
+  ``optimizer`` object (:class:`OptimizerMeta`) holds the optimizer class, the state keys, the step,
+  the first group's and the optimizer-wide hyper-parameters (``max_norm``), and — optional fields —
+  every param group's hyper-parameters with its tensors' names and the per-tensor steps that differ.
 
 A plain ``orbax.checkpoint`` user restores ``state`` as numpy, or with target shardings on any
 device count (padding differs between world sizes; restore with ``global_shape`` of the new size,
@@ -83,15 +86,60 @@ class OptimizerMeta:
 
     Attributes:
         class_name: fully qualified class, e.g. ``"torch.optim.AdamW"`` or ``"optax.adamw"``.
-        hyperparameters: JSON-able hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay`` …).
+        hyperparameters: JSON-able hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay`` …) of
+            the first param group, and the optimizer-wide ones (``max_norm``: global-norm clipping,
+            ``None`` for none) — what a reader that knows one group uses.
         state_keys: names of per-element state arrays stored under ``optim`` (e.g. ``exp_avg``).
         step: number of optimizer steps taken (Adam's bias-correction count).
+        param_groups: every param group as torch writes it, ``{hyper-parameters..., "params": [primary
+            tensor names, in the group's order]}``; ``None`` (absent) in checkpoints written with one
+            group of ``hyperparameters`` (before param groups, or by a writer without them).
+        tensor_steps: ``{tensor name: step}`` for the tensors whose step differs from ``step`` (0: the
+            tensor has no optimizer state yet — it never had a gradient, as torch keeps no state for a
+            parameter whose ``grad`` was always ``None``); ``None`` (absent) when none differs.
+
+    ``param_groups`` and ``tensor_steps`` are optional fields added without a version bump: readers
+    that predate them ignore them.
     """
 
     class_name: str
     hyperparameters: dict[str, Any] = field(default_factory=dict)
     state_keys: list[str] = field(default_factory=list)
     step: int = 0
+    param_groups: list[dict[str, Any]] | None = None
+    tensor_steps: dict[str, int] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = {"class_name": self.class_name, "hyperparameters": self.hyperparameters,
+               "state_keys": list(self.state_keys), "step": self.step}
+        if self.param_groups is not None:
+            doc["param_groups"] = self.param_groups
+        if self.tensor_steps is not None:
+            doc["tensor_steps"] = self.tensor_steps
+        return doc
+
+    @classmethod
+    def from_dict(cls, od: dict[str, Any], bad) -> OptimizerMeta:
+        """Parse the ``optimizer`` object; ``bad(field, why)`` builds the error to raise."""
+        for key, kinds in (("class_name", str), ("hyperparameters", dict), ("state_keys", list), ("step", int)):
+            if key not in od or not isinstance(od[key], kinds) or isinstance(od[key], bool):
+                raise bad(f"optimizer.{key}", f"missing or not {kinds.__name__}")
+        if not all(isinstance(k, str) for k in od["state_keys"]):
+            raise bad("optimizer.state_keys", "must be a list of strings")
+        groups = od.get("param_groups")
+        if groups is not None:
+            if not isinstance(groups, list) or not groups:
+                raise bad("optimizer.param_groups", "must be a non-empty list of objects")
+            for i, g in enumerate(groups):
+                if not isinstance(g, dict) or not isinstance(g.get("params"), list) \
+                        or not all(isinstance(n, str) for n in g["params"]):
+                    raise bad(f"optimizer.param_groups[{i}]", "must be an object with 'params': a list of tensor names")
+        steps = od.get("tensor_steps")
+        if steps is not None and (not isinstance(steps, dict) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in steps.values())):
+            raise bad("optimizer.tensor_steps", "must map tensor names to steps (ints >= 0)")
+        return cls(od["class_name"], od["hyperparameters"], list(od["state_keys"]), od["step"],
+                   None if groups is None else [dict(g) for g in groups], None if steps is None else dict(steps))
 
 
 @dataclass
@@ -139,14 +187,7 @@ class CheckpointMeta:
             "world_size": self.world_size,
             "mixed_precision": self.mixed_precision,
             "layout": self.layout.to_dict(),
-            "optimizer": None
-            if self.optimizer is None
-            else {
-                "class_name": self.optimizer.class_name,
-                "hyperparameters": self.optimizer.hyperparameters,
-                "state_keys": list(self.optimizer.state_keys),
-                "step": self.optimizer.step,
-            },
+            "optimizer": None if self.optimizer is None else self.optimizer.to_dict(),
             "loss_scaler": self.loss_scaler,
             "model_config": self.model_config,
             "data_position": self.data_position,
@@ -208,12 +249,7 @@ class CheckpointMeta:
         optimizer = None
         od = get("optimizer", dict, optional=True)
         if od is not None:
-            for key, kinds in (("class_name", str), ("hyperparameters", dict), ("state_keys", list), ("step", int)):
-                if key not in od or not isinstance(od[key], kinds) or isinstance(od[key], bool):
-                    raise bad(f"optimizer.{key}", f"missing or not {kinds.__name__}")
-            if not all(isinstance(k, str) for k in od["state_keys"]):
-                raise bad("optimizer.state_keys", "must be a list of strings")
-            optimizer = OptimizerMeta(od["class_name"], od["hyperparameters"], list(od["state_keys"]), od["step"])
+            optimizer = OptimizerMeta.from_dict(od, bad)
         rng = get("rng_states", list, optional=True)
         if rng is not None and not all(isinstance(r, dict) for r in rng):
             raise bad("rng_states", "must be a list of objects, one per rank")

@@ -156,3 +156,20 @@ def test_state_tree_and_shard_arrays():
         shard_arrays(meta, {**params, 0: np.zeros(1, np.float32)}, optim)
     as_f64 = shard_arrays(meta, {i: a.astype(np.float64) for i, a in params.items()}, optim)
     assert all(a.dtype == np.float32 for a in as_f64.values())  # cast to the saved dtype
+
+
+def test_optimizer_groups_and_tensor_steps_round_trip_and_are_validated():
+    groups = [{"lr": 0.1, "weight_decay": 0.1, "params": ["a", "c"]}, {"lr": 0.05, "weight_decay": 0.0, "params": ["b", "d"]}]
+    meta = _meta(2)
+    meta.optimizer = OptimizerMeta("torch.optim.AdamW", {"lr": 0.1, "max_norm": None}, ["exp_avg"], 3, groups, {"d": 0})
+    back = CheckpointMeta.from_json(meta.to_json())
+    assert back.optimizer == meta.optimizer
+    # written without groups (older writers, JAX): the fields are absent and read back as None
+    doc = _meta(2).to_dict()
+    assert "param_groups" not in doc["optimizer"] and CheckpointMeta.from_dict(doc).optimizer.param_groups is None
+    for field, value in (("param_groups", [{"lr": 0.1}]), ("param_groups", []), ("tensor_steps", {"d": -1}),
+                         ("tensor_steps", {"d": True})):
+        bad = meta.to_dict()
+        bad["optimizer"][field] = value
+        with pytest.raises(CheckpointFormatError, match=f"optimizer.{field}"):
+            CheckpointMeta.from_dict(bad, source="m.json")

@@ -185,6 +185,13 @@ def test_adamw_bridge_bad_input():
         adamw_hyperparameters(OptimizerMeta("torch.optim.SGD", {"lr": 0.1}, [], 0))
     with pytest.raises(ConfigError, match="amsgrad"):
         adamw_hyperparameters(OptimizerMeta("torch.optim.AdamW", {"lr": 0.1, "amsgrad": True}, [], 0))
+    same = [{"lr": 0.1, "params": ["a"]}, {"lr": 0.1, "initial_lr": 0.2, "params": ["b"]}]
+    assert adamw_hyperparameters(OptimizerMeta("torch.optim.AdamW", {"lr": 0.1}, [], 0, same))["learning_rate"] == 0.1
+    differ = [{"lr": 0.1, "weight_decay": 0.1, "params": ["a"]}, {"lr": 0.1, "weight_decay": 0.0, "params": ["b"]}]
+    with pytest.raises(ConfigError, match="param group 1 has weight_decay=0.0"):
+        adamw_hyperparameters(OptimizerMeta("torch.optim.AdamW", {"lr": 0.1}, [], 0, differ))
+    with pytest.raises(ConfigError, match="another step"):
+        adamw_hyperparameters(OptimizerMeta("torch.optim.AdamW", {"lr": 0.1}, [], 2, None, {"a": 0}))
     chunks = {"chunk_0000": jnp.zeros(4)}
     meta = OptimizerMeta("torch.optim.AdamW", {"lr": 0.1}, ["exp_avg", "exp_avg_sq"], 2)
     with pytest.raises(ConfigError, match="no gradient for trainable chunk chunk_0000"):

@@ -17,7 +17,8 @@ TINY = dict(block_size=16, vocab_size=256, n_layer=2, n_head=2, n_embd=32, dropo
 
 
 def build(chunk_size: int = 3000, mixed_precision: str = "fp32", seed: int = 0):
-    """The tiny GPT wrapped in ZeroDDP (frozen ``wpe``, keep-gathered ``ln_f.weight``) and a ZeroOptimizer."""
+    """The tiny GPT wrapped in ZeroDDP (frozen ``wpe``, keep-gathered ``ln_f.weight``) and a ZeroOptimizer
+    with two param groups (weight decay on matrices; none, and half the learning rate, on the rest)."""
     from torch_backend import ZeroDDP, ZeroOptimizer
     from torch_backend.gpt import GPT, GPTConfig
 
@@ -26,7 +27,10 @@ def build(chunk_size: int = 3000, mixed_precision: str = "fp32", seed: int = 0):
     module.transformer.wpe.weight.requires_grad_(False)
     model = ZeroDDP(module, chunk_size=chunk_size, mixed_precision=mixed_precision,
                     keep_gathered=["transformer.ln_f.weight"])
-    optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, max_norm=1.0)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0, "lr": 5e-3}]
+    optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=groups, lr=1e-2, max_norm=1.0)
     return model, optim
 
 
@@ -43,8 +47,13 @@ def train_step(model, optim, step: int, rank: int) -> float:
 
 
 def full_state(model, optim) -> dict[str, np.ndarray]:
-    """Every parameter (fp32 master, by every name) and optimizer state, full-shaped (collective)."""
+    """Every parameter (fp32 master, by every name), optimizer state (full-shaped) and every group's
+    hyper-parameters with ``max_norm`` (collective)."""
     out = {f"param/{k}": v.numpy().copy() for k, v in model.state_dict().items()}
+    for i, g in enumerate(optim.param_groups):
+        for k in ("lr", "weight_decay", "betas", "eps"):
+            out[f"hyper/{i}/{k}"] = np.asarray(g[k])
+    out["hyper/max_norm"] = np.asarray(np.nan if optim.max_norm is None else optim.max_norm)
     for name, st in optim.state_dict()["state"].items():
         for k, v in st.items():
             out[f"optim/{name}/{k}"] = v.numpy().copy() if torch.is_tensor(v) else np.asarray(v)

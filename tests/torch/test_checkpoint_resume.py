@@ -1,5 +1,6 @@
 """Resume from Orbax checkpoints: bitwise at the same world size, resharded at another world size or
-chunk size (2→3, 3→1, 1→2, 2→1), with RNG states, data position and optimizer state.
+chunk size (2→3, 3→1, 1→2, 2→1), with RNG states, data position, optimizer state and every param
+group's hyper-parameters (changed mid-run, so only a restore gives the saved ones back).
 
 One test runs the phases in order, each in fresh processes (real gloo groups):
 
@@ -47,7 +48,10 @@ def _draws() -> list:
 def _phase_a(rank, world, root):
     model, optim = build()
     _seed_rank(rank)
-    losses = [train_step(model, optim, s, rank) for s in (1, 2, 3)]
+    losses = [train_step(model, optim, s, rank) for s in (1, 2)]
+    optim.param_groups[1]["lr"] = 2e-3  # what a scheduler would do: every resume must restore it
+    optim.max_norm = 0.7
+    losses.append(train_step(model, optim, 3, rank))
     save_checkpoint(root, model, optim, step=3, async_save=True, data_position={"next_step": 4}, extra={"phase": "A"})
     draws = _draws()
     losses += [train_step(model, optim, s, rank) for s in (4, 5)]
@@ -123,6 +127,10 @@ def test_resume_bitwise_and_reshard(tmp_path, caplog):
     assert meta.world_size == 2 and meta.data_position == {"next_step": 4} and len(meta.rng_states) == 2
     assert meta.optimizer.class_name == "torch.optim.AdamW" and meta.optimizer.step == 3
     assert meta.optimizer.state_keys == ["exp_avg", "exp_avg_sq"]
+    groups = meta.optimizer.param_groups
+    assert [g["lr"] for g in groups] == [1e-2, 2e-3] and [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert "transformer.h.0.attn.c_attn.weight" in groups[0]["params"] and "transformer.ln_f.weight" in groups[1]["params"]
+    assert meta.optimizer.hyperparameters["max_norm"] == 0.7 and meta.optimizer.tensor_steps is None
 
     # W1: 2 -> 1 in this process
     model, optim = build(seed=3)

@@ -25,6 +25,6 @@ def test_features(world):
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_mixed_precision(world):
-    """bf16 within 2e-2 of an fp32-master reference; fp16 overflow skipped with hysteresis backoff."""
+    """bf16 updates within 5% of a bf16-compute reference; fp16 overflow skipped with hysteresis backoff."""
     results = run_distributed(zero_cases.worker_mixed_precision, world, timeout=400)
     assert results[0]["fp16_scales_h1"] == [2.0**10, 2.0**9, 2.0**8]

@@ -5,8 +5,8 @@ asserts inside the rank; a failure is re-raised in pytest with the rank's traceb
 are single-process runs of an identical copy of the module on the full batch (every rank's
 micro-batch concatenated).
 
-Tolerances: fp32 rtol 1e-5 / atol 1e-6 (only the summation order differs); bf16 rtol 2e-2 against a
-bf16-compute, fp32-master single-process reference.
+Tolerances: fp32 rtol 1e-5 / atol 1e-6 (only the summation order differs); bf16: the update within 5%
+(relative L2) of a bf16-compute, fp32-master single-process reference (``optim_cases``).
 """
 
 from __future__ import annotations
@@ -359,34 +359,14 @@ def worker_features(rank: int, world: int):
     return str(report)
 
 
-def _bf16_master_reference(module, loss_fn, data):
-    """bf16 compute, fp32 master weights, AdamW on the masters (single process, full batch)."""
-    masters = [p.detach().clone().float().requires_grad_(True) for p in module.parameters()]
-    module.to(torch.bfloat16)
-    opt = torch.optim.AdamW(masters, **ADAMW)
-    losses = []
-    for batch in data:
-        loss = loss_fn(module, batch)
-        loss.backward()
-        for m, p in zip(masters, module.parameters()):
-            m.grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(masters, module.parameters()):
-                p.copy_(m)
-        losses.append(loss.item())
-    names = [n for n, _ in module.named_parameters()]
-    return losses, dict(zip(names, masters))
-
-
 def worker_mixed_precision(rank: int, world: int):
-    """bf16 within 2e-2 of an fp32-master reference; fp16 overflow skips the step and backs off."""
+    """bf16 updates within 5% of a bf16-compute, fp32-master reference; fp16 overflow skips the step and backs off."""
     from torch_backend import ZeroDDP, ZeroOptimizer
 
+    from optim_cases import UPDATE_RTOL, low_precision_reference, update_error
+
     build, loss_fn, kg, cs = CASES["gpt2"]
-    # --- bf16
+    # --- bf16: the 3-step update within 5% (relative L2) of the bf16-compute, fp32-master reference
     module = build()
     ref = copy.deepcopy(module)
     initial = {n: p.detach().clone() for n, p in module.named_parameters()}
@@ -395,23 +375,12 @@ def worker_mixed_precision(rank: int, world: int):
     assert model.low_precision_shard(0).dtype == torch.bfloat16 and model.master_shard(0).dtype == torch.float32
     optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
     losses = zero_run(model, optim, loss_fn, data, rank, world)
-    ref_losses, ref_masters = _bf16_master_reference(ref, loss_fn, data)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
-    # Parameters, over the whole model: relative L2 error <= 2e-2, and the 3-step update points the
-    # same way (cosine >= 0.95). Not per element: Adam moves an element whose bf16 gradient is
-    # rounding noise by ~lr in either direction, which no elementwise tolerance survives.
-    sd = model.state_dict()
-    names = list(ref_masters)
-    got = torch.cat([sd[n].reshape(-1) for n in names])
-    want = torch.cat([ref_masters[n].detach().reshape(-1) for n in names])
-    start = torch.cat([initial[n].reshape(-1) for n in names])
-    rel = ((got - want).norm() / want.norm()).item()
-    cos = F.cosine_similarity(got - start, want - start, dim=0).item()
-    assert rel <= 2e-2, f"relative L2 error of the parameters {rel:.3g} > 2e-2"
-    assert cos >= 0.95, f"cosine of the parameter updates {cos:.4f} < 0.95"
+    ref_masters = low_precision_reference(ref, loss_fn, data, torch.bfloat16, lambda ps: torch.optim.AdamW(ps, **ADAMW))
+    rel = update_error(model, initial, ref_masters)
+    assert rel <= UPDATE_RTOL, f"relative L2 error of the bf16 update {rel:.3g} > {UPDATE_RTOL}"
 
     # --- fp16: forced overflow (hysteresis 1 halves at once; hysteresis 2 needs two overflows)
-    results = {"bf16_losses": losses, "bf16_ref_losses": ref_losses, "bf16_rel_l2": rel, "bf16_update_cosine": cos}
+    results = {"bf16_losses": losses, "bf16_update_rel_l2": rel}
     for hysteresis in (1, 2):
         model = ZeroDDP(build(), chunk_size=cs, keep_gathered=kg, mixed_precision="fp16")
         optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, initial_scale=2.0**10, hysteresis=hysteresis)

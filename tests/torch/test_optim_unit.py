@@ -1,0 +1,213 @@
+"""In-process checks of ZeroOptimizer as a torch optimizer (no process group, fast): bad param groups,
+refused no-ops, add_param_group, hooks, a checkpoint round trip with a tensor that never had a gradient."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from optim_cases import nanogpt_groups
+
+import zero_cases
+from chunkzero.errors import CheckpointError, ConfigError
+from torch_backend import ZeroDDP, ZeroOptimizer
+from torch_backend.checkpoint import load_checkpoint, read_meta, save_checkpoint
+
+ADAMW = dict(lr=1e-2, eps=1e-6)
+
+
+def _gpt2():
+    module = zero_cases.tiny_gpt2()
+    return module, ZeroDDP(module, chunk_size=1500)
+
+
+def test_is_a_torch_optimizer_sharing_groups_and_state():
+    module, model = _gpt2()
+    optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=nanogpt_groups(module, 1e-3), lr=1e-3)
+    assert isinstance(optim, torch.optim.Optimizer)
+    assert optim.param_groups is optim.optimizer.param_groups and optim.state is optim.optimizer.state
+    assert optim.defaults["lr"] == 1e-3 and [g["lr"] for g in optim.param_groups] == [1e-3, 5e-4]
+    # every trainable tensor in exactly one group, the tied weight once
+    names = [n for g in optim.group_names for n in g]
+    assert sorted(names) == sorted({model.layout.tensor(n).name for n, _ in module.named_parameters()})
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("groups, match", [
+    (lambda m: [{"params": [m.transformer.wte.weight]}, {"params": ["lm_head.weight"]}], "listed in param groups 0 and 1"),
+    (lambda m: [{"params": ["transformer.h.0.attn.c_attn.weigth"]}], "did you mean 'transformer.h.0.attn.c_attn.weight'"),
+    (lambda m: [{"params": [torch.nn.Parameter(torch.zeros(3))]}], "not a parameter of the ZeroDDP-wrapped module"),
+    (lambda m: [{"params": {m.transformer.wpe.weight}}], "is a set"),
+    (lambda m: [{"params": [m.transformer.wpe.weight], "weight_decy": 0.0}], "'weight_decy' is not a hyper-parameter"),
+    (lambda m: [{"weight_decay": 0.0}], "with a 'params' entry"),
+    (lambda m: {"params": []}, "list of dicts"),
+])
+def test_bad_param_groups_name_the_fault(groups, match):
+    module, model = _gpt2()
+    with pytest.raises(ConfigError, match=match):
+        ZeroOptimizer(model, torch.optim.AdamW, param_groups=groups(module), lr=1e-3)
+
+
+def test_frozen_and_refused_optimizers():
+    model = ZeroDDP(zero_cases.Odd(), chunk_size=100)
+    with pytest.raises(ConfigError, match="'frozen.weight' is frozen"):
+        ZeroOptimizer(model, torch.optim.AdamW, param_groups=[{"params": ["frozen.weight"]}])
+    with pytest.raises(ConfigError, match="not elementwise"):
+        ZeroOptimizer(model, torch.optim.Adafactor)
+    with pytest.raises(ConfigError, match="unexpected keyword"):
+        ZeroOptimizer(model, torch.optim.AdamW, lrr=1e-3)
+
+    # a factory that builds its own groups (here: over the module's parameters) is refused
+    def own_groups(groups, **kw):
+        return torch.optim.AdamW([p for p in model.module.parameters() if p.requires_grad], **kw)
+
+    with pytest.raises(ConfigError, match="built param groups of its own"):
+        ZeroOptimizer(model, own_groups, lr=1e-3)
+    # a factory that uses the groups it is given is fine
+    optim = ZeroOptimizer(model, lambda groups, **kw: torch.optim.SGD(groups, momentum=0.9, **kw), lr=0.1)
+    with pytest.raises(ConfigError, match="closure"):
+        optim.step(lambda: 0.0)
+    for call in (lambda: optim.optimizer.add_param_group({"params": []}), optim.optimizer.state_dict,
+                 lambda: optim.optimizer.load_state_dict({})):
+        with pytest.raises(ConfigError, match="call ZeroOptimizer"):
+            call()
+
+
+def test_add_param_group_moves_default_parameters_and_equals_torch():
+    module = zero_cases.Odd()
+    ref = copy.deepcopy(module)
+    model = ZeroDDP(module, chunk_size=100, keep_gathered=["ln.weight", "ln.bias"])
+    optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=[{"params": ["w"], "lr": 3e-2}], weight_decay=0.1, **ADAMW)
+    with pytest.raises(ConfigError, match="already belongs to param group 0"):
+        optim.add_param_group({"params": [module.w]})
+    # ZeroDDP's own named_parameters() names ("module." prefix) are accepted
+    optim.add_param_group({"params": ["module.ln.weight", "module.ln.bias", module.a.bias], "weight_decay": 0.0})
+    assert [len(n) for n in optim.group_names] == [1, len(optim.group_names[1]), 3]
+    rest = [p for n, p in ref.named_parameters() if p.requires_grad and n not in ("w", "ln.weight", "ln.bias", "a.bias")]
+    ropt = torch.optim.AdamW([{"params": [ref.w], "lr": 3e-2}, {"params": rest},
+                              {"params": [ref.ln.weight, ref.ln.bias, ref.a.bias], "weight_decay": 0.0}],
+                             weight_decay=0.1, **ADAMW)
+    for batch in zero_cases.batches("odd", 2, 4):
+        optim.backward(zero_cases.odd_loss(model, batch))
+        optim.step()
+        optim.zero_grad()
+        zero_cases.odd_loss(ref, batch).backward()
+        ropt.step()
+        ropt.zero_grad()
+    zero_cases.assert_state_close(model.state_dict(), ref.state_dict(), rtol=1e-6, atol=1e-7)
+
+
+def test_step_and_state_dict_hooks_run():
+    model = ZeroDDP(zero_cases.Odd(), chunk_size=100)
+    optim = ZeroOptimizer(model, torch.optim.Adam, **ADAMW)
+    calls = []
+    optim.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    optim.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    optim.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    optim.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load-pre"))
+    optim.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    optim.backward(zero_cases.odd_loss(model, zero_cases.batches("odd", 1, 2)[0]))
+    optim.step()
+    sd = optim.state_dict()
+    optim.load_state_dict(sd)
+    assert calls == ["pre", "post", "load-pre", "load-post"] and sd["extra"] == 1
+
+
+def test_checkpoint_keeps_a_never_stepped_tensor_without_state(tmp_path):
+    """find_unused_parameters: ``unused`` never gets a gradient; after save/load its state stays absent
+    and training continues exactly as without the round trip."""
+    def build():
+        model = ZeroDDP(zero_cases.Odd(with_unused=True), chunk_size=100, find_unused_parameters=True)
+        return model, ZeroOptimizer(model, torch.optim.AdamW, max_norm=0.5, param_groups=[{"params": ["unused"], "lr": 0.3}],
+                                    weight_decay=0.1, **ADAMW)
+
+    data = zero_cases.batches("odd", 3, 2)
+    model, optim = build()
+    for batch in data[:2]:
+        optim.backward(zero_cases.odd_loss(model, batch))
+        optim.step()
+        optim.zero_grad()
+    optim.param_groups[1]["lr"] = 4e-3  # as a scheduler would
+    save_checkpoint(tmp_path, model, optim, step=2)
+    meta = read_meta(tmp_path, 2).optimizer
+    assert meta.tensor_steps == {"unused": 0} and meta.hyperparameters["max_norm"] == 0.5
+    assert [g["lr"] for g in meta.param_groups] == [0.3, 4e-3] and meta.param_groups[0]["params"] == ["unused"]
+    from chunkzero.inspection import format_inspection, inspect_checkpoint
+
+    text = format_inspection(inspect_checkpoint(tmp_path))
+    assert "param group 0: 1 tensor(s), lr=0.3" in text and "param group 1:" in text and "unused=0" in text, text
+    other, other_optim = build()
+    other_optim.max_norm = None
+    load_checkpoint(tmp_path, other, other_optim)
+    assert other_optim.max_norm == 0.5 and [g["lr"] for g in other_optim.param_groups] == [0.3, 4e-3]
+    assert other_optim.tensor_steps() == optim.tensor_steps() and "unused" not in other_optim.state_dict()["state"]
+    for m, o in ((model, optim), (other, other_optim)):
+        o.backward(zero_cases.odd_loss(m, data[2]))
+        o.step()
+    zero_cases.assert_state_close(other.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+    # groups of other tensors are refused before anything is loaded (or kept with load_hyperparameters=False)
+    model3 = ZeroDDP(zero_cases.Odd(with_unused=True), chunk_size=100, find_unused_parameters=True)
+    optim3 = ZeroOptimizer(model3, torch.optim.AdamW, param_groups=[{"params": ["w"]}], **ADAMW)
+    before = model3.state_dict()
+    with pytest.raises(CheckpointError, match="param group 0 differs"):
+        load_checkpoint(tmp_path, model3, optim3)
+    zero_cases.assert_state_close(model3.state_dict(), before, rtol=0, atol=0)
+    load_checkpoint(tmp_path, model3, optim3, load_hyperparameters=False)
+    assert optim3.param_groups[0]["lr"] == ADAMW["lr"]
+
+
+def test_old_checkpoint_without_groups_keeps_several_groups_own(tmp_path, caplog):
+    model = ZeroDDP(zero_cases.Odd(), chunk_size=100)
+    optim = ZeroOptimizer(model, torch.optim.Adam, lr=0.5)
+    optim.backward(zero_cases.odd_loss(model, zero_cases.batches("odd", 1, 2)[0]))
+    optim.step()
+    meta_path = save_checkpoint(tmp_path, model, optim, step=1)
+    from torch_backend import optim_shards
+
+    saved = read_meta(meta_path).optimizer
+    saved.param_groups = None  # as written before param groups
+    one = ZeroOptimizer(ZeroDDP(zero_cases.Odd(), chunk_size=100), torch.optim.Adam, lr=0.1)
+    optim_shards.load_hyperparameters(one, saved)
+    assert one.param_groups[0]["lr"] == 0.5
+    two = ZeroOptimizer(ZeroDDP(zero_cases.Odd(), chunk_size=100), torch.optim.Adam, lr=0.1, param_groups=[{"params": ["w"]}])
+    with caplog.at_level(logging.WARNING, logger="chunkzero.checkpoint"):
+        optim_shards.load_hyperparameters(two, saved)
+    assert [g["lr"] for g in two.param_groups] == [0.1, 0.1] and "keep their own" in caplog.text
+
+
+@pytest.mark.parametrize("engine", ["zero", "ddp"])
+def test_train_engine_decays_matrices_only(engine):
+    """``chunkzero train``'s optimizer: nanoGPT's two groups, weight decay on tensors of >= 2 dimensions."""
+    from chunkzero.train_config import TrainConfig
+    from torch_backend.engine import Engine
+    from torch_backend.gpt import GPT, gpt_config
+
+    cfg = TrainConfig(engine=engine, weight_decay=0.1)
+    e = Engine(GPT(gpt_config("gpt-tiny")), cfg, torch.device("cpu"))
+    groups = e.param_groups()
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    dims = [{p.dim() >= 2 for p in g["params"]} for g in groups] if engine == "ddp" else [
+        {len(e.model.layout.tensor(n).shape) >= 2 for n in names} for names in e.optim.group_names]
+    assert dims == [{True}, {False}]
+    e.set_lr(1e-4)
+    assert [g["lr"] for g in groups] == [1e-4, 1e-4]
+
+
+def test_pieces_follow_a_replaced_master():
+    """If a chunk's master tensor is replaced (same values), the pieces step the new one: the run equals
+    one without the replacement (bf16, so the low-precision shard is refreshed from the master)."""
+    runs = []
+    for replace in (False, True):
+        model = ZeroDDP(zero_cases.Odd(), chunk_size=100, mixed_precision="bf16")
+        optim = ZeroOptimizer(model, torch.optim.Adam, **ADAMW)
+        for i, batch in enumerate(zero_cases.batches("odd", 2, 2)):
+            if replace and i == 1:
+                for c in model.chunks:
+                    if c.requires_grad:
+                        c.master = torch.nn.Parameter(c.master.detach().clone())
+            optim.backward(zero_cases.odd_loss(model, batch))
+            optim.step()
+            optim.zero_grad()
+        runs.append(model.state_dict())
+    zero_cases.assert_state_close(runs[1], runs[0], rtol=0, atol=0)

@@ -1,0 +1,213 @@
+"""The parameters a :class:`~torch_backend.ZeroOptimizer`'s inner torch optimizer steps, and their state.
+
+**Pieces.** This rank owns, of each tensor of a trainable chunk, the flattened elements
+``[start, stop)`` that fall in its shard (``ChunkLayout.shard_pieces``; a keep-gathered chunk's
+tensors whole, on every rank). Each such piece is one inner-optimizer parameter: a 1-D fp32
+``nn.Parameter`` that is a view into the chunk's master shard (so the update lands in the master),
+whose ``.grad`` is set, for the step only, to the same view of the reduced gradient shard. A piece
+sits in its tensor's param group, so chunks may mix groups, and a tensor without a gradient in a
+step is skipped exactly as torch skips ``grad is None``. Only elementwise optimizers are correct on
+pieces (the split of a tensor between ranks must not matter).
+
+**State.** Per-element optimizer state (``exp_avg``, ``momentum_buffer`` …) lives in one flat buffer
+per (chunk, state key) of ``shard_numel`` elements aligned with the master shard; each piece's state
+entry is a view into it. The inner optimizer creates its state lazily, per piece; after each step
+:meth:`PieceStates.adopt` moves any state tensor that is not yet such a view into the buffer (once,
+at the first step, for optimizers that update in place). Checkpoints read and write the buffers
+directly. ``step`` counts are kept per tensor (:attr:`PieceStates.steps`, identical on every rank):
+0 means "no state yet", as for a torch parameter that never had a gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from chunkzero.errors import ShapeMismatchError
+
+__all__ = ["Piece", "PieceStates", "build_pieces"]
+
+
+class Piece:
+    """One inner-optimizer parameter: elements ``[start, stop)`` of tensor ``name`` at ``offset`` in
+    chunk ``chunk``'s master shard on this rank."""
+
+    __slots__ = ("chunk", "name", "offset", "param", "start", "stop", "tensor_index", "views")
+
+    def __init__(self, name: str, tensor_index: int, chunk, start: int, stop: int, offset: int):
+        self.name, self.tensor_index, self.chunk = name, tensor_index, chunk
+        self.start, self.stop, self.offset = start, stop, offset
+        self.param = nn.Parameter(self.master_view())
+        self.views: dict[str, torch.Tensor] = {}
+        """The state entries that are views into the chunk's flat buffers (by key)."""
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def master_view(self) -> torch.Tensor:
+        return self.chunk.master.detach()[self.offset : self.offset + self.numel]
+
+    def grad_view(self) -> torch.Tensor:
+        """The piece of the chunk's reduced gradient shard (zeros when the chunk received none)."""
+        g = self.chunk.master.grad
+        return torch.zeros_like(self.param) if g is None else g[self.offset : self.offset + self.numel]
+
+    def follow_master(self) -> None:
+        """Point the parameter at the chunk's current master storage (after the master was replaced)."""
+        self.param.data = self.master_view()
+
+
+def build_pieces(model) -> dict[int, list[Piece]]:
+    """This rank's pieces of every trainable chunk, by chunk index, in shard order."""
+    index = {t.name: i for i, t in enumerate(model.layout.tensors)}
+    out: dict[int, list[Piece]] = {}
+    for c in model.chunks:
+        if not c.requires_grad:
+            continue
+        out[c.index] = [Piece(t.name, index[t.name], c, a, b, off)
+                        for t, a, b, off in model.layout.shard_pieces(c.index, model.rank)]
+    return out
+
+
+def _step_tensor(value: int, group: dict, param: torch.Tensor) -> torch.Tensor:
+    """A piece's ``step`` as torch keeps it: float32 0-d on the CPU, on the parameter's device when
+    the group is ``fused`` or ``capturable``."""
+    device = param.device if group.get("fused") or group.get("capturable") else "cpu"
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+class PieceStates:
+    """The flat per-chunk state buffers behind the pieces' optimizer state (see the module docstring).
+
+    Args:
+        model: the ZeroDDP model.
+        state: the inner optimizer's ``state`` (keyed by piece parameter).
+        groups: the inner optimizer's ``param_groups`` (where a piece's ``step`` lives depends on them).
+        pieces: :func:`build_pieces`'s result.
+    """
+
+    def __init__(self, model, state, groups: list[dict], pieces: dict[int, list[Piece]]):
+        self.state = state
+        self.groups = groups
+        self.pieces = pieces
+        self.chunks = {ci: model.chunks[ci] for ci in pieces}
+        index = {t.name: i for i, t in enumerate(model.layout.tensors)}
+        self.chunk_tensors = {ci: [index[t.name] for t in model.layout.chunk_tensors(ci)] for ci in pieces}
+        """chunk index -> layout indices of all its tensors (on every rank, owned here or not)."""
+        self.flat: dict[int, dict[str, torch.Tensor]] = {}
+        """chunk index -> state key -> 1-D buffer of ``shard_numel`` elements."""
+        self.keys: list[str] = []
+        """Per-element state keys, in the order first seen."""
+        self.steps = torch.zeros(len(model.layout.tensors), dtype=torch.int64)
+        """Per layout tensor: the updates applied to it (torch's per-parameter ``step``); 0 = no state."""
+        self.uses_step = False
+        """Whether the inner optimizer keeps a ``step`` entry (Adam-style) per parameter."""
+        self.scalars: dict[int, dict[str, torch.Tensor]] = {}
+        """chunk index -> 0-d state entries other than ``step``, as loaded by :meth:`load_shard_state`."""
+
+    # ------------------------------------------------------------------ after a step
+    def adopt(self) -> None:
+        """Move every per-element state tensor that is not a view of a flat buffer into one."""
+        for ci, pieces in self.pieces.items():
+            for p in pieces:
+                st = self.state.get(p.param)
+                if not st:
+                    continue
+                for key, value in st.items():
+                    if key == "step":
+                        self.uses_step = True
+                    elif isinstance(value, torch.Tensor) and value.shape == p.param.shape and value is not p.views.get(key):
+                        view = self._buffer(ci, key, value.dtype)[p.offset : p.offset + p.numel]
+                        view.copy_(value)
+                        st[key] = p.views[key] = view
+        for ci in self.pieces:  # every trainable chunk holds every key (a checkpoint saves each chunk's)
+            for key in self.keys:
+                self._buffer(ci, key, torch.float32)
+
+    def _buffer(self, ci: int, key: str, dtype: torch.dtype) -> torch.Tensor:
+        flat = self.flat.setdefault(ci, {})
+        buf = flat.get(key)
+        if buf is None:
+            chunk = self.chunks[ci]
+            buf = flat[key] = torch.zeros(chunk.shard_numel, dtype=dtype, device=chunk.master.device)
+            if key not in self.keys:
+                self.keys.append(key)
+        return buf
+
+    # ------------------------------------------------------------------ shard-level I/O
+    def shard_state(self, ci: int) -> dict[str, torch.Tensor]:
+        """The live flat buffers of chunk ``ci``, its other 0-d entries, and its ``step`` (the largest
+        of its tensors'); empty while it has no state."""
+        out: dict[str, torch.Tensor] = dict(self.flat.get(ci, {}))
+        if not out:
+            return out
+        out.update(self.scalars.get(ci, {}))
+        if self.uses_step:
+            out["step"] = torch.tensor(float(self.steps[self.chunk_tensors[ci]].max()), dtype=torch.float32)
+        return out
+
+    def load_shard_state(self, ci: int, state: dict[str, Any], step_if_missing: int) -> None:
+        """Set chunk ``ci``'s state: 1-D entries (``shard_numel``) into its flat buffers (in place where
+        they exist; an entry that *is* the buffer is kept), ``step`` for every tensor of the chunk
+        (``step_if_missing`` when absent), other 0-d entries as they are. An empty ``state`` clears it.
+
+        Raises:
+            ShapeMismatchError: a 1-D entry is not ``shard_numel`` long.
+        """
+        chunk = self.chunks[ci]
+        scalars: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            value = torch.as_tensor(value)
+            if key == "step":
+                continue
+            if value.dim() >= 1:
+                if tuple(value.shape) != (chunk.shard_numel,):
+                    raise ShapeMismatchError(f"chunk {ci} optimizer state {key!r}", (chunk.shard_numel,), tuple(value.shape))
+                buf = self._buffer(ci, key, torch.float32)
+                if buf.data_ptr() != value.data_ptr():
+                    buf.copy_(value)
+            else:
+                scalars[key] = value.to(torch.float32, copy=True) if value.is_floating_point() else value.clone()
+        self.scalars[ci] = scalars
+        if not state:
+            self.flat.pop(ci, None)
+            step = 0
+        elif "step" in state:
+            self.uses_step = True
+            step = int(torch.as_tensor(state["step"]).item())
+        else:
+            step = step_if_missing
+        self.steps[self.chunk_tensors[ci]] = step
+        self.attach(ci)
+
+    def attach(self, ci: int) -> None:
+        """Rebuild the inner optimizer's state of chunk ``ci``'s pieces from the flat buffers and
+        :attr:`steps` (a tensor with step 0 gets no state)."""
+        group_of = {id(p): g for g in self.groups for p in g["params"]}
+        flat = self.flat.get(ci, {})
+        for p in self.pieces.get(ci, []):
+            step = int(self.steps[p.tensor_index])
+            if step == 0 or not flat:
+                self.state.pop(p.param, None)
+                p.views = {}
+                continue
+            p.views = {k: buf[p.offset : p.offset + p.numel] for k, buf in flat.items()}
+            st: dict[str, Any] = dict(p.views)
+            for k, v in self.scalars.get(ci, {}).items():
+                st[k] = v.clone()
+            if self.uses_step:
+                st["step"] = _step_tensor(step, group_of.get(id(p.param), {}), p.param)
+            self.state[p.param] = st
+
+    def state_bytes(self) -> list[tuple[torch.device, int]]:
+        """``(device, bytes)`` of each flat buffer and of every other state tensor (0-d entries)."""
+        out = [(b.device, b.numel() * b.element_size()) for flat in self.flat.values() for b in flat.values()]
+        for pieces in self.pieces.values():
+            for p in pieces:
+                for k, v in self.state.get(p.param, {}).items():
+                    if isinstance(v, torch.Tensor) and p.views.get(k) is not v:
+                        out.append((v.device, v.numel() * v.element_size()))
+        return out
