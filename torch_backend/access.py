@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from chunkzero.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .ddp import ZeroDDP
+    from .runtime import ChunkRuntime
 
 __all__ = ["ParamAccessMode", "SavedParam", "SavedView", "ShardedGradPlaceholder", "storage_key"]
 
@@ -53,18 +53,18 @@ def storage_key(t) -> int | None:
 class ParamAccessMode(TorchFunctionMode):
     """Gathers a parameter's chunk around every torch call that takes the parameter."""
 
-    def __init__(self, ddp: ZeroDDP):
+    def __init__(self, runtime: ChunkRuntime):
         super().__init__()
-        self.ddp = ddp
+        self.runtime = runtime
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        ddp = self.ddp
-        if ddp._in_engine:  # the engine's own tensor work inside a hook: nothing to gather
+        runtime = self.runtime
+        if runtime.in_engine:  # the engine's own tensor work inside a hook: nothing to gather
             return func(*args, **kwargs)
-        lookup = ddp._entries_by_id
-        by_storage = ddp._chunk_by_storage
+        lookup = runtime.entries_by_id
+        by_storage = runtime.chunk_by_storage
         found = None
         views = None
         for a in (*args, *kwargs.values()):
@@ -81,26 +81,26 @@ class ParamAccessMode(TorchFunctionMode):
         if _func_name(func) in _METADATA_ONLY:
             return func(*args, **kwargs)
         for c in views or ():
-            ddp._use_chunk(c)  # a view of a released chunk (e.g. ``w.t()`` taken earlier in this forward)
+            runtime.use_chunk(c)  # a view of a released chunk (e.g. ``w.t()`` taken earlier in this forward)
         if found is None:
             return func(*args, **kwargs)
-        return ddp._run_op(found, func, args, kwargs)
+        return runtime.run_op(found, func, args, kwargs)
 
 
 class SavedParam:
     """A managed parameter saved for backward: one reference on its chunk while autograd holds it."""
 
-    __slots__ = ("ddp", "entry")
+    __slots__ = ("entry", "runtime")
 
-    def __init__(self, ddp: ZeroDDP, entry):
-        self.ddp, self.entry = ddp, entry
+    def __init__(self, runtime: ChunkRuntime, entry):
+        self.runtime, self.entry = runtime, entry
         entry.saved_refs += 1
         entry.chunk.saved_refs += 1
 
     def __del__(self):
         try:
             self.entry.saved_refs -= 1
-            self.ddp._saved_released(self.entry.chunk, self.entry)
+            self.runtime.saved_released(self.entry.chunk, self.entry)
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
             pass
 
@@ -109,15 +109,15 @@ class SavedView:
     """A saved tensor that is a view of a sharded chunk's buffer (e.g. ``weight.t()`` inside
     ``F.linear``): unpacking it gathers the chunk first."""
 
-    __slots__ = ("chunk", "ddp", "tensor")
+    __slots__ = ("chunk", "runtime", "tensor")
 
-    def __init__(self, ddp: ZeroDDP, chunk, tensor):
-        self.ddp, self.chunk, self.tensor = ddp, chunk, tensor
+    def __init__(self, runtime: ChunkRuntime, chunk, tensor):
+        self.runtime, self.chunk, self.tensor = runtime, chunk, tensor
         chunk.saved_refs += 1
 
     def __del__(self):
         try:
-            self.ddp._saved_released(self.chunk, None)
+            self.runtime.saved_released(self.chunk, None)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

@@ -40,8 +40,10 @@ Errors found at the end of a backward (a parameter that received no gradient on 
 by ``ZeroOptimizer.backward`` right after it, or else by the next ``forward`` or ``step`` — never from
 inside the autograd engine, where an exception can abort the process (the CUDA engine threads).
 
-The tensor-state bookkeeping uses the core :class:`chunkzero.ChunkStates` (FREE, COMPUTE, HOLD,
-HOLD_AFTER_BWD, READY_FOR_REDUCE).
+The hooks and per-step state live in :class:`torch_backend.runtime.ChunkRuntime`; this module builds
+the chunks (materializing a meta-device module on the way, :mod:`torch_backend.materialize`) and is
+the public face. The tensor-state bookkeeping uses the core :class:`chunkzero.ChunkStates` (FREE,
+COMPUTE, HOLD, HOLD_AFTER_BWD, READY_FOR_REDUCE).
 
 Limitations: the module's parameters hold data only inside ``forward`` and backward (outside, reading
 them raises "data is not allocated" — use :meth:`ZeroDDP.state_dict`); buffers are replicated as-is.
@@ -50,24 +52,23 @@ them raises "data is not allocated" — use :meth:`ZeroDDP.state_dict`); buffers
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from chunkzero import ChunkLayout, ChunkPlacement, Location, TensorSpec, TensorState, static_placement
-from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
+from chunkzero.errors import ConfigError, ShapeMismatchError
 
 from . import collectives
-from .access import ParamAccessMode, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
 from .chunks import TORCH_DTYPES, Chunk
 from .materialize import MetaMaterializer
 from .memory import MEMORY_KINDS, MemoryReport
-from .schedule import BACKWARD, FORWARD, OUTSIDE, Scheduler
+from .runtime import ChunkRuntime, Entry, under_torch_compile
+from .schedule import Scheduler
 from .state_dict import full_state_dict, load_full_state_dict
 
 S = TensorState
@@ -86,62 +87,9 @@ def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, i
     return int(result.chunk_size), int(getattr(result, "keep_gathered_below_numel", 0) or 0)
 
 
-def _engine_code(fn):
-    """Marks the engine's own hook code: torch calls inside it bypass the access mode (no gather of
-    the buffers it manipulates)."""
-
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        if self._in_engine:
-            return fn(self, *args, **kwargs)
-        self._in_engine = True
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            self._in_engine = False
-
-    return wrapper
-
-
-class _Entry:
-    """A managed parameter: its object, primary name, tensor index, chunk and placement."""
-
-    __slots__ = ("chunk", "index", "name", "param", "placement", "placeholder", "saved_refs")
-
-    def __init__(self, param, name, index, chunk, placement):
-        self.param, self.name, self.index, self.chunk, self.placement = param, name, index, chunk, placement
-        self.saved_refs = 0
-        self.placeholder = None
-
-
 def _default_device() -> torch.device:
     """Where a meta-device module is materialized by default: the current CUDA device, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _under_torch_compile() -> bool:
-    """Whether this call runs under ``torch.compile`` (traced, or run eagerly inside a compiled frame)."""
-    if torch.compiler.is_compiling():
-        return True
-    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    return eval_frame is not None and eval_frame.get_eval_frame_callback() is not None
-
-
-def _is_compiled(module: nn.Module) -> bool:
-    """A ``torch.compile``'d module (dynamo's ``OptimizedModule``), told without importing dynamo."""
-    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
-
-
-def _tensors_in(out) -> list[torch.Tensor]:
-    """Tensors in a forward's output: nested tuples, lists, dicts and mappings (HF ``ModelOutput``)."""
-    leaves, _ = tree_flatten(out)
-    found = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif hasattr(leaf, "values") and callable(leaf.values) and not isinstance(leaf, (str, bytes)):
-            found.extend(_tensors_in(list(leaf.values())))
-    return found
 
 
 class ZeroDDP(nn.Module):
@@ -285,9 +233,7 @@ class ZeroDDP(nn.Module):
         by_name = {names[0]: p for p, names in groups.values()}
         self.chunks: list[Chunk] = []
         """One :class:`~torch_backend.chunks.Chunk` per layout chunk, by index."""
-        self._entries_by_id: dict[int, _Entry] = {}
-        self._entries: dict[str, _Entry] = {}
-        self._chunk_by_storage: dict[int, Chunk] = {}
+        entries: list[Entry] = []
         divide_first = mixed_precision == "fp16"
         tensor_index = {t.name: i for i, t in enumerate(self.layout.tensors)}
         for info in self.layout.chunks:
@@ -314,48 +260,17 @@ class ZeroDDP(nn.Module):
             del initial
             self.chunks.append(chunk)
             for t in placements:
-                e = _Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t)
-                self._entries[t.name] = e
-                self._entries_by_id[id(e.param)] = e
-            if not chunk.resident:
-                self._chunk_by_storage[chunk.storage_key] = chunk
+                entries.append(Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t))
 
         if materializer is not None:
             materializer.finish()  # buffers of submodules after the last parameter
 
         # ---- collectives, hooks, per-step state
-        self._sched = Scheduler(self.chunks, num_tensors=len(self.layout.tensors), prefetch=prefetch,
-                                group=collectives.agreement_group(process_group), world_size=self.world_size)
-        self._trainable = [e for e in self._entries.values() if e.param.requires_grad]
-        self._hook_handles = [e.param.register_post_accumulate_grad_hook(self._make_post_grad_hook(e)) for e in self._trainable]
-        # torch.compile'd submodules run as one unit: their chunks are gathered before the call and the
-        # access mode is suspended inside it (the compiled graph sees plain, gathered parameters)
-        self._compiled: dict[int, list[_Entry]] = {}
-        inside: set[int] = set()
-        for sub in module.modules():
-            if _is_compiled(sub) and id(sub) not in inside:
-                self._compiled[id(sub)] = [self._entries_by_id[id(p)] for p in sub.parameters() if id(p) in self._entries_by_id]
-                inside |= {id(m) for m in sub._orig_mod.modules()}
-        for sub in module.modules():
-            if id(sub) not in inside:
-                self._hook_handles.append(sub.register_forward_pre_hook(self._submodule_pre_hook))
-                self._hook_handles.append(sub.register_forward_hook(self._submodule_post_hook, always_call=True))
-        self._suspended: list[tuple[nn.Module, Any]] = []
-        self._release_later: list[tuple[Chunk, Any]] = []
-        self._sync = True
-        self._in_engine = False
-        self._phase: str | None = None
-        self._mode_stack: list[tuple[nn.Module, ParamAccessMode]] = []
-        self._release_in_forward = True
-        self._fwd_used: dict[int, set[str]] = {}
-        self._bwd_grads: set[int] = set()
-        self._finalize_queued = False
-        self._pending_error: Exception | None = None
-        self._placeholders_set = False
-        self.backward_passes = 0
-        """Backward passes through this model finished so far (ZeroOptimizer checks fp16 scaling with it)."""
-        self.grad_received = torch.zeros(len(self.layout.tensors), dtype=torch.bool)
-        """Per layout tensor: whether it received a gradient on some rank since the last ``zero_grad``."""
+        scheduler = Scheduler(self.chunks, num_tensors=len(self.layout.tensors), prefetch=prefetch,
+                              group=collectives.agreement_group(process_group), world_size=self.world_size)
+        self._runtime = ChunkRuntime(module, self.layout, self.chunks, entries, scheduler,
+                                     find_unused_parameters=self.find_unused_parameters,
+                                     reshard_after_forward=self.reshard_after_forward)
 
     # ================================================================== construction helpers
     @staticmethod
@@ -372,7 +287,7 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"keep_gathered must be names or a predicate, got {type(keep_gathered).__name__}") from None
         return lambda name: name in names
 
-    # ================================================================== forward
+    # ================================================================== forward / backward
     def forward(self, *args, **kwargs):
         """Run the wrapped module with chunks gathered on use (see the module docstring).
 
@@ -380,53 +295,19 @@ class ZeroDDP(nn.Module):
 
         Raises:
             UnusedParameterError: the previous backward left a parameter without a gradient on every rank.
+            ConfigError: called under ``torch.compile`` (compile the module or its blocks instead).
         """
-        if _under_torch_compile():
+        if under_torch_compile():
             raise ConfigError("torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
                               "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)")
-        self.raise_pending_error()
-        self._clear_placeholders()
         if self.compute_dtype != torch.float32:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
-        grad_enabled = torch.is_grad_enabled()
-        self._release_in_forward = self.reshard_after_forward or not grad_enabled
-        self._fwd_used = {}
-        self._phase = FORWARD
-        self._sched.start(FORWARD)
-        try:
-            with self._intercepting():
-                if grad_enabled:
-                    with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                        out = self.module(*args, **kwargs)
-                else:
-                    out = self.module(*args, **kwargs)
-        finally:
-            self._phase = None
-            self._fwd_used = {}
-            self._sched.end(FORWARD, prefetch_next=BACKWARD if grad_enabled else None)
-            keep = self._sched.prefetched_for(BACKWARD) if grad_enabled else set()
-            for c in self.chunks:
-                self._rest(c, release=self._release_in_forward and c.index not in keep)
-        if grad_enabled:
-            for t in _tensors_in(out):
-                if t.requires_grad:
-                    t.register_hook(self._output_grad_hook)
-        return out
+        return self._runtime.forward(args, kwargs)
 
     def _cast_input(self, x):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype == torch.float32:
             return x.to(self.compute_dtype)
         return x
-
-    @contextlib.contextmanager
-    def _intercepting(self):
-        mode = ParamAccessMode(self)
-        self._mode_stack.append((self, mode))
-        try:
-            with mode:
-                yield
-        finally:
-            self._mode_stack.pop()
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with this model's parameter access on for the whole backward, so that a
@@ -434,290 +315,21 @@ class ZeroDDP(nn.Module):
         function) finds them gathered. ``ZeroOptimizer.backward`` calls it. (A plain
         ``loss.backward()`` covers recomputations that call modules: activation checkpointing of
         blocks, Hugging Face ``gradient_checkpointing_enable()``.)"""
-        run = getattr(torch.autograd.graph, "_engine_run_backward", None)
-        if run is None or self._mode_stack:
-            loss.backward()
-            return
-        with self._intercepting():
-            # the engine directly: Tensor.backward would go through the mode, whose handler runs with
-            # the mode off, and the engine keeps the modes active when it starts
-            run((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True)
-
-    def _use_chunk(self, c: Chunk) -> None:
-        """Have ``c`` gathered for a computation now (forward, or a recomputation in backward)."""
-        if c.resident:
-            return
-        if self._phase is BACKWARD and c.pinned is None:
-            c.pinned = "recompute"  # kept until its gradients are final: the recomputed graph needs it
-        self._sched.ensure(c, self._phase or FORWARD)
-
-    def _run_op(self, entries: list[_Entry], func, args, kwargs):
-        if len(entries) > 1:
-            entries = list({id(e): e for e in entries}.values())
-        for e in entries:
-            self._use_chunk(e.chunk)
-            if e.chunk.states.state(e.name) in (S.FREE, S.HOLD):
-                e.chunk.states.transition(e.name, S.COMPUTE)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            for e in entries:
-                if e.chunk.states.state(e.name) is S.COMPUTE:
-                    e.chunk.states.transition(e.name, S.HOLD)
-                self._after_use(e)
-
-    def _after_use(self, e: _Entry) -> None:
-        """In forward, a chunk is released once every tensor of it has been used."""
-        if self._phase is not FORWARD:
-            return
-        c = e.chunk
-        used = self._fwd_used.setdefault(c.index, set())
-        used.add(e.name)
-        if self._release_in_forward and not c.resident and len(used) == c.states.num_tensors and c.states.can_release:
-            c.release()
-
-    # ------------------------------------------------------------------ submodule calls outside forward
-    @_engine_code
-    def _submodule_pre_hook(self, module, args):
-        if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
-            if torch._C._current_autograd_node() is not None:
-                # called while the autograd engine runs a node: a recomputation (activation checkpointing)
-                self._begin_backward()
-            elif torch.is_grad_enabled():
-                raise ConfigError(
-                    f"{type(module).__name__} (inside a ZeroDDP) was called directly with gradients enabled: call "
-                    "the ZeroDDP wrapper itself (model(...)) so that its backward can re-gather the chunks; under "
-                    "torch.no_grad() submodules may be called directly (e.g. model.module.generate(...))")
-            else:
-                self._phase = OUTSIDE
-                self._sched.start(OUTSIDE)
-            mode = ParamAccessMode(self)
-            mode.__enter__()
-            self._mode_stack.append((module, mode))
-        entries = self._compiled.get(id(module))
-        if entries is not None:
-            for c in sorted({e.chunk.index for e in entries}):
-                self._use_chunk(self.chunks[c])
-            top = torch._C._pop_torch_function_stack()
-            if isinstance(top, ParamAccessMode):
-                self._suspended.append((module, top))
-            else:  # another mode above ours: leave the stack as it is
-                torch._C._push_on_torch_function_stack(top)
-
-    @_engine_code
-    def _submodule_post_hook(self, module, args, output):
-        if self._suspended and self._suspended[-1][0] is module:
-            torch._C._push_on_torch_function_stack(self._suspended.pop()[1])
-            for e in self._compiled[id(module)]:
-                self._after_use(e)
-        if not self._mode_stack or self._mode_stack[-1][0] is not module:
-            return
-        _, mode = self._mode_stack.pop()
-        mode.__exit__(None, None, None)
-        if self._phase is OUTSIDE:  # an inference call outside forward: release what it gathered
-            self._phase = None
-            self._sched.end(OUTSIDE)
-            for c in self.chunks:
-                self._rest(c, release=True)
-
-    # ================================================================== backward
-    @_engine_code
-    def _pack(self, t):
-        e = self._entries_by_id.get(id(t))
-        if e is not None and e.param is t:
-            return SavedParam(self, e) if not e.chunk.resident else t
-        if self._chunk_by_storage:
-            c = self._chunk_by_storage.get(storage_key(t))
-            if c is not None:
-                return SavedView(self, c, t)
-        return t
-
-    @_engine_code
-    def _unpack(self, x):
-        if type(x) is SavedParam:
-            self._begin_backward()
-            e = x.entry
-            self._unpacked(e.chunk)
-            if e.chunk.states.state(e.name) in (S.FREE, S.HOLD):
-                e.chunk.states.transition(e.name, S.COMPUTE)
-            return e.param
-        if type(x) is SavedView:
-            self._begin_backward()
-            self._unpacked(x.chunk)
-            return x.tensor
-        return x
-
-    def _unpacked(self, c: Chunk) -> None:
-        self._flush_releases()
-        if torch.is_grad_enabled():  # a create_graph backward: the new graph keeps raw references
-            c.pinned = "graph"
-        self._sched.ensure(c, BACKWARD)
-
-    @_engine_code
-    def _saved_released(self, c: Chunk, e: _Entry | None) -> None:
-        """Autograd freed a saved reference to ``c`` (``e``: the parameter it referred to).
-
-        A chunk no saved tensor needs is released at once — autograd frees a node's saved tensors
-        after the node ran — except inside a custom ``autograd.Function``'s backward, which may free
-        them before it computes with them (compiled graphs do): then once that node has finished.
-        """
-        c.saved_refs -= 1
-        if e is not None and e.saved_refs == 0 and c.states.state(e.name) is S.COMPUTE:
-            c.states.transition(e.name, S.HOLD)
-        if self._phase is not BACKWARD or c.saved_refs != 0 or c.pinned is not None:
-            return
-        node = torch._C._current_autograd_node()
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            if not any(n is node for _, n in self._release_later):
-                node.register_hook(lambda *_, n=node: self._flush_releases(finished=n))
-            self._release_later.append((c, node))
-        else:
-            self._release_if_idle(c)
-
-    @_engine_code
-    def _flush_releases(self, finished=None) -> None:
-        """Release the chunks whose last reference a custom function's backward freed, once it ran
-        (``finished``: the node whose post-hook calls this)."""
-        if not self._release_later:
-            return
-        node = torch._C._current_autograd_node()
-        keep = []
-        for c, freed_in in self._release_later:
-            if freed_in is node and freed_in is not finished:
-                keep.append((c, freed_in))  # that node is still running
-            elif c.saved_refs == 0 and c.pinned is None:
-                self._release_if_idle(c)
-        self._release_later = keep
-
-    @staticmethod
-    def _release_if_idle(c: Chunk) -> None:
-        if c.is_gathered and not c.resident and c.states.count(S.COMPUTE) == 0 and c.states.count(S.HOLD_AFTER_BWD) == 0:
-            c.release()
-
-    @_engine_code
-    def _output_grad_hook(self, grad):
-        self._begin_backward()
-        return grad
-
-    def _begin_backward(self) -> None:
-        if self._phase is BACKWARD:
-            return
-        self._phase = BACKWARD
-        self._sched.start(BACKWARD)
-        self._clear_placeholders()
-        self._bwd_grads = set()
-        if not self._finalize_queued:
-            self._finalize_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
-
-    def _make_post_grad_hook(self, e: _Entry):
-        return lambda param: self._on_grad(e, param)
-
-    @_engine_code
-    def _on_grad(self, e: _Entry, param) -> None:
-        self._begin_backward()
-        self._flush_releases()
-        c = e.chunk
-        grad = param.grad
-        param.grad = None
-        c.add_grad(e.name, e.placement, grad)
-        self._bwd_grads.add(e.index)
-        state = c.states.state(e.name)
-        if state is not S.READY_FOR_REDUCE:
-            if state in (S.FREE, S.HOLD):
-                c.states.transition(e.name, S.COMPUTE)
-            c.states.transition(e.name, S.HOLD_AFTER_BWD)
-            c.states.transition(e.name, S.READY_FOR_REDUCE)
-            if c.states.can_reduce:
-                if self._sync:
-                    self._sched.mark_ready(c)
-                if c.pinned in (None, "recompute") and c.saved_refs == 0:
-                    self._release_if_idle(c)
-
-    @_engine_code
-    def _finalize_backward(self) -> None:
-        """End of a backward pass (autograd callback): agree on what got gradients, reduce what is
-        left, release, reset states. Never raises (an error is kept for :meth:`raise_pending_error`)."""
-        self._finalize_queued = False
-        error = None
-        try:
-            used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
-            if self._bwd_grads:
-                used[sorted(self._bwd_grads)] = 1
-            received = self._sched.end(BACKWARD, used) > 0
-            self.backward_passes += 1
-            trainable = self._trainable
-            if any(bool(received[e.index]) for e in trainable):
-                unused = [e for e in trainable if not received[e.index]]
-                if unused and not self.find_unused_parameters:
-                    error = UnusedParameterError(
-                        f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: "
-                        + ", ".join(e.name + (f" (alias {', '.join(e.placement.aliases)})" if e.placement.aliases else "")
-                                    for e in unused)
-                        + ". Make every parameter take part in the loss, freeze it (requires_grad=False) before "
-                        "wrapping, or pass find_unused_parameters=True to reduce a zero gradient for it.")
-                    for c in self.chunks:
-                        c.discard_grad_buffer()
-                else:
-                    self.grad_received |= received.to(torch.bool)
-                    if self._sync:
-                        self._sched.final_reduce()
-        except Exception as e:  # noqa: BLE001 - kept and raised outside the autograd engine
-            error = e
-        finally:
-            self._phase = None
-            self._bwd_grads = set()
-            self._release_later = []
-            for c in self.chunks:
-                # a create_graph backward's chunks stay for the next backward; every other pin ends here
-                c.pinned = "graph-held" if c.pinned == "graph" else None
-                self._rest(c, release=True)
-            self._set_placeholders()
-        if error is not None:
-            self._pending_error = error
+        self._runtime.backward(loss)
 
     def raise_pending_error(self) -> None:
         """Raise (once) the error the last backward found, if any (ZeroOptimizer calls it)."""
-        error, self._pending_error = self._pending_error, None
-        if error is not None:
-            raise error
+        self._runtime.raise_pending_error()
 
-    @staticmethod
-    def _rest(c: Chunk, *, release: bool) -> None:
-        """Bring every tensor of ``c`` to its resting state (HOLD if gathered else FREE); maybe release
-        (never a pinned chunk)."""
-        release = release and c.pinned is None
-        target = S.HOLD if c.is_gathered else S.FREE
-        for t in c.placements:
-            state = c.states.state(t.name)
-            if state is target:
-                continue
-            if state is S.HOLD_AFTER_BWD:
-                c.states.transition(t.name, S.READY_FOR_REDUCE)
-                state = S.READY_FOR_REDUCE
-            if state is S.COMPUTE:
-                c.states.transition(t.name, S.HOLD)
-                state = S.HOLD
-            if state is not target:
-                c.states.transition(t.name, target)
-        if release and not c.resident and c.is_gathered:
-            c.release()
+    @property
+    def backward_passes(self) -> int:
+        """Backward passes through this model finished so far (ZeroOptimizer checks fp16 scaling with it)."""
+        return self._runtime.backward_passes
 
-    # ------------------------------------------------------------------ placeholders
-    def _set_placeholders(self) -> None:
-        for e in self._trainable:
-            if e.param.grad is None and bool(self.grad_received[e.index]):
-                if e.placeholder is None:
-                    e.placeholder = ShardedGradPlaceholder(e.param, e.name)
-                e.param.grad = e.placeholder
-                self._placeholders_set = True
-
-    def _clear_placeholders(self) -> None:
-        if self._placeholders_set:
-            for e in self._trainable:
-                if e.param.grad is e.placeholder:
-                    e.param.grad = None
-            self._placeholders_set = False
+    @property
+    def grad_received(self) -> torch.Tensor:
+        """Per layout tensor (bool): whether it received a gradient on some rank since the last ``zero_grad``."""
+        return self._runtime.grad_received
 
     # ================================================================== gradients
     @contextlib.contextmanager
@@ -727,31 +339,30 @@ class ZeroDDP(nn.Module):
         The first backward outside the context reduces everything accumulated so far (and so does
         ``ZeroOptimizer.step`` after backwards that all ran inside it).
         """
-        previous = self._sync
-        self._sync = False
+        runtime = self._runtime
+        previous = runtime.sync
+        runtime.sync = False
         try:
             yield
         finally:
-            self._sync = previous
+            runtime.sync = previous
             self.synchronize()
 
     def synchronize(self) -> None:
         """Wait for every collective in flight (prefetched gathers, gradient reductions)."""
-        self._sched.wait_all()
+        self._runtime.sched.wait_all()
 
     def finish_gradients(self) -> None:
         """Complete every gradient reduction (collective): waits for those in flight, and reduces
         gradients still accumulated locally (backwards that ran under :meth:`no_sync`)."""
-        self._sched.wait_all()
-        self._sched.final_reduce()
-        self._sched.wait_all()
+        sched = self._runtime.sched
+        sched.wait_all()
+        sched.final_reduce()
+        sched.wait_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the shards are always dropped
         """Drop all accumulated gradients (buffers, reductions in flight and fp32 gradient shards)."""
-        self._clear_placeholders()
-        for c in self.chunks:
-            c.zero_grad()
-        self.grad_received.zero_()
+        self._runtime.zero_grad()
 
     # ================================================================== shard-level API
     def master_shard(self, chunk: int) -> torch.Tensor:
@@ -842,7 +453,7 @@ class ZeroDDP(nn.Module):
         if optimizer is not None:
             for device, n in optimizer.state_bytes():
                 add(device, "optimizer_states", n)
-        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks, self._sched.peak_gathered)
+        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks, self._runtime.sched.peak_gathered)
 
     def gathered_chunks(self) -> list[int]:
         """Indices of sharded chunks gathered, or being gathered, right now (resident chunks —
@@ -855,7 +466,7 @@ class ZeroDDP(nn.Module):
         """``rounds`` (vote all-reduces), ``gathers`` (all-gathers issued), ``misses`` (uses of a chunk not
         gathered ahead), ``peak_gathered_chunks`` and ``order_recordings`` (how often the prefetch order
         was recorded) so far."""
-        s = self._sched
+        s = self._runtime.sched
         return {"rounds": s.rounds, "gathers": s.gathers, "misses": s.misses, "peak_gathered_chunks": s.peak_gathered,
                 "order_recordings": sum(o.recordings for o in s.orders.values())}
 
