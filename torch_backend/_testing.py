@@ -41,9 +41,11 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
     )
+    from torch_backend import collectives
+
     try:
         result = fn(rank, world_size, *args)
-        dist.barrier()
+        collectives.barrier(collectives.world_group())
     finally:
         dist.destroy_process_group()
     torch.save(_encode(result), os.path.join(out_dir, f"{rank}.pt"))

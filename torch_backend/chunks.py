@@ -65,6 +65,9 @@ class Chunk:
         device: compute device (where gathered buffers and gradients live).
         param_device: device of the persistent compute-dtype shard between uses (``cpu`` when
             parameter-offloaded).
+        param_offloaded: the placement keeps the parameter shard off the device between uses, so the
+            chunk is gathered for each use even on one rank (on a CPU-only machine host and device
+            are the same memory, and the decision is still applied: a copy per use).
         master_device: device of the fp32 master shard, its gradient and optimizer state (``cpu``
             when optimizer-offloaded); ignored for a frozen chunk.
         group: process group or ``None`` (single process).
@@ -83,6 +86,7 @@ class Chunk:
         device: torch.device,
         param_device: torch.device,
         master_device: torch.device,
+        param_offloaded: bool = False,
         group,
         divide_first: bool,
         initial: torch.Tensor,
@@ -107,7 +111,8 @@ class Chunk:
         self.keep_gathered = info.keep_gathered
         self.placements: tuple[TensorPlacement, ...] = layout.chunk_tensors(index)
         self.params = params
-        self.resident = self.keep_gathered or (self.world_size == 1 and self.param_device == self.device)
+        self.param_offloaded = bool(param_offloaded) and not self.keep_gathered
+        self.resident = self.keep_gathered or (self.world_size == 1 and not self.param_offloaded)
         """Never released: keep-gathered, or a single rank whose shard is the whole chunk on the device."""
         self.states = ChunkStates(info.tensor_names, initial=S.HOLD if self.resident else S.FREE)
 

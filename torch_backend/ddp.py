@@ -253,6 +253,7 @@ class ZeroDDP(nn.Module):
                 device=self.device,
                 param_device=where[self.placements[info.index].param],
                 master_device=where[self.placements[info.index].master],
+                param_offloaded=self.placements[info.index].param_offloaded,
                 group=process_group,
                 divide_first=divide_first,
                 initial=initial,
