@@ -135,6 +135,7 @@ class Chunk:
         self.grad_sq_norm: torch.Tensor | None = None
         """fp32 0-d: squared L2 norm of the accumulated gradient shard over valid elements (set at reduce)."""
         self._reduces: list[tuple[collectives.Pending, torch.Tensor]] = []
+        self._to_host: list[tuple[torch.Tensor, object, torch.Tensor]] = []
         self._gather: collectives.Pending | None = None
 
         self.accessed = self.resident
@@ -298,14 +299,42 @@ class Chunk:
         if not self._reduces:
             return
         for pending, out in self._reduces:
+            if out.device.type == "cuda" and self.master_device.type == "cpu":
+                # optimizer-offloaded: device→host on the communication stream, into pinned memory;
+                # the compute stream does not wait for it (finish_host_gradients does, at the step)
+                with collectives.communication_stream(out):
+                    pending.wait()
+                    staging = host_empty(out.numel(), out.dtype, self.device)
+                    staging.copy_(out, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record()
+                self._to_host.append((staging, done, out))
+                continue
             pending.wait()
-            g = out.to(self.master_device, torch.float32)
-            if self.master.grad is None:
-                self.master.grad = g
-            else:
-                self.master.grad.add_(g)
+            self._accumulate(out.to(self.master_device, torch.float32))
         self._reduces.clear()
-        self.grad_sq_norm = self.master.grad[: self.valid_numel].float().square().sum()
+        if not self._to_host:
+            self._update_norm()
+
+    def finish_host_gradients(self) -> None:
+        """Complete the device→host gradient copies of an optimizer-offloaded chunk (CUDA)."""
+        if not self._to_host:
+            return
+        for staging, done, _ in self._to_host:
+            done.synchronize()
+            self._accumulate(staging.float())
+        self._to_host.clear()
+        self._update_norm()
+
+    def _accumulate(self, g: torch.Tensor) -> None:
+        if self.master.grad is None:
+            self.master.grad = g
+        else:
+            self.master.grad.add_(g)
+
+    def _update_norm(self) -> None:
+        if self.master is not None and self.master.grad is not None:
+            self.grad_sq_norm = self.master.grad[: self.valid_numel].float().square().sum()
 
     def discard_grad_buffer(self) -> None:
         self.grad_buffer = None
@@ -316,6 +345,7 @@ class Chunk:
         for pending, _ in self._reduces:
             pending.wait()
         self._reduces.clear()
+        self.finish_host_gradients()
         self.discard_grad_buffer()
         if self.master is not None:
             self.master.grad = None

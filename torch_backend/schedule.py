@@ -226,6 +226,8 @@ class Scheduler:
                 c.finish_gather()
         while self._reducing:
             self.chunks[self._reducing.popleft()].finish_reduces()
+        for c in self.chunks:
+            c.finish_host_gradients()
 
     def _reduce(self, index: int) -> None:
         self.ready.discard(index)
