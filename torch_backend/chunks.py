@@ -239,7 +239,9 @@ class Chunk:
         if self.master is None:
             return
         if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
-            self.shard.copy_(self.master.detach(), non_blocking=True)
+            # across devices, move first (async from pinned memory) and cast on the far side: a copy that
+            # also casts would go through a pageable host buffer
+            self.shard.copy_(self.master.detach().to(self.shard.device, non_blocking=True))
         if not self.resident and self._gathered:
             self.release()  # the gathered copy is stale; the next use gathers the new values
 

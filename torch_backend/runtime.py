@@ -136,6 +136,7 @@ class ChunkRuntime:
         self._phase: str | None = None
         self._mode_stack: list[tuple[nn.Module, ParamAccessMode]] = []
         self._release_in_forward = True
+        self._keep_for_backward: set[int] = set()
         self._fwd_used: dict[int, set[str]] = {}
         self._bwd_grads: set[int] = set()
         self._finalize_queued = False
@@ -164,6 +165,7 @@ class ChunkRuntime:
         self._clear_placeholders()
         grad_enabled = torch.is_grad_enabled()
         self._release_in_forward = self.reshard_after_forward or not grad_enabled
+        self._keep_for_backward = self.sched.prefetched_for(BACKWARD) if grad_enabled else set()
         self._fwd_used = {}
         self._phase = FORWARD
         self.sched.start(FORWARD)
@@ -178,9 +180,8 @@ class ChunkRuntime:
             self._phase = None
             self._fwd_used = {}
             self.sched.end(FORWARD, prefetch_next=BACKWARD if grad_enabled else None)
-            keep = self.sched.prefetched_for(BACKWARD) if grad_enabled else set()
             for c in self.chunks:
-                self._rest(c, release=self._release_in_forward and c.index not in keep)
+                self._rest(c, release=self._release_in_forward and c.index not in self._keep_for_backward)
         if grad_enabled:
             for t in _tensors_in(out):
                 if t.requires_grad:
@@ -244,6 +245,8 @@ class ChunkRuntime:
         used = self._fwd_used.setdefault(c.index, set())
         used.add(e.name)
         if self._release_in_forward and not c.resident and len(used) == c.states.num_tensors and c.states.can_release:
+            if self._keep_for_backward and c.index in self._keep_for_backward and self.sched.last_use(FORWARD, c.index):
+                return  # the backward starts with it (a tied output head): keep it rather than gather it again
             c.release()
 
     # ------------------------------------------------------------------ submodule calls outside forward
