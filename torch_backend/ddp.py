@@ -66,7 +66,8 @@ from chunkzero.errors import ConfigError, ShapeMismatchError
 from . import collectives
 from .chunks import TORCH_DTYPES, Chunk
 from .materialize import MetaMaterializer
-from .placement import DEFAULT_STEADY_DEVICE_CAP_RATIO, AutoPlacement, placement_budget_bytes, warmup_placements
+from .placement import (DEFAULT_STEADY_DEVICE_CAP_RATIO, AutoPlacement, check_placement_arguments, placement_budget_bytes,
+                        warmup_placements)
 from .memory import MEMORY_KINDS, MemoryReport
 from .runtime import ChunkRuntime, Entry, under_torch_compile
 from .schedule import Scheduler
@@ -182,15 +183,8 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch must be a non-negative int (chunks), got {prefetch!r}")
-        if placement not in ("static", "auto"):
-            raise ConfigError(f"placement must be 'static' or 'auto', got {placement!r}")
+        check_placement_arguments(placement, offload_optim_frac, offload_param_frac, device_memory_bytes)
         auto = placement == "auto"
-        if auto and (offload_optim_frac or offload_param_frac):
-            raise ConfigError("offload_optim_frac and offload_param_frac are for placement='static'; placement='auto' "
-                              f"decides from the budget (got {offload_optim_frac=}, {offload_param_frac=})")
-        if not auto and device_memory_bytes is not None:
-            raise ConfigError(f"device_memory_bytes is for placement='auto' (got {device_memory_bytes!r} with "
-                              f"placement={placement!r})")
 
         self.module = module
         if process_group is None and dist.is_available() and dist.is_initialized():

@@ -57,7 +57,7 @@ from .chunks import Chunk
 from .schedule import BACKWARD, FORWARD
 
 __all__ = ["DEFAULT_STEADY_DEVICE_CAP_RATIO", "AutoPlacement", "PlacementTrace", "SavedBytes",
-           "device_memory_bytes", "placement_budget_bytes", "warmup_placements"]
+           "check_placement_arguments", "device_memory_bytes", "placement_budget_bytes", "warmup_placements"]
 
 DEFAULT_STEADY_DEVICE_CAP_RATIO = 0.9
 """Share of the device memory the placement plans within (Gemini's ``steady_cuda_cap_ratio`` default)."""
@@ -82,6 +82,22 @@ def device_memory_bytes(device: torch.device) -> int:
         return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, ValueError, OSError):
         raise ConfigError(f"cannot read the memory of device {device}: pass ZeroDDP(device_memory_bytes=...)") from None
+
+
+def check_placement_arguments(placement: str, offload_optim_frac, offload_param_frac, device_memory) -> None:
+    """Which of ``ZeroDDP``'s placement arguments go together.
+
+    Raises:
+        ConfigError: ``placement`` is not ``"static"`` or ``"auto"``; offload fractions with ``"auto"``;
+            ``device_memory_bytes`` with ``"static"`` (the message names the argument).
+    """
+    if placement not in ("static", "auto"):
+        raise ConfigError(f"placement must be 'static' or 'auto', got {placement!r}")
+    if placement == "auto" and (offload_optim_frac or offload_param_frac):
+        raise ConfigError("offload_optim_frac and offload_param_frac are for placement='static'; placement='auto' "
+                          f"decides from the budget (got {offload_optim_frac=}, {offload_param_frac=})")
+    if placement != "auto" and device_memory is not None:
+        raise ConfigError(f"device_memory_bytes is for placement='auto' (got {device_memory!r} with placement={placement!r})")
 
 
 def placement_budget_bytes(device: torch.device, device_memory: int | None, steady_device_cap_ratio: float) -> int:
