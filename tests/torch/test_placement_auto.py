@@ -144,3 +144,17 @@ def test_default_budget_and_bad_arguments():
         model.auto_placement.budget_bytes = -1
     with pytest.raises(ConfigError, match="traced step"):
         model.auto_placement.budget_for_fraction(0.5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_auto_trains_as_static(precision):
+    """bf16 / fp16 (a persistent low-precision shard refreshed from the master, moved under ``auto``)
+    at 30% of the model data: the same casts as static placement, so the same values exactly."""
+    base, data = placement_cases.base_model(), placement_cases.batches(0, 4)
+    static, _, _ = placement_cases.train(copy.deepcopy(base), data, mixed_precision=precision)
+    auto, _, checks = placement_cases.train(copy.deepcopy(base), data, fraction=0.3, mixed_precision=precision,
+                                            placement="auto")
+    assert sum(auto.auto_placement.step_bytes_moved[2:]) > 0 and all(want == have for want, have in checks)
+    sa, sb = static.state_dict(), auto.state_dict()
+    for k in sa:
+        torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
