@@ -291,6 +291,7 @@ class Chunk:
         if self.master is None:
             return 0
         self.finish_reduces()
+        self.finish_host_gradients()
         grad, self.master.grad = self.master.grad, None
         self.master.data = _moved(self.master.detach(), device, self.device)
         moved = self.master.numel() * 4
