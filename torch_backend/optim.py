@@ -122,6 +122,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._trainable = torch.zeros(len(model.layout.tensors), dtype=torch.bool)
         self._trainable[[self._tensor_index[n] for g in self.group_names for n in g]] = True
         self._master_ptrs = {ci: (model.chunks[ci].master.data_ptr(), model.chunks[ci].master.device) for ci in self._pieces}
+        if model.auto_placement is not None:
+            model.auto_placement.attach_optimizer(self)
         self.fp16 = model.mixed_precision == "fp16"
         self.scaler = DynamicLossScaler(initial_scale if self.fp16 else 1.0, growth_interval=growth_interval,
                                         hysteresis=hysteresis, min_scale=min(min_scale, initial_scale) if self.fp16 else 1.0)
@@ -295,10 +297,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         flags = active.tolist()
         for ci, ps in self._pieces.items():
             master = self.model.chunks[ci].master
-            if self._master_ptrs[ci] != (master.data_ptr(), master.device):  # the master was replaced
+            if self._master_ptrs[ci] != (master.data_ptr(), master.device):  # the master was replaced (or moved)
                 self._master_ptrs[ci] = (master.data_ptr(), master.device)
                 for p in ps:
                     p.follow_master()
+                self._states.follow_master(ci)
             for p in ps:
                 p.param.grad = p.grad_view() if flags[p.tensor_index] else None
         try:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from chunkzero import ChunkLayout, TensorState
 from chunkzero.errors import ConfigError, UnusedParameterError
 
-from .access import ParamAccessMode, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
+from .access import ParamAccessMode, SavedActivation, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
 from .chunks import Chunk
 from .schedule import BACKWARD, FORWARD, OUTSIDE, Scheduler
 
@@ -142,6 +142,9 @@ class ChunkRuntime:
         self._finalize_queued = False
         self._pending_error: Exception | None = None
         self._placeholders_set = False
+        self.saved_activations = None
+        """While set (a placement trace on CPU), every other saved tensor is held as a
+        :class:`~torch_backend.access.SavedActivation` counted by it."""
         self.backward_passes = 0
         """Backward passes finished so far."""
         self.grad_received = torch.zeros(len(layout.tensors), dtype=torch.bool)
@@ -303,6 +306,8 @@ class ChunkRuntime:
             c = self.chunk_by_storage.get(storage_key(t))
             if c is not None:
                 return SavedView(self, c, t)
+        if self.saved_activations is not None:
+            return SavedActivation(self.saved_activations, t)
         return t
 
     @_engine_code
@@ -317,6 +322,8 @@ class ChunkRuntime:
         if type(x) is SavedView:
             self._begin_backward()
             self._unpacked(x.chunk)
+            return x.tensor
+        if type(x) is SavedActivation:
             return x.tensor
         return x
 

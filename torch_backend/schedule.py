@@ -139,6 +139,10 @@ class Scheduler:
         """Uses of a chunk that was neither gathered nor being gathered (an on-demand gather)."""
         self.peak_gathered = 0
         """The most sharded chunks gathered or being gathered at once."""
+        self.listener = None
+        """Told of what the schedule does (``placement="auto"``: :class:`torch_backend.placement.AutoPlacement`):
+        ``phase_started(phase)``, ``accessed(phase, chunk)`` at each recorded access (before its gather),
+        ``gathering(chunk)`` before each gather is issued, ``phase_ended(phase)`` after the order is recorded."""
 
     # ------------------------------------------------------------------ phases
     def start(self, phase: str) -> None:
@@ -148,6 +152,8 @@ class Scheduler:
         for c in self.chunks:
             if not c.resident:
                 c.accessed = False
+        if self.listener is not None:
+            self.listener.phase_started(phase)
 
     def end(self, phase: str, used: torch.Tensor | None = None, prefetch_next: str | None = None) -> torch.Tensor | None:
         """Rounds until every rank has finished ``phase``; returns the summed ``used`` votes (backward).
@@ -156,6 +162,8 @@ class Scheduler:
         backward's first chunks at the end of a forward, so the backward does not start on a miss).
         """
         self.orders[phase].end()
+        if self.listener is not None:
+            self.listener.phase_ended(phase)
         want = [] if prefetch_next is None else [
             i for i in self.orders[prefetch_next].first(self.prefetch) if not self._present(self.chunks[i])]
         if self.world_size == 1:
@@ -187,6 +195,8 @@ class Scheduler:
         chunk.accessed = True
         order = self.orders[phase]
         order.access(chunk.index)
+        if self.listener is not None:
+            self.listener.accessed(phase, chunk)
         if self._voted(chunk.index):
             self._resolve()  # its gather was voted for ahead of use: issue it now
         upcoming = [i for i in order.upcoming(self.prefetch, exclude=chunk.index)
@@ -306,6 +316,8 @@ class Scheduler:
         c = self.chunks[index]
         if c.resident:
             return
+        if self.listener is not None:
+            self.listener.gathering(c)
         c.begin_gather(async_op=self.async_op)
         self.gathers += 1
         if not self.async_op:
