@@ -16,6 +16,7 @@ Systems (``--systems``, comma-separated; options after ``:``, e.g. ``zero:prefet
   default (implicit) prefetch.
 - ``zero`` — chunkzero's ``ZeroDDP`` + ``ZeroOptimizer``; options are ``ZeroDDP`` keyword arguments
   (``prefetch``, ``offload_optim_frac``, ``chunk_size`` …). ``zero:prefetch=0`` is "no overlap".
+  ``zero:oracle_votes=1`` (diagnosis) skips the vote all-reduce of its rounds (see :func:`oracle_votes`).
 - ``autocast`` — the plain module in fp32 under ``torch.autocast(bfloat16)`` with
   ``AdamW(fused=True)``: the single-device PyTorch reference (world size 1, bf16 only).
 
@@ -67,6 +68,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NAMES = {"floor": "floor (no communication)", "ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)",
          "zero": "ZeroDDP", "autocast": "torch autocast + fused AdamW"}
+ADAMW_KERNELS = {"default": {}, "loop": {"foreach": False, "fused": False}, "foreach": {"foreach": True},
+                 "fused": {"fused": True}}
+"""``--adamw``: torch AdamW's kernel for every system (``default``: torch's choice, the for-loop on CPU)."""
 BYTES_PER_PARAM_ZERO = 16  # mixed-precision Adam (ZeRO paper, Rajbhandari et al. 2020): 2 + 2 + 12
 
 
@@ -164,6 +168,15 @@ class MasterWeights:
             yield from (v for v in st.values() if hasattr(v, "numel") and v.dim() > 0)
 
 
+def oracle_votes(world: int) -> None:
+    """Diagnosis only (system option ``oracle_votes=1``): replace ZeroDDP's blocking vote all-reduce
+    by this rank's own votes × W — what the sum is when every rank votes alike, as here (same model,
+    same shapes, same order). The step time without the cost of agreeing; wrong if ranks diverge."""
+    from torch_backend import collectives
+
+    collectives.agree = lambda votes, group: votes.mul_(world)
+
+
 class System:
     """One system on one rank: ``step()`` runs a timed training step."""
 
@@ -179,9 +192,12 @@ class System:
         self.autocast = None
         self.zero = None
         adamw = torch.optim.AdamW
-        lr = dict(lr=1e-4)
+        lr = dict(lr=1e-4, **ADAMW_KERNELS[cfg["adamw"]])
         if self.name == "zero":
             from torch_backend import ZeroDDP, ZeroOptimizer
+
+            if kwargs.pop("oracle_votes", False):
+                oracle_votes(world)
 
             self.model = self.zero = ZeroDDP(module, mixed_precision=precision, **kwargs)
             self.optim = ZeroOptimizer(self.zero, adamw, **lr)
@@ -197,7 +213,7 @@ class System:
             self.model, self.optim = module, adamw(module.parameters(), **lr)
         elif self.name == "autocast":
             self.autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-            self.model, self.optim = module, adamw(module.parameters(), fused=True, **lr)
+            self.model, self.optim = module, adamw(module.parameters(), **{**lr, **ADAMW_KERNELS["fused"]})
         else:  # floor, ddp
             if bf16:
                 module = module.to(torch.bfloat16)
@@ -274,6 +290,82 @@ class System:
         return s
 
 
+class EngineProfile:
+    """``--profile``: wall seconds and calls inside ZeroDDP's engine functions (inclusive), per rank.
+
+    ``vote_rounds`` = ``collectives.agree`` (the blocking vote all-reduce of every round);
+    ``gather_issue`` / ``gather_wait`` = ``Chunk.begin_gather`` / ``finish_gather`` (with
+    ``prefetch=0`` the whole blocking all-gather is in the issue); ``reduce_issue`` / ``reduce_wait``
+    likewise for gradient reductions; ``grad_hooks`` = the post-accumulate-grad hook (copy into the
+    chunk's gradient buffer, and any reduction it triggers); ``finalize`` = the end-of-backward callback;
+    ``torch_function`` = the access mode's ``__torch_function__`` minus the torch op it runs: the mode's
+    own cost per intercepted call, with the engine work it triggers (rounds, gathers) included; its
+    call of ``Tensor.backward`` is left out.
+    """
+
+    def __init__(self):
+        from torch_backend import access, chunks, collectives, ddp
+
+        self.totals: dict[str, list[float]] = {}
+        targets = {"vote_rounds": (collectives, "agree"), "gather_issue": (chunks.Chunk, "begin_gather"),
+                   "gather_wait": (chunks.Chunk, "finish_gather"), "reduce_issue": (chunks.Chunk, "begin_reduce"),
+                   "reduce_wait": (chunks.Chunk, "finish_reduces"), "grad_hooks": (ddp.ZeroDDP, "_on_grad"),
+                   "finalize": (ddp.ZeroDDP, "_finalize_backward")}
+        for key, (owner, attr) in targets.items():
+            setattr(owner, attr, self._timed(key, getattr(owner, attr)))
+        mode = access.ParamAccessMode
+        mode.__torch_function__ = self._self_timed(mode.__torch_function__)
+
+    def _self_timed(self, handler):
+        """``handler``'s time minus that of the op it calls (timed by a stand-in that keeps the
+        attributes the mode reads: ``__name__`` and, for property reads, ``__self__``)."""
+        acc = self.totals.setdefault("torch_function", [0.0, 0])
+
+        def wrapper(mode, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", None) == "backward":
+                return handler(mode, func, types, args, kwargs)
+            inner = [0.0]
+
+            def op(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return func(*a, **k)
+                finally:
+                    inner[0] += time.perf_counter() - t0
+
+            op.__name__ = getattr(func, "__name__", "op")
+            if hasattr(func, "__self__"):
+                op.__self__ = func.__self__
+            t0 = time.perf_counter()
+            try:
+                return handler(mode, op, types, args, kwargs)
+            finally:
+                acc[0] += time.perf_counter() - t0 - inner[0]
+                acc[1] += 1
+
+        return wrapper
+
+    def _timed(self, key, fn):
+        import functools
+
+        acc = self.totals.setdefault(key, [0.0, 0])
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[0] += time.perf_counter() - t0
+                acc[1] += 1
+
+        return wrapper
+
+    def reset(self) -> None:
+        for acc in self.totals.values():
+            acc[0], acc[1] = 0.0, 0
+
+
 def _maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -296,6 +388,7 @@ def rank_main(conn, spec: str, precision: str, rank: int, world: int, init_file:
         dist.init_process_group(cfg["backend"], init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg["timeout"]))
         base_rss = _maxrss_mib()
+        profile = EngineProfile() if cfg["profile"] and spec.startswith("zero") else None
         system = System(spec, precision, cfg, rank, world, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -307,12 +400,15 @@ def rank_main(conn, spec: str, precision: str, rank: int, world: int, init_file:
             if msg["op"] == "run":
                 if msg.get("timed") and stats_before is None:
                     stats_before = system.zero_stats()
+                    if profile is not None:
+                        profile.reset()
                 steps = [system.step(measure_state=msg.get("measure_state", False) and i == 0) for i in range(msg["steps"])]
                 _send(conn, {"steps": steps})
             elif msg["op"] == "report":
                 peak_cuda = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
                 _send(conn, {"peak_rss_mib": _maxrss_mib(), "state_bytes": system.state_bytes, "peak_cuda_mib": peak_cuda,
-                             "zero_before": stats_before, "zero_after": system.zero_stats()})
+                             "zero_before": stats_before, "zero_after": system.zero_stats(),
+                             "profile": None if profile is None else profile.totals})
             else:
                 break
         dist.destroy_process_group()
@@ -380,35 +476,53 @@ def _load() -> str:
 
 
 def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, loads: list[float]) -> dict:
-    """All systems of one precision: spawn, warm up, interleaved timed repeats, reports."""
+    """All systems of one precision: spawn, warm up, interleaved timed repeats, reports. A system that
+    fails (or misses the deadline) is dropped with its error; the others go on."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    results = {}
+    results: dict[str, dict] = {}
+    live: list[Group] = []
+
+    def ask(g: Group, msg: dict | None):
+        try:
+            return g.ask(msg, deadline)
+        except RunError as e:
+            results[g.spec]["error"] = str(e)
+            print(f"# {precision} {g.spec}: FAILED, dropped: {e}", file=sys.stderr, flush=True)
+            live.remove(g)
+            g.close()
+            return None
+
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
-        groups = []
         try:
             for i, spec in enumerate(specs):  # built one after another: construction never overlaps
+                results[spec] = {"steps": []}
                 g = Group(ctx, spec, precision, cfg["world_size"], os.path.join(tmp, f"store{i}"), cfg)
-                groups.append(g)
-                ready = g.ask(None, deadline)
-                results[spec] = {"ready": ready, "steps": []}
-                print(f"# {precision} {spec}: built ({ready[0]['n_params'] / 1e6:.1f}M parameters)", file=sys.stderr, flush=True)
-            for g in groups:
-                g.ask({"op": "run", "steps": cfg["warmup"], "measure_state": True}, deadline)
+                live.append(g)
+                ready = ask(g, None)
+                if ready is not None:
+                    results[spec]["ready"] = ready
+                    print(f"# {precision} {spec}: built ({ready[0]['n_params'] / 1e6:.1f}M parameters)", file=sys.stderr,
+                          flush=True)
+            for g in list(live):
+                ask(g, {"op": "run", "steps": cfg["warmup"], "measure_state": True})
             for rep in range(cfg["repeats"]):
                 loads.append(os.getloadavg()[0])
-                k = rep % len(groups)
-                for g in groups[k:] + groups[:k]:  # rotate the order: drift hits every system alike
-                    replies = g.ask({"op": "run", "steps": cfg["steps"], "timed": True}, deadline)
-                    for i in range(cfg["steps"]):  # per step and phase: the slowest rank
+                order = list(live)
+                k = rep % max(1, len(order))
+                for g in order[k:] + order[:k]:  # rotate the order: drift hits every system alike
+                    replies = ask(g, {"op": "run", "steps": cfg["steps"], "timed": True})
+                    for i in range(cfg["steps"] if replies else 0):  # per step and phase: the slowest rank
                         results[g.spec]["steps"].append([max(r["steps"][i][j] for r in replies) for j in range(4)])
                 print(f"# {precision} repeat {rep + 1}/{cfg['repeats']} done, load {os.getloadavg()[0]:.2f}",
                       file=sys.stderr, flush=True)
-            for g in groups:
-                results[g.spec]["report"] = g.ask({"op": "report"}, deadline)
+            for g in list(live):
+                report = ask(g, {"op": "report"})
+                if report is not None:
+                    results[g.spec]["report"] = report
         finally:
-            for g in groups:
+            for g in live:
                 g.close()
     return results
 
@@ -431,14 +545,17 @@ def summarize(precision: str, spec: str, res: dict, cfg: dict) -> dict:
         "peak_cuda_mib": rep[0]["peak_cuda_mib"],
     }
     after, before = rep[0]["zero_after"], rep[0]["zero_before"]
+    n = max(1, len(steps))
     if after is not None:
-        n = max(1, len(steps))
         row["zero"] = {
             **{k: after[k] for k in ("chunks", "chunk_size", "chunk_bytes", "prefetch")},
             "peak_gathered_chunks": max(r["zero_after"]["peak_gathered_chunks"] for r in rep),
             **{f"{k}_per_step": (after[k] - before[k]) / n for k in ("rounds", "gathers", "misses")},
             "window_mib": (1 + after["prefetch"]) * after["chunk_bytes"] / 2**20,
         }
+    if rep[0].get("profile"):  # per step, the rank that spent the most
+        row["profile"] = {k: {"s": max(r["profile"][k][0] for r in rep) / n, "calls": rep[0]["profile"][k][1] / n}
+                          for k in rep[0]["profile"]}
     if cfg["flops_per_token"]:
         row["mfu"] = row["tokens_per_s"] * cfg["flops_per_token"] / (cfg["peak_tflops"] * 1e12 * cfg["world_size"])
     return row
@@ -449,9 +566,10 @@ def print_tables(rows: list[dict], cfg: dict) -> None:
     for precision in dict.fromkeys(r["precision"] for r in rows):
         block = [r for r in rows if r["precision"] == precision]
         ref = {r["system"]: r["median_s"] for r in block}
-        floor, fsdp2 = ref.get("floor"), ref.get("fsdp2")
+        base = "floor" if "floor" in ref else "autocast"
+        floor, fsdp2 = ref.get(base), ref.get("fsdp2")
         print(f"\n**{precision}**\n")
-        print("| system | min s | median s | max s | × floor | × FSDP2 | fwd / bwd / opt s | tokens/s | peak RSS/rank MiB "
+        print(f"| system | min s | median s | max s | × {base} | × FSDP2 | fwd / bwd / opt s | tokens/s | peak RSS/rank MiB "
               "(base) | model state/rank MiB | ZeRO bound 16Ψ/W MiB |" + (" peak CUDA MiB | MFU |" if cuda else ""))
         print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
         for r in block:
@@ -473,6 +591,20 @@ def print_tables(rows: list[dict], cfg: dict) -> None:
                       f"{z['gathers_per_step']:.1f} | {z['misses_per_step']:.1f} |")
 
 
+def print_profile(rows: list[dict]) -> None:
+    prof = [r for r in rows if "profile" in r]
+    if not prof:
+        return
+    keys = list(prof[0]["profile"])
+    print("\n**Where ZeroDDP's time goes** (`--profile`: seconds per step inside each engine function, the busiest "
+          "rank; calls per step in parentheses; inclusive times, so they overlap)\n")
+    print("| system | precision | median step s | " + " | ".join(keys) + " |")
+    print("|---|---|---:|" + "---:|" * len(keys))
+    for r in prof:
+        cells = " | ".join(f"{r['profile'][k]['s']:.3f} ({r['profile'][k]['calls']:.0f})" for k in keys)
+        print(f"| {label(r['system'])} | {r['precision']} | {r['median_s']:.3f} | {cells} |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", default="floor,ddp,fsdp2,zero:prefetch=0,zero:prefetch=1")
@@ -489,9 +621,12 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (= positions)")
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    ap.add_argument("--adamw", choices=list(ADAMW_KERNELS), default="default",
+                    help="AdamW kernel of every system (autocast always uses fused)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU on CUDA (H100/H200 dense bf16)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
+    ap.add_argument("--profile", action="store_true", help="time ZeroDDP's engine functions (adds a little overhead)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     specs = args.systems.split(",")
@@ -508,33 +643,38 @@ def main(argv=None) -> int:
     load_before = _load()
     print(f"# load before: {load_before}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + args.timeout
-    rows, loads = [], []
+    rows, loads, failed = [], [], []
     started = datetime.datetime.now()
     for precision in args.precisions.split(","):
         res = run_block(precision, specs, cfg, deadline, loads)
-        n_params = next(iter(res.values()))["ready"][0]["n_params"]
-        if args.backend == "nccl":
+        failed += [(precision, spec, r["error"]) for spec, r in res.items() if "error" in r]
+        done = [spec for spec in specs if "report" in res[spec] and res[spec]["steps"]]
+        if done and args.backend == "nccl":
+            n_params = res[done[0]]["ready"][0]["n_params"]
             cfg["flops_per_token"] = 6 * n_params + 12 * args.n_layer * args.seq * args.n_embd
-        rows += [summarize(precision, spec, res[spec], cfg) for spec in specs]
+        rows += [summarize(precision, spec, res[spec], cfg) for spec in done]
     load_after = _load()
     import torch
 
-    n_params = rows[0]["n_params"]
+    n_params = rows[0]["n_params"] if rows else 0
     print(f"{args.model} {n_params / 1e6:.1f}M parameters ({args.n_layer} layers × {args.n_embd}, {args.n_head} heads, "
           f"vocab {args.vocab}), world size {args.world_size} ({args.backend}), {args.batch}×{args.seq} tokens per rank, "
-          f"AdamW, {cfg['threads']} thread(s) per rank; {args.repeats} interleaved repeats × {args.steps} steps after "
-          f"{args.warmup} warm-up per system ({rows[0]['timed_steps']} timed steps each)")
+          f"AdamW ({args.adamw} kernel), {cfg['threads']} thread(s) per rank; {args.repeats} interleaved repeats × {args.steps} steps after "
+          f"{args.warmup} warm-up per system ({args.repeats * args.steps} timed steps each)")
     print(f"\n{started:%Y-%m-%d %H:%M}, {platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}")
     print(f"load before: {load_before}\nload after:  {load_after}")
     if loads:
         print(f"1-min load average at each repeat: {min(loads):.2f} – {max(loads):.2f}")
     print_tables(rows, cfg)
+    print_profile(rows)
+    for precision, spec, error in failed:
+        print(f"\n**{label(spec)} ({precision}) failed**: {error.strip().splitlines()[-1]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": cfg, "load_before": load_before, "load_after": load_after, "loads": loads,
-                       "rows": rows}, f, indent=1)
-    return 0
+                       "rows": rows, "failed": failed}, f, indent=1)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 #   3. The largest byte-level GPT (vocab 256, sequence 1024, batch 1) that trains one step with full
 #      optimizer offload (offload_optim_frac=1.0): sizes from a ladder, the largest that host memory
 #      (16 bytes per parameter on the host) should hold tried first, then smaller ones until one trains.
-# Results: gpu_check.md (markdown tables), gpu_check.json (every measurement) and gpu_check.log under
+# GPU_CHECK_BUDGET_S (default 470) is the whole script's budget in seconds; GPU_CHECK_LADDER overrides the
+# ladder of part 3. Results: gpu_check.md (markdown tables), gpu_check.json (every measurement) and gpu_check.log under
 # $OUT when set, else runs/gpu_check/. PYTHON picks the interpreter (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +47,7 @@ part() {
   if ((secs < 20)); then
     log "$name: skipped (budget spent)"
     echo -e "\n### $name\n\nskipped: the time budget was spent\n" >>"$MD"
-    return 1
+    return 2
   fi
   log "$name: start (timeout ${secs}s)"
   setsid timeout -k 5 "$secs" "$@" >"$WORK/$name.md" 2>>"$LOG"
@@ -97,8 +98,12 @@ else
   LARGE_SEQ=1024
   T1=110 T2=140 TRY=150
 fi
+if [[ -n ${GPU_CHECK_LADDER:-} ]]; then  # e.g. "1 64 2;2 64 3": rungs "n_layer n_embd n_head", smallest first
+  IFS=';' read -ra LADDER <<<"$GPU_CHECK_LADDER"
+fi
 SYSTEMS=autocast,fsdp2,zero:prefetch=1,zero:prefetch=1:offload_optim_frac=0.5,zero:prefetch=1:offload_optim_frac=1.0
-COMMON=(--backend "$BACKEND" --world-size 1 --precisions bf16 --model gpt --peak-tflops 989)
+# every system steps with torch's fused AdamW (on the host too: 6x the for-loop kernel, bench_cpu_adam.py)
+COMMON=(--backend "$BACKEND" --world-size 1 --precisions bf16 --model gpt --peak-tflops 989 --adamw fused)
 
 part gpt2-124M "$T1" "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS" "${SHAPE_124M[@]}" \
   "${REPS[@]}" --timeout "$T1" --json "$WORK/gpt2-124M.json"
@@ -126,17 +131,26 @@ for rung in "${CANDIDATES[@]}"; do
     --timeout "$TRY" --json "$WORK/$name.json"; then
     LARGEST="$L layers x $D ($name)"
     break
+  elif (($? == 2)); then
+    break # the budget is spent
   fi
 done
 echo -e "\n**largest that trained with full optimizer offload: $LARGEST**\n" >>"$MD"
 log "largest with full offload: $LARGEST"
 
 # ---- summary: offload's drop in device memory and tokens/s against ZeroDDP without offload; one JSON
-"$PY" - "$WORK" "$DEST/gpu_check.json" >>"$MD" 2>>"$LOG" <<'EOF'
+"$PY" - "$WORK" "$DEST/gpu_check.json" "$LARGEST" >>"$MD" 2>>"$LOG" <<'EOF'
 import glob, json, os, sys
-work, dest = sys.argv[1], sys.argv[2]
+work, dest, largest = sys.argv[1:4]
 runs = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(os.path.join(work, "*.json")))}
+size = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 json.dump(runs, open(dest, "w"), indent=1)
+for name, run in runs.items():
+    if largest.endswith(f"({name})") and run["rows"]:
+        r = run["rows"][0]
+        print(f"largest with full offload: {r['n_params']:,} parameters, {r['tokens_per_s']:.0f} tokens/s, "
+              f"peak CUDA {r['peak_cuda_mib'] or 0:.0f} MiB, peak host RSS {r['peak_rss_mib']:.0f} MiB, "
+              f"MFU {100 * r.get('mfu', 0.0):.1f}%")
 print("\n### offload against ZeroDDP without offload\n")
 print("| model | offload_optim_frac | peak CUDA MiB | drop MiB | tokens/s | × tokens/s without offload | MFU |")
 print("|---|---:|---:|---:|---:|---:|---:|")
@@ -150,7 +164,7 @@ for name, run in runs.items():
         peak = r["peak_cuda_mib"] or 0.0
         drop = f"{(base['peak_cuda_mib'] or 0.0) - peak:.0f}" if base else "–"
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "–"
-        print(f"| {name} ({r['n_params'] / 1e6:.0f}M) | {frac} | {peak:.0f} | {drop} | {r['tokens_per_s']:.0f} | {ratio} | "
+        print(f"| {name} ({size(r['n_params'])}) | {frac} | {peak:.0f} | {drop} | {r['tokens_per_s']:.0f} | {ratio} | "
               f"{100 * r.get('mfu', 0.0):.1f}% |")
 EOF
 log "finished in $(($(date +%s) - START))s; results in $DEST"
