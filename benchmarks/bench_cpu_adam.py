@@ -17,13 +17,14 @@ rotating order). Reported: median and min ms per step, and the effective memory 
 reads parameter, gradient, ``exp_avg``, ``exp_avg_sq`` and writes three of them: 28 bytes per element).
 
     .venv/bin/python benchmarks/bench_cpu_adam.py                        # torch kernels
-    /tmp/dsvenv/bin/python benchmarks/bench_cpu_adam.py                  # + DeepSpeed (its own venv)
+    ds-venv/bin/python benchmarks/bench_cpu_adam.py    # + DeepSpeed: a venv with `pip install torch==2.13.0 deepspeed`
     python benchmarks/bench_cpu_adam.py --sizes 1e6 --repeats 2 --warmup 1   # plumbing check
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -33,7 +34,7 @@ import time
 import torch
 
 BYTES_PER_ELEMENT = 28  # reads p, g, m, v and writes p, m, v, fp32
-HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 
 def make_params(numel: int, pieces: int, seed: int) -> list[torch.nn.Parameter]:
@@ -43,7 +44,7 @@ def make_params(numel: int, pieces: int, seed: int) -> list[torch.nn.Parameter]:
     grad = torch.randn(numel, generator=g) * 1e-2
     bounds = [numel * i // pieces for i in range(pieces + 1)]
     params = []
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         p = torch.nn.Parameter(flat[a:b])
         p.grad = grad[a:b]
         params.append(p)
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     impls = optimizers()
     if args.impls:
         impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
-    load_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    load_before = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     diff = agreement(impls)
     rows = []
     for size in (int(float(s)) for s in args.sizes.split(",")):
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
                 med = statistics.median(ts)
                 rows.append((size, layout, pieces, name, med, min(ts), max(ts), size * BYTES_PER_ELEMENT / med / 1e9,
                              loop / med if loop else float("nan")))
-    load_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    load_after = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     version = ""
     if "deepspeed" in impls:
         import deepspeed

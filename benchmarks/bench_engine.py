@@ -52,7 +52,9 @@ the whole run too (every rank process is killed past it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -238,7 +240,6 @@ class System:
 
     def step(self, measure_state: bool = False) -> list[float]:
         """One training step; returns ``[total, forward, backward, optimizer]`` seconds."""
-        import torch
         import torch.nn.functional as F
 
         self.dist.barrier()
@@ -290,6 +291,21 @@ class System:
         return s
 
 
+def _timed_call(fn, acc: list):
+    """``fn`` that adds its wall seconds to ``acc[0]`` and counts its calls in ``acc[1]``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += time.perf_counter() - t0
+            acc[1] += 1
+
+    return wrapper
+
+
 class EngineProfile:
     """``--profile``: wall seconds and calls inside ZeroDDP's engine functions (inclusive), per rank.
 
@@ -324,16 +340,8 @@ class EngineProfile:
         def wrapper(mode, func, types, args=(), kwargs=None):
             if getattr(func, "__name__", None) == "backward":
                 return handler(mode, func, types, args, kwargs)
-            inner = [0.0]
-
-            def op(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return func(*a, **k)
-                finally:
-                    inner[0] += time.perf_counter() - t0
-
-            op.__name__ = getattr(func, "__name__", "op")
+            inner = [0.0, 0]
+            op = _timed_call(func, inner)
             if hasattr(func, "__self__"):
                 op.__self__ = func.__self__
             t0 = time.perf_counter()
@@ -346,20 +354,7 @@ class EngineProfile:
         return wrapper
 
     def _timed(self, key, fn):
-        import functools
-
-        acc = self.totals.setdefault(key, [0.0, 0])
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                acc[0] += time.perf_counter() - t0
-                acc[1] += 1
-
-        return wrapper
+        return _timed_call(fn, self.totals.setdefault(key, [0.0, 0]))
 
     def reset(self) -> None:
         for acc in self.totals.values():
@@ -412,11 +407,9 @@ def rank_main(conn, spec: str, precision: str, rank: int, world: int, init_file:
             else:
                 break
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - reported to the coordinator, which stops the run
-        try:
+    except Exception:  # noqa: BLE001 - reported to the coordinator, which drops the system
+        with contextlib.suppress(OSError):  # the coordinator is gone
             _send(conn, {"error": traceback.format_exc()})
-        except Exception:  # noqa: BLE001
-            pass
 
 
 # ============================================================================ coordinator
@@ -470,9 +463,9 @@ class Group:
 
 def _load() -> str:
     try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "load average: %.2f, %.2f, %.2f" % os.getloadavg()
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, loads: list[float]) -> dict:
@@ -505,7 +498,7 @@ def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, load
                     results[spec]["ready"] = ready
                     print(f"# {precision} {spec}: built ({ready[0]['n_params'] / 1e6:.1f}M parameters)", file=sys.stderr,
                           flush=True)
-            for g in list(live):
+            for g in list(live):  # noqa: PERF101 - ask() removes a failed system from live
                 ask(g, {"op": "run", "steps": cfg["warmup"], "measure_state": True})
             for rep in range(cfg["repeats"]):
                 loads.append(os.getloadavg()[0])
@@ -517,7 +510,7 @@ def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, load
                         results[g.spec]["steps"].append([max(r["steps"][i][j] for r in replies) for j in range(4)])
                 print(f"# {precision} repeat {rep + 1}/{cfg['repeats']} done, load {os.getloadavg()[0]:.2f}",
                       file=sys.stderr, flush=True)
-            for g in list(live):
+            for g in list(live):  # noqa: PERF101 - as above
                 report = ask(g, {"op": "report"})
                 if report is not None:
                     results[g.spec]["report"] = report
@@ -561,6 +554,10 @@ def summarize(precision: str, spec: str, res: dict, cfg: dict) -> dict:
     return row
 
 
+def _ratio(seconds: float, reference: float | None) -> str:
+    return f"{seconds / reference:.2f}" if reference else "–"
+
+
 def print_tables(rows: list[dict], cfg: dict) -> None:
     cuda = cfg["backend"] == "nccl"
     for precision in dict.fromkeys(r["precision"] for r in rows):
@@ -573,7 +570,7 @@ def print_tables(rows: list[dict], cfg: dict) -> None:
               "(base) | model state/rank MiB | ZeRO bound 16Ψ/W MiB |" + (" peak CUDA MiB | MFU |" if cuda else ""))
         print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
         for r in block:
-            ratio = lambda b: f"{r['median_s'] / b:.2f}" if b else "–"  # noqa: E731
+            ratio = functools.partial(_ratio, r["median_s"])
             extra = f" {r['peak_cuda_mib']:.0f} | {100 * r.get('mfu', 0):.1f}% |" if cuda else ""
             print(f"| {label(r['system'])} | {r['min_s']:.3f} | {r['median_s']:.3f} | {r['max_s']:.3f} | {ratio(floor)} | "
                   f"{ratio(fsdp2)} | {r['forward_s']:.3f} / {r['backward_s']:.3f} / {r['optimizer_s']:.3f} | "
