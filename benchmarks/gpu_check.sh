@@ -96,7 +96,7 @@ else
   # byte-level GPTs, "n_layer n_embd n_head": 1.2B, 2.5B, 4.1B, 6.4B, 8.1B, 9.7B parameters
   LADDER=("24 2048 16" "32 2560 20" "36 3072 24" "32 4096 32" "40 4096 32" "48 4096 32")
   LARGE_SEQ=1024
-  T1=110 T2=140 TRY=150
+  T1=110 T2=140 TRY=180
 fi
 if [[ -n ${GPU_CHECK_LADDER:-} ]]; then  # e.g. "1 64 2;2 64 3": rungs "n_layer n_embd n_head", smallest first
   IFS=';' read -ra LADDER <<<"$GPU_CHECK_LADDER"
