@@ -138,6 +138,11 @@ done
 echo -e "\n**largest that trained with full optimizer offload: $LARGEST**\n" >>"$MD"
 log "largest with full offload: $LARGEST"
 
+# ---- 4. placement="auto" (issue 13's own figures, benchmarks/gpu_placement.py), with the time left
+PLACEMENT_ARGS=(--part speed --try-timeout 100)
+((SMOKE)) && PLACEMENT_ARGS+=(--smoke)
+part placement-auto 240 "$PY" benchmarks/gpu_placement.py "${PLACEMENT_ARGS[@]}"
+
 # ---- summary: offload's drop in device memory and tokens/s against ZeroDDP without offload; one JSON
 "$PY" - "$WORK" "$DEST/gpu_check.json" "$LARGEST" >>"$MD" 2>>"$LOG" <<'EOF'
 import glob, json, os, sys
