@@ -1,6 +1,7 @@
-"""Workers of the LoRA / frozen-base tests: peft's LoRA on Hugging Face GPT-2 under ZeroDDP.
+"""Workers of the real-model tests on Hugging Face GPT-2 under ZeroDDP: peft's LoRA on a frozen base,
+and the issue's "Done when" run (gradient checkpointing, two param groups, a LambdaLR, autograd.grad).
 
-The base model is frozen by peft; only the low-rank adapters (``lora_A`` / ``lora_B``) train. The
+LoRA: the base model is frozen by peft; only the low-rank adapters (``lora_A`` / ``lora_B``) train. The
 checks: training equals a single-process run of an identical copy on the full batch (fp32, rtol 1e-5,
 AdamW eps 1e-6); chunk by chunk, only the adapters' chunks hold an fp32 master, a gradient and
 optimizer state; and ``optim.memory_report()`` counts exactly what the layout implies, against full
@@ -13,6 +14,7 @@ import copy
 
 import torch
 
+from optim_cases import nanogpt_groups, zero_steps
 from recipe_cases import _data, hf_gpt2, lm_loss
 from zero_cases import ADAMW, FP32, assert_state_close, mean_over_ranks, micro
 
@@ -155,3 +157,54 @@ def worker_lora(rank: int, world: int):
         ratio = bytes_by_case[(precision, "lora")] / bytes_by_case[(precision, "full")]
         assert abs(ratio - predicted) < 0.02, (precision, ratio, predicted)
     return {f"{p}/{c}": b for (p, c), b in bytes_by_case.items()}
+
+
+def worker_checkpointed_groups_lambdalr(rank: int, world: int):
+    """The issue's "Done when" run: HF GPT-2 (3 layers, tied) with non-reentrant gradient checkpointing,
+    nanoGPT's two param groups (decay 0.1 on matrices; 0 and half the learning rate on biases and
+    LayerNorm) and a ``LambdaLR`` stepping the ZeroOptimizer equals the single-process reference after
+    3 steps (rtol 1e-5); then ``torch.autograd.grad`` with respect to the input embeddings, through the
+    checkpointed blocks, equals the reference's."""
+    from torch_backend import ZeroDDP, ZeroOptimizer
+
+    lr = 1e-3
+    module = hf_gpt2(3)
+    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.train()
+    assert module.lm_head.weight is module.transformer.wte.weight
+    ref = copy.deepcopy(module)
+    model = ZeroDDP(module, chunk_size=1500, prefetch=1)
+    optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=nanogpt_groups(module, lr), lr=lr, eps=1e-6)
+    ref_opt = torch.optim.AdamW(nanogpt_groups(ref, lr), lr=lr, eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1.0 + s))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1.0 + s))
+    data = _data("lm", 3, 2 * world)
+    losses = zero_steps(model, optim, lm_loss, data, rank, world, sched)
+    ref_losses = []
+    for batch in data:
+        r = lm_loss(ref, batch)
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        ref_losses.append(r.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
+    assert [g["lr"] for g in optim.param_groups] == [lr / 4, lr / 8]
+    assert [g["weight_decay"] for g in optim.param_groups] == [0.1, 0.0]
+    assert_state_close(model.state_dict(), ref.state_dict(), **FP32)
+
+    def input_grad(m, ids):
+        inner = m.module if isinstance(m, ZeroDDP) else m
+        with torch.no_grad():
+            emb = inner.get_input_embeddings()(ids)
+        emb = emb.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(m(inputs_embeds=emb).logits.square().sum(), emb)
+        return g
+
+    batch = _data("lm", 1, 2 * world, seed=7)[0]
+    mine = micro(batch, rank, world)
+    want = input_grad(ref, batch)[rank * mine.shape[0] : (rank + 1) * mine.shape[0]]
+    got = input_grad(model, mine)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert model.gathered_chunks() == [] and all(model.grad_shard(c.index) is None for c in model.chunks)
+    return True
