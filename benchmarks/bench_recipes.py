@@ -277,60 +277,66 @@ def run_case(case: str, cfg: dict) -> list[dict]:
     return rows
 
 
+def _table(caption: str, columns: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    """A caption and a markdown table; the first ``left`` columns are left-aligned, the rest right."""
+    align = ["---"] * left + ["---:"] * (len(columns) - left)
+    return [caption + "\n", "| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _worst(r: dict, key: str) -> float:
+    return max(x[key] for x in r["ranks"])
+
+
 def table_ckpt(rows, cfg) -> str:
     r0 = rows[0]["ranks"][0]
-    out = [f"HF GPT-2, {cfg['ckpt_layers']} layers of width 768 ({r0['n_params'] / 1e6:.1f}M parameters, tied), "
-           f"dropout 0.1, ZeroDDP fp32 ({r0['chunks']} chunks) at W = {cfg['world_size']}, batch "
-           f"{cfg['ckpt_batch']}x{cfg['ckpt_seq']} tokens per rank, one AdamW step after a warm-up step; "
-           "the larger rank's figure.\n",
-           "| gradient checkpointing | peak bytes alive in the step (MiB) | peak RSS in the step (MiB) | step (s) |",
-           "|---|---:|---:|---:|"]
-    for r in rows:
-        alive = max(x["peak_alive"] for x in r["ranks"]) / MiB
-        rss = max(x["peak_rss"] for x in r["ranks"]) / MiB
-        secs = max(x["seconds"] for x in r["ranks"])
-        label = "`gradient_checkpointing_enable()` (non-reentrant)" if r["checkpointing"] else "off"
-        out.append(f"| {label} | {alive:.0f} | {rss:.0f} | {secs:.1f} |")
-    off, on = (max(x["peak_alive"] for x in r["ranks"]) for r in rows)
+    caption = (f"HF GPT-2, {cfg['ckpt_layers']} layers of width 768 ({r0['n_params'] / 1e6:.1f}M parameters, tied), "
+               f"dropout 0.1, ZeroDDP fp32 ({r0['chunks']} chunks) at W = {cfg['world_size']}, batch "
+               f"{cfg['ckpt_batch']}x{cfg['ckpt_seq']} tokens per rank, one AdamW step after a warm-up step; "
+               "the larger rank's figure.")
+    body = [["`gradient_checkpointing_enable()` (non-reentrant)" if r["checkpointing"] else "off",
+             f"{_worst(r, 'peak_alive') / MiB:.0f}", f"{_worst(r, 'peak_rss') / MiB:.0f}", f"{_worst(r, 'seconds'):.1f}"]
+            for r in rows]
+    out = _table(caption, ["gradient checkpointing", "peak bytes alive in the step (MiB)", "peak RSS in the step (MiB)",
+                           "step (s)"], body)
+    off, on = (_worst(r, "peak_alive") for r in rows)
     out.append(f"\nSaved: {(off - on) / MiB:.0f} MiB of peak bytes alive ({100 * (off - on) / off:.0f}%).")
     return "\n".join(out)
 
 
 def table_lora(rows, cfg) -> str:
     r0 = rows[1]["ranks"][0]
-    out = [f"HF GPT-2 small ({r0['n_params'] / 1e6:.1f}M parameters, tied); LoRA rank {cfg['lora_rank']} on c_attn, "
-           f"c_proj, c_fc: {r0['trainable'] / 1e6:.2f}M trainable parameters "
-           f"({100 * r0['trainable'] / r0['n_params']:.2f}%); AdamW; bytes right after `step()`.\n",
-           "| engine | fine-tuning | precision | model-state bytes per rank (MiB) | vs plain torch full |",
-           "|---|---|---|---:|---:|"]
+    caption = (f"HF GPT-2 small ({r0['n_params'] / 1e6:.1f}M parameters, tied); LoRA rank {cfg['lora_rank']} on "
+               f"c_attn, c_proj, c_fc: {r0['trainable'] / 1e6:.2f}M trainable parameters "
+               f"({100 * r0['trainable'] / r0['n_params']:.2f}%); AdamW; bytes right after `step()`.")
     base = rows[0]["ranks"][0]["state"]
-    for r in rows:
-        state = max(x["state"] for x in r["ranks"])
-        engine = "plain torch (1 process)" if r["engine"] == "torch" else f"ZeroDDP, W = {cfg['world_size']}"
-        out.append(f"| {engine} | {'LoRA' if r['lora'] else 'full'} | {r['precision']} | {state / MiB:.1f} | "
-                   f"{state / base:.3f} |")
-    return "\n".join(out)
+    body = [["plain torch (1 process)" if r["engine"] == "torch" else f"ZeroDDP, W = {cfg['world_size']}",
+             "LoRA" if r["lora"] else "full", r["precision"], f"{_worst(r, 'state') / MiB:.1f}",
+             f"{_worst(r, 'state') / base:.3f}"] for r in rows]
+    return "\n".join(_table(caption, ["engine", "fine-tuning", "precision", "model-state bytes per rank (MiB)",
+                                      "vs plain torch full"], body, left=3))
 
 
 def table_meta(rows, cfg) -> str:
     r0 = rows[0]["ranks"][0]
-    out = [f"HF GPT-2, {cfg['meta_layers']} layers, width {cfg['meta_width']} ({r0['n_params'] / 1e6:.1f}M parameters, "
-           f"{r0['n_params'] * 4 / MiB:.0f} MiB in fp32), ZeroDDP fp32, chunk size from the core search "
-           f"({r0['chunks']} chunks), W = {cfg['world_size']}. Peak RSS while building and wrapping, above the RSS "
-           "before; bound = this rank's shards + one (the largest) chunk, fp32, from the layout; the larger rank.\n",
-           "| construction | peak RSS per rank (MiB) | of it: anonymous / file-backed (MiB, sampled) | "
-           "shards + one chunk (MiB) | peak / bound | time (s) |",
-           "|---|---:|---:|---:|---:|---:|"]
+    caption = (f"HF GPT-2, {cfg['meta_layers']} layers, width {cfg['meta_width']} ({r0['n_params'] / 1e6:.1f}M "
+               f"parameters, {r0['n_params'] * 4 / MiB:.0f} MiB in fp32), ZeroDDP fp32, chunk size from the core "
+               f"search ({r0['chunks']} chunks), W = {cfg['world_size']}. Peak RSS while building and wrapping, above "
+               "the RSS before; bound = this rank's shards + one (the largest) chunk, fp32, from the layout; the "
+               "larger rank.")
     names = {"meta-init": "`torch.device(\"meta\")`, `param_init_fn=model._init_weights`",
              "meta-load": "`torch.device(\"meta\")`, uninitialized, then `load_pretrained(model, safetensors)`",
              "eager": "eager (the whole model built on each rank, then wrapped)"}
+    body = []
     for r in rows:
         worst = max(r["ranks"], key=lambda x: x["peak_rss"])
         bound = worst["shards"] + worst["chunk"]
-        out.append(f"| {names[r['how']]} | {worst['peak_rss'] / MiB:.0f} | {worst['peak_anon'] / MiB:.0f} / "
-                   f"{worst['peak_file'] / MiB:.0f} | {bound / MiB:.0f} | {worst['peak_rss'] / bound:.2f} | "
-                   f"{max(x['seconds'] for x in r['ranks']):.1f} |")
-    return "\n".join(out)
+        body.append([names[r["how"]], f"{worst['peak_rss'] / MiB:.0f}",
+                     f"{worst['peak_anon'] / MiB:.0f} / {worst['peak_file'] / MiB:.0f}", f"{bound / MiB:.0f}",
+                     f"{worst['peak_rss'] / bound:.2f}", f"{_worst(r, 'seconds'):.1f}"])
+    return "\n".join(_table(caption, ["construction", "peak RSS per rank (MiB)",
+                                      "of it: anonymous / file-backed (MiB, sampled)", "shards + one chunk (MiB)",
+                                      "peak / bound", "time (s)"], body))
 
 
 TABLES = {"ckpt": table_ckpt, "lora": table_lora, "meta": table_meta}

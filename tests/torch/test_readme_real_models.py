@@ -32,7 +32,9 @@ moved = max(float((got[k] - v).abs().max()) for k, v in saved.items())
 assert 0 < moved < 1e-4, moved  # the pretrained values, moved by 3 warm-up steps (lr <= 9e-6)
 assert [g["weight_decay"] for g in optim.param_groups] == [0.1, 0.0]
 assert all(math.isclose(g["lr"], want * 4 / 100) for g, want in zip(optim.param_groups, (3e-4, 1.5e-4)))
-assert {p.dim() >= 2 for p in optim.param_groups[0]["params"]} == {True}
+dims = {n: p.dim() for n, p in hf.named_parameters()}
+assert optim.group_names[1] and {dims[n] >= 2 for n in optim.group_names[0]} == {True}
+assert {dims[n] < 2 for n in optim.group_names[1]} == {True}
 # LoRA: only the adapters hold an fp32 master (one rank: no padding); they trained
 n_adapter = sum(p.numel() for p in lora.parameters() if p.requires_grad)
 assert 0 < n_adapter < sum(p.numel() for p in lora.parameters()) // 10
