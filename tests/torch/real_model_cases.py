@@ -15,8 +15,7 @@ import copy
 import torch
 
 from optim_cases import nanogpt_groups, zero_steps
-from recipe_cases import _data, hf_gpt2, lm_loss
-from zero_cases import ADAMW, FP32, assert_state_close, mean_over_ranks, micro
+from zero_cases import ADAMW, FP32, assert_state_close, batches, gpt2_loss, hf_gpt2, mean_over_ranks, micro
 
 CHUNK_SIZE = 1500  # elements: the tiny GPT-2 spreads over ~12 chunks, adapters in chunks of their own
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per element
@@ -94,7 +93,7 @@ def one_step_report(module, rank: int, world: int, mixed_precision: str):
 
     model = ZeroDDP(module, chunk_size=CHUNK_SIZE, mixed_precision=mixed_precision)
     optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
-    optim.backward(lm_loss(model, micro(_data("lm", 1, 2 * world)[0], rank, world)))
+    optim.backward(gpt2_loss(model, micro(batches("gpt2", 1, 2 * world)[0], rank, world)))
     assert optim.step()
     return model, optim.memory_report()
 
@@ -113,9 +112,9 @@ def worker_lora(rank: int, world: int):
     optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAMW)
     losses, ref_losses = [], []
-    data = _data("lm", 3, 2 * world)
+    data = batches("gpt2", 3, 2 * world)
     for step, batch in enumerate(data):
-        loss = lm_loss(model, micro(batch, rank, world))
+        loss = gpt2_loss(model, micro(batch, rank, world))
         optim.backward(loss)
         assert optim.step()
         if step == len(data) - 1:
@@ -123,7 +122,7 @@ def worker_lora(rank: int, world: int):
             assert optim.memory_report().model_state_bytes() == expected_model_state_bytes(model)
         optim.zero_grad()
         losses.append(mean_over_ranks(loss.item()))
-        r = lm_loss(ref, batch)
+        r = gpt2_loss(ref, batch)
         r.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -132,7 +131,7 @@ def worker_lora(rank: int, world: int):
     got, want = model.state_dict(), ref.state_dict()
     assert_state_close(got, want, **FP32)
     # the base did not move; the adapters did (lora_B starts at zero)
-    base = hf_gpt2().state_dict()
+    base = hf_gpt2(3).state_dict()
     for name, value in base.items():
         peft_name = "base_model.model." + name.replace("c_attn.", "c_attn.base_layer.").replace(
             "c_proj.", "c_proj.base_layer.").replace("c_fc.", "c_fc.base_layer.")
@@ -143,12 +142,12 @@ def worker_lora(rank: int, world: int):
     # the saving against full fine-tuning of the same model, as the layout predicts it
     bytes_by_case = {}
     for precision in ("fp32", "bf16"):
-        for case, build in (("lora", lora_gpt2), ("full", hf_gpt2)):
+        for case, build in (("lora", lora_gpt2), ("full", lambda: hf_gpt2(3))):
             m, report = one_step_report(build(), rank, world, precision)
             assert report.model_state_bytes() == expected_model_state_bytes(m), (precision, case, str(report))
             bytes_by_case[(precision, case)] = report.model_state_bytes()
         n_adapter = sum(p.numel() for n, p in lora_gpt2().named_parameters() if is_adapter(n))
-        n_base = sum(p.numel() for p in hf_gpt2().parameters())
+        n_base = sum(p.numel() for p in hf_gpt2(3).parameters())
         # per parameter, padding and step counters aside: LoRA = base x compute bytes + adapters x 16,
         # full fine-tuning = (base + adapters... none) x 16 (+ the compute-dtype copy of a resident chunk)
         compute = 4 if precision == "fp32" else 2
@@ -178,11 +177,11 @@ def worker_checkpointed_groups_lambdalr(rank: int, world: int):
     ref_opt = torch.optim.AdamW(nanogpt_groups(ref, lr), lr=lr, eps=1e-6)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1.0 + s))
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1.0 + s))
-    data = _data("lm", 3, 2 * world)
-    losses = zero_steps(model, optim, lm_loss, data, rank, world, sched)
+    data = batches("gpt2", 3, 2 * world)
+    losses = zero_steps(model, optim, gpt2_loss, data, rank, world, sched)
     ref_losses = []
     for batch in data:
-        r = lm_loss(ref, batch)
+        r = gpt2_loss(ref, batch)
         r.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -201,7 +200,7 @@ def worker_checkpointed_groups_lambdalr(rank: int, world: int):
         (g,) = torch.autograd.grad(m(inputs_embeds=emb).logits.square().sum(), emb)
         return g
 
-    batch = _data("lm", 1, 2 * world, seed=7)[0]
+    batch = batches("gpt2", 1, 2 * world, seed=7)[0]
     mine = micro(batch, rank, world)
     want = input_grad(ref, batch)[rank * mine.shape[0] : (rank + 1) * mine.shape[0]]
     got = input_grad(model, mine)
