@@ -16,7 +16,8 @@ whose :meth:`Pending.wait` completes them. On gloo the work runs on the process 
 threads; on CUDA the collective is issued from a dedicated communication stream that first waits
 for the compute stream (an event recorded where the inputs were written), and ``wait()`` makes the
 *current* (compute) stream wait for it — FSDP2's pattern. All buffers are allocated on the compute
-stream and kept alive by the ``Pending`` until it is waited for, so no ``record_stream`` is needed.
+stream and kept alive by the ``Pending`` until it is waited for, so no ``record_stream`` is needed:
+after the compute stream has waited for the collective, its allocator may reuse them.
 
 Averaging is always ``SUM`` followed by an explicit division by the world size — never
 ``PREMUL_SUM`` or ``AVG``, which not every backend (gloo) or torch version (2.5–2.13) supports.
@@ -49,6 +50,7 @@ __all__ = [
     "barrier",
     "broadcast_from_first",
     "broadcast_int",
+    "communication_stream",
     "default_backend",
     "reduce_scatter_avg",
     "world_group",
@@ -127,6 +129,12 @@ def _issue_context(tensor: torch.Tensor, async_op: bool):
         yield
 
 
+def communication_stream(tensor: torch.Tensor):
+    """Context that runs on ``tensor``'s device's communication stream (CUDA), after everything the
+    compute stream has queued; elsewhere it does nothing."""
+    return _issue_context(tensor, True)
+
+
 def _finish(work, epilogue, keep, async_op: bool) -> Pending:
     if async_op:
         return Pending(work, epilogue, keep)
@@ -152,10 +160,14 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_o
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard, non_blocking=True)
         return _DONE
+    copy_in = shard.device != output.device
+    # allocated here, on the compute stream, so that its memory is reused only after the wait
+    source = torch.empty(shard.shape, dtype=shard.dtype, device=output.device) if copy_in else shard.contiguous()
     with _issue_context(output, async_op):
-        shard = shard.to(output.device, non_blocking=True).contiguous()
-        work = _ALL_GATHER_FLAT(output, shard, group=group, async_op=async_op)
-    return _finish(work, None, (output, shard), async_op)
+        if copy_in:
+            source.copy_(shard, non_blocking=True)  # the host→device copy runs on the communication stream
+        work = _ALL_GATHER_FLAT(output, source, group=group, async_op=async_op)
+    return _finish(work, None, (output, source, shard), async_op)
 
 
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divide_first: bool = False,
@@ -221,10 +233,12 @@ def agreement_group(group):
     return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
 
 
-def agree(votes: torch.Tensor, group) -> None:
-    """Sum a small CPU int tensor of votes over ``group``'s ranks, in place (blocking)."""
-    if _world(group) > 1:
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group)
+def agree(votes: torch.Tensor, group, *, async_op: bool = False) -> Pending:
+    """Sum a small CPU int tensor of votes over ``group``'s ranks, in place; with ``async_op`` the sum
+    is there after ``wait()``."""
+    if _world(group) == 1:
+        return _DONE
+    return _finish(dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group, async_op=async_op), None, (votes,), async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> None:

@@ -17,20 +17,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from zero_cases import ADAMW, FP32, assert_state_close, micro, reference_run, zero_run
+from zero_cases import ADAMW, FP32, assert_state_close, gpt2_loss, hf_gpt2, micro, reference_run, zero_run
 
 
 def gpt2(n_layer: int = 8, n_embd: int = 32, frozen_blocks: tuple[int, ...] = ()):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=n_embd, n_layer=n_layer, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg)
-    for i in frozen_blocks:
-        model.transformer.h[i].requires_grad_(False)
-    return model
+    return hf_gpt2(n_layer=n_layer, n_embd=n_embd, frozen_blocks=frozen_blocks)
 
 
 class Reorderable(nn.Module):
@@ -46,10 +37,6 @@ class Reorderable(nn.Module):
         for block in (reversed(h.h) if reverse else h.h):
             x = block(x)
         return nn.functional.cross_entropy(self.lm.lm_head(h.ln_f(x)).flatten(0, 1), batch.flatten())
-
-
-def gpt2_loss(model, batch):
-    return model(input_ids=batch, labels=batch).loss
 
 
 def leaves(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from zero_cases import FP32, CASES, Odd, assert_state_close, batches, mean_over_ranks, micro, odd_loss
+from zero_cases import FP32, CASES, Odd, assert_state_close, batches, gpt2_loss, hf_gpt2, mean_over_ranks, micro, odd_loss
 
 UPDATE_RTOL = 0.05
 """Relative L2 error allowed between the low-precision run's update and the reference's."""
@@ -24,17 +23,7 @@ UPDATE_RTOL = 0.05
 # ---------------------------------------------------------------------------------------- helpers
 def gpt2_three_layers():
     """HF GPT-2, 3 layers, tied embeddings (the issue's "Done when" model)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg)
-
-
-def gpt2_loss(model, batch):
-    return model(input_ids=batch, labels=batch).loss
+    return hf_gpt2(n_layer=3)
 
 
 def nanogpt_groups(module, lr: float, key=lambda n, p: p):

@@ -14,21 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zero_cases import ADAMW, FP32, assert_state_close, mean_over_ranks, micro
-
-
-def hf_gpt2(n_layer: int = 3):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=n_layer, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(cfg)
-
-
-def lm_loss(model, batch):
-    return model(input_ids=batch, labels=batch).loss
+from zero_cases import ADAMW, FP32, assert_state_close, gpt2_loss, hf_gpt2, mean_over_ranks, micro
 
 
 class CheckpointedMLP(nn.Module):
@@ -101,14 +87,14 @@ def worker_activation_checkpointing(rank: int, world: int):
         assert all(c.master is None for c in model.chunks if not c.requires_grad)
 
     for use_reentrant in (False, True):
-        module = hf_gpt2()
+        module = hf_gpt2(n_layer=3)
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
         module.train()
         ref = copy.deepcopy(module)
         model = ZeroDDP(module, chunk_size=1500, prefetch=1)
         optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
         ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
-        _train_both(model, optim, ref, ref_opt, lm_loss, _data("lm", 3, 2 * world), rank, world)
+        _train_both(model, optim, ref, ref_opt, gpt2_loss, _data("lm", 3, 2 * world), rank, world)
     return True
 
 
@@ -118,7 +104,7 @@ def worker_autograd_grad(rank: int, world: int):
     and the training steps around it still equal the reference."""
     from torch_backend import ZeroDDP, ZeroOptimizer
 
-    module = hf_gpt2()
+    module = hf_gpt2(n_layer=3)
     ref = copy.deepcopy(module)
     model = ZeroDDP(module, chunk_size=1500, prefetch=1)
     optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
@@ -158,8 +144,8 @@ def worker_autograd_grad(rank: int, world: int):
             r = penalized(ref, batch) / 1.0
             r.backward()
         else:
-            optim.backward(lm_loss(model, mine))
-            lm_loss(ref, batch).backward()
+            optim.backward(gpt2_loss(model, mine))
+            gpt2_loss(ref, batch).backward()
         optim.step()
         optim.zero_grad()
         ref_opt.step()
@@ -228,7 +214,7 @@ def worker_no_silent_noops(rank: int, world: int):
     module = hf_gpt2(n_layer=2)
     model = ZeroDDP(module, chunk_size=1500)
     batch = micro(_data("lm", 1, 2 * world)[0], rank, world)
-    lm_loss(model, batch).backward()
+    gpt2_loss(model, batch).backward()
     for what, call in (("sgd", lambda: torch.optim.SGD(model.parameters(), lr=0.1).step()),
                        ("clip", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))):
         try:
@@ -239,7 +225,7 @@ def worker_no_silent_noops(rank: int, world: int):
             raise AssertionError(f"{what} over model.parameters() did nothing and said nothing")
     optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
     optim.zero_grad()
-    optim.backward(lm_loss(model, batch))
+    optim.backward(gpt2_loss(model, batch))
     assert optim.step()
     return True
 

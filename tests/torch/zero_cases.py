@@ -28,16 +28,23 @@ ADAMW = dict(lr=1e-3, eps=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- models
-def tiny_gpt2():
+def hf_gpt2(n_layer: int = 2, n_embd: int = 16, frozen_blocks: tuple[int, ...] = ()):
+    """A small HF GPT-2 LM (vocabulary 64, 16 positions, tied embeddings, no dropout), seed 0."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=n_embd, n_layer=n_layer, n_head=2, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
     assert model.lm_head.weight is model.transformer.wte.weight
+    for i in frozen_blocks:
+        model.transformer.h[i].requires_grad_(False)
     return model
+
+
+def tiny_gpt2():
+    return hf_gpt2()
 
 
 def tiny_bert():
