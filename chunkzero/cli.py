@@ -133,8 +133,9 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
 
     prog = "chunkzero train"
     from torch_backend import launch as launcher  # lazily: imports torch
+    from torch_backend.process_exit import exit_without_finalization_at_exit
     from torch_backend.resolve import validate
-    from torch_backend.worker import worker_main
+    from torch_backend.worker import launched_worker, worker_main
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()})
     hooks = tuple(on_step_end)
@@ -143,11 +144,11 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
         import os
 
         result = worker_main(cfg, hooks)
-        if result["status"] in ("error", "failed"):
-            if os.environ.get("RANK") == "0":
-                fail(prog, result["message"])
-            return EXIT_BAD_INPUT if result["status"] == "error" else EXIT_FAILED
-        return EXIT_OK
+        code = {"error": EXIT_BAD_INPUT, "failed": EXIT_FAILED}.get(result["status"], EXIT_OK)
+        if code != EXIT_OK and os.environ.get("RANK") == "0":
+            fail(prog, result["message"])
+        exit_without_finalization_at_exit(code)  # gloo's threads may still run: no finalization under them
+        return code
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("chunkzero.cli")
@@ -159,7 +160,7 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     del corpus
     log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, cfg.out)
     try:
-        results = launcher.launch(worker_main, (cfg, hooks), cfg.nproc)
+        results = launcher.launch(launched_worker, (cfg, hooks), cfg.nproc)
     except launcher.WorkerFailure as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_FAILED

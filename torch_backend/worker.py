@@ -5,6 +5,10 @@ Started by :func:`torch_backend.launch.launch` (``nproc`` local processes) or ru
 are in the environment. The worker joins the process group (:func:`init_distributed`), checks its
 inputs with the others (all train or all stop with one message), prepares ``--out`` (rank 0), writes
 ``pids/rank<r>.pid`` and runs :func:`torch_backend.train.train`.
+
+A worker ends without interpreter finalization, where gloo's threads could abort it
+(:mod:`torch_backend.process_exit`): :func:`launched_worker` is the entry point the launcher starts,
+and under ``torchrun`` the CLI arranges the same exit (:func:`exit_without_finalization_at_exit`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from chunkzero.train_config import TrainConfig
 from .collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
 from .models import load_run_corpus
+from .process_exit import exit_without_finalization_at_exit
 from .report import setup_logging
 from .resolve import resolve_device, threads_per_worker, validate
 from .train import StepHook, train
@@ -143,3 +148,12 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
                 dist.destroy_process_group()
             except Exception:  # pragma: no cover - best effort at exit
                 pass
+
+
+def launched_worker(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
+    """:func:`worker_main` as started by :func:`torch_backend.launch.launch`: returns its result (which the
+    launcher collects after this returns) and makes the process then exit with status 0 without
+    interpreter finalization (:func:`torch_backend.process_exit.exit_without_finalization_at_exit`)."""
+    result = worker_main(cfg, on_step_end)
+    exit_without_finalization_at_exit(0)
+    return result

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from .exit_probe import clean_exits, markers
 from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, make_corpus, read_metrics, run_train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-KILL_WORKER = Path(__file__).with_name("kill_worker.py")
+HOOKED_TRAIN = Path(__file__).with_name("hooked_train.py")
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,7 @@ def test_default_run_shows_chunked_zero3(tmp_path):
     """The default model at the searched chunk size spans at least 4 chunks on the default 2 workers; the
     summary gives the chunk count, each rank's shard (half of the parameters) and the peak gathered."""
     out = tmp_path / "run"
-    proc = run_train("--steps", "2", "--out", str(out), cwd=tmp_path)
+    proc = run_train("--steps", "2", "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert _chunks_logged(proc.stderr) >= 4
     summary = json.loads((out / "summary.json").read_text())
@@ -157,8 +158,8 @@ def test_more_workers_than_cores_run_oversubscribed(tmp_path):
     then 3 workers of 1 thread each train the default model."""
     out = tmp_path / "run"
     cores = sorted(os.sched_getaffinity(0))[:2]
-    proc = subprocess.run(chunkzero_cmd("train", "--nproc", "3", "--steps", "2", "--out", str(out)), cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=600, check=False,
+    cmd = chunkzero_cmd("train", "--nproc", "3", "--steps", "2", "--sample-tokens", "0", "--out", str(out))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=600, check=False,
                           preexec_fn=lambda: os.sched_setaffinity(0, cores))
     assert proc.returncode == 0, describe(proc)
     warnings = [ln for ln in proc.stderr.splitlines() if "oversubscribed" in ln]
@@ -218,6 +219,23 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
     assert summary["tokens"] == train[-1]["tokens"] and summary["world_size"] == 2
 
 
+@pytest.mark.parametrize("launcher", ["chunkzero", "torchrun"])
+def test_workers_end_without_interpreter_finalization(launcher, corpus, tmp_path):
+    """Each worker runs its exit hooks (``threading``'s, ``atexit``'s) and then leaves without finalizing the
+    interpreter, where gloo's threads could abort it (``torch_backend.process_exit``): launched by
+    ``chunkzero train`` and under torchrun alike. The probe is installed by an ``on_step_end`` hook."""
+    probe = tmp_path / "markers"
+    probe.mkdir()
+    script = [str(HOOKED_TRAIN), f"exit-probe:{probe}", "train", "--data", str(corpus), *SMALL, "--steps", "2",
+              "--eval-interval", "100", "--sample-tokens", "0", "--out", str(tmp_path / "run")]
+    if launcher == "torchrun":
+        script = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
+    proc = subprocess.run([chunkzero_cmd()[0], *script], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    assert markers(probe) == clean_exits(["0", "1"])
+
+
 # ------------------------------------------------------------------------------------------ a dying worker
 
 def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
@@ -253,10 +271,10 @@ def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
 
 def test_killed_worker_under_torchrun(corpus, tmp_path):
     """Under torchrun the same death ends the run (torchrun's agent reports the rank), within the bound.
-    Rank 1 kills itself after step 3 through an ``on_step_end`` hook (``kill_worker.py``)."""
+    Rank 1 kills itself after step 3 through an ``on_step_end`` hook (``hooked_train.py``)."""
     out = tmp_path / "run"
     cmd = [chunkzero_cmd()[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(KILL_WORKER), "1:3", "train", "--data", str(corpus), *SMALL, "--steps", "100000",
+           str(HOOKED_TRAIN), "kill:1:3", "train", "--data", str(corpus), *SMALL, "--steps", "100000",
            "--eval-interval", "100000", "--sample-tokens", "0", "--out", str(out)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
