@@ -217,7 +217,7 @@ def worker_features(rank: int, world: int):
 
     build, loss_fn, kg, cs = CASES["gpt2"]
 
-    # --- no_sync: 4 micro-batches accumulated, then one synced step == one big batch
+    # --- no_sync: 3 micro-batches accumulated under no_sync, a fourth synced, then one step == one big batch
     module = build()
     ref = copy.deepcopy(module)
     model = ZeroDDP(module, chunk_size=cs, keep_gathered=kg)
