@@ -35,10 +35,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import CheckpointError, CheckpointFormatError, ConfigError
 from .meta import META_ITEM, STATE_ITEM, ArrayPath, CheckpointMeta, array_name
 from .steps import list_steps, resolve_step_dir
-from .tree import flat_arrays
+from .tree import flat_arrays, state_tree
 
 logger = logging.getLogger("chunkzero.checkpoint")
 
@@ -302,11 +304,8 @@ def save_step(
             raise CheckpointError(f"step {step} is before the latest step {existing[-1]} under {str(directory)!r}; "
                                   "steps only grow (write elsewhere to branch)")
         try:
-            saved = manager.save(
-                step,
-                args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave(tree), META_ITEM: ocp.args.JsonSave(doc)}),
-                force=True,
-            )
+            items = {STATE_ITEM: ocp.args.PyTreeSave(tree, save_args=_save_args(meta, tree)), META_ITEM: ocp.args.JsonSave(doc)}
+            saved = manager.save(step, args=ocp.args.Composite(**items), force=True)
             if saved and not async_save:
                 manager.wait_until_finished()
         except Exception as e:
@@ -314,6 +313,15 @@ def save_step(
     if not saved:
         raise CheckpointError(f"Orbax declined to save step {step} under {str(directory)!r}")
     return directory / str(step)
+
+
+def _save_args(meta: CheckpointMeta, tree: Mapping[str, Any]) -> dict[str, Any]:
+    """Orbax ``SaveArgs`` per array: storage chunks of the array's storage block
+    (:meth:`CheckpointMeta.storage_block_numel`, which divides what each process writes, so Orbax's
+    chunk choice — the largest divisor of the write within ``chunk_byte_size`` — is that block)."""
+    ocp = _ocp()
+    return state_tree({p: ocp.SaveArgs(chunk_byte_size=meta.storage_block_numel(p) * np.dtype(a.dtype).itemsize)
+                       for p, a in flat_arrays(tree).items()})
 
 
 def _orbax_failure(e: BaseException, timeout_s: float) -> str:
