@@ -10,9 +10,12 @@ shard and Orbax writes each shard from the process that holds it. A keep-gathere
 
 Every wait for the other processes is bounded by ``timeout_s``: the start of ``jax.distributed``, each
 Orbax barrier of a save, and the shutdown barrier at the process's exit. A rank that died therefore
-ends the others' save with a :class:`~chunkzero.errors.CheckpointError` after ``timeout_s``; JAX then
-stops the survivors itself (its coordination service ends a job whose process stopped sending
-heartbeats, at the latest ``max(100, 2·timeout_s)`` s later or at their exit), so nothing hangs.
+ends the others' save with a :class:`~chunkzero.errors.CheckpointError` after ``timeout_s``. JAX then
+ends the survivors itself, with an abort: its coordination service stops a job one of whose processes
+stopped sending heartbeats (``heartbeat_timeout_seconds = max(100, 2·timeout_s)``, so our error comes
+first), and a process's exit fails at the shutdown barrier its dead peer never reaches. Nothing
+hangs. (JAX's ``jax_enable_recoverability`` would let the survivors exit cleanly, but then rank 0,
+which hosts the coordination service, aborts every rank still running when it exits first.)
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ A plain ``orbax.checkpoint`` user restores ``state`` as numpy, or with target sh
 device count (padding differs between world sizes; restore with ``global_shape`` of the new size,
 or slice ``[:utilized]``).
 
-Each saved shard carries a checksum over its valid elements; :class:`CheckpointMeta` knows the saved
-shards' ranges (:meth:`CheckpointMeta.saved_shards`), builds the record and verifies against it.
+Each saved shard carries a checksum over its valid elements, and one per storage block of it
+(:mod:`chunkzero.checkpoint.checksums`); :class:`CheckpointMeta` knows the saved shards' ranges
+(:meth:`CheckpointMeta.saved_shards`) and blocks, builds the record and verifies against it.
 """
 
 from __future__ import annotations
@@ -167,11 +168,13 @@ class CheckpointMeta:
         rng_states: one JSON-able RNG-state dict per saving rank (or ``None``).
         extra: anything else the caller passed (JSON-able).
         checksums: optional integrity record of the ``state`` arrays, written at save by both backends:
-            ``{"algorithm": "sum64+xor64", "arrays": {"params/chunk_0000": [hex per saving rank], ...}}``
+            ``{"algorithm": "sum64+xor64", "arrays": {"params/chunk_0000": [hex per saving rank], ...},
+            "blocks": {"params/chunk_0000": {"block_numel": n, "sums": [[hex per block] per saving rank]}}}``
             — one entry per saved shard (one for a keep-gathered chunk), computed over the shard's
-            valid (unpadded) elements; see :func:`shard_checksum` and :meth:`verify_shard`. Absent
-            (``None``) in checkpoints written without it; readers then skip verification. Serialized
-            only when present.
+            valid (unpadded) elements, and one per storage block of it (``blocks``: optional, absent in
+            checkpoints written before it); see :mod:`chunkzero.checkpoint.checksums`,
+            :meth:`verify_shard` and :meth:`verify_blocks`. Absent (``None``) in checkpoints written
+            without it; readers then skip verification. Serialized only when present.
     """
 
     step: int
