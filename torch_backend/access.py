@@ -8,6 +8,8 @@ and the placeholder left in ``param.grad``.
   (or a view of a chunk buffer, such as ``weight.t()`` inside ``F.linear``) saved for backward.
   Each holds one reference on its chunk; when autograd frees it (after the node that needed it ran)
   the reference goes, and a chunk no saved tensor needs any more is released in backward.
+- :class:`SavedActivation` — any other saved tensor while a placement trace counts the activations
+  alive (``placement="auto"`` on CPU): its bytes are counted while autograd holds it.
 - :class:`ShardedGradPlaceholder` — what ``param.grad`` holds after a backward: the gradient lives
   in chunk shards, so any use of it (a plain torch optimizer over ``model.parameters()``,
   ``clip_grad_norm_``) raises a clear error instead of silently doing nothing.
@@ -25,7 +27,7 @@ from chunkzero.errors import ConfigError
 if TYPE_CHECKING:
     from .runtime import ChunkRuntime
 
-__all__ = ["ParamAccessMode", "SavedParam", "SavedView", "ShardedGradPlaceholder", "storage_key"]
+__all__ = ["ParamAccessMode", "SavedActivation", "SavedParam", "SavedView", "ShardedGradPlaceholder", "storage_key"]
 
 # Tensor attributes and methods that read only metadata (right on a released parameter): no gather.
 _METADATA_ONLY = frozenset({
@@ -118,6 +120,24 @@ class SavedView:
     def __del__(self):
         try:
             self.runtime.saved_released(self.chunk, None)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class SavedActivation:
+    """A saved tensor that is not model data (an activation), held for a counter of the bytes alive:
+    ``counter.add(tensor)`` when saved returns a key, ``counter.release(key)`` when autograd frees it
+    (:class:`torch_backend.placement.SavedBytes`)."""
+
+    __slots__ = ("counter", "key", "tensor")
+
+    def __init__(self, counter, tensor):
+        self.counter, self.tensor = counter, tensor
+        self.key = counter.add(tensor)
+
+    def __del__(self):
+        try:
+            self.counter.release(self.key)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 

@@ -55,6 +55,18 @@ def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype, compute_devic
     return t.to(device, dtype, copy=True)
 
 
+def _moved(t: torch.Tensor, device: torch.device, compute_device: torch.device) -> torch.Tensor:
+    """A fresh copy of ``t`` on ``device`` (pinned host memory when computing on CUDA), issued
+    asynchronously (stream-ordered on CUDA)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        out = host_empty(t.numel(), t.dtype, compute_device)
+    else:
+        out = torch.empty(t.numel(), dtype=t.dtype, device=device)
+    out.copy_(t.reshape(-1), non_blocking=True)
+    return out
+
+
 class Chunk:
     """One chunk's storage and state on this rank.
 
@@ -72,6 +84,10 @@ class Chunk:
             when optimizer-offloaded); ignored for a frozen chunk.
         group: process group or ``None`` (single process).
         divide_first: divide gradients by the world size before reducing (fp16).
+        movable: the placement may move the parameter shard and the master between host and device
+            between uses (``placement="auto"``, :meth:`move_shard` / :meth:`move_master`): the shard is
+            then always a tensor of its own (never the master's storage, never ``None``) and only a
+            keep-gathered chunk is resident (at world size 1 the gathered buffer is a copy of the shard).
         initial: the full chunk's initial values (fp32, 1-D, ``size`` elements) — already identical
             on every rank.
     """
@@ -90,6 +106,7 @@ class Chunk:
         group,
         divide_first: bool,
         initial: torch.Tensor,
+        movable: bool = False,
     ):
         info = layout.chunks[index]
         self.index = index
@@ -112,7 +129,8 @@ class Chunk:
         self.placements: tuple[TensorPlacement, ...] = layout.chunk_tensors(index)
         self.params = params
         self.param_offloaded = bool(param_offloaded) and not self.keep_gathered
-        self.resident = self.keep_gathered or (self.world_size == 1 and not self.param_offloaded)
+        self.movable = movable
+        self.resident = self.keep_gathered or (self.world_size == 1 and not self.param_offloaded and not movable)
         """Never released: keep-gathered, or a single rank whose shard is the whole chunk on the device."""
         self.states = ChunkStates(info.tensor_names, initial=S.HOLD if self.resident else S.FREE)
 
@@ -124,9 +142,9 @@ class Chunk:
             self.shard = _on(mine, shard_device, self.dtype, self.device)  # frozen: compute dtype only
         else:
             self.master = torch.nn.Parameter(_on(mine, self.master_device, torch.float32, self.device))
-            if self.dtype == torch.float32 and self.master_device == shard_device:
+            if self.dtype == torch.float32 and self.master_device == shard_device and not movable:
                 self.shard = self.master.data  # fp32: the master shard is the parameter shard
-            elif self.resident or shard_device != self.master_device or shard_device != self.device:
+            elif self.resident or movable or shard_device != self.master_device or shard_device != self.device:
                 self.shard = _on(mine, shard_device, self.dtype, self.device)
             else:
                 self.shard = None  # cast from the master at gather time
@@ -239,9 +257,51 @@ class Chunk:
         if self.master is None:
             return
         if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
-            self.shard.copy_(self.master.detach(), non_blocking=True)
+            # across devices, move first (async from pinned memory) and cast on the far side: a copy that
+            # also casts would go through a pageable host buffer
+            self.shard.copy_(self.master.detach().to(self.shard.device, non_blocking=True))
         if not self.resident and self._gathered:
             self.release()  # the gathered copy is stale; the next use gathers the new values
+
+    # ------------------------------------------------------------------ placement moves (movable chunks)
+    def move_shard(self, device: torch.device, *, offloaded: bool) -> int:
+        """Move the persistent parameter shard to ``device`` (host: pinned when computing on CUDA); the
+        copy is asynchronous on CUDA. Always a copy, also where host and device are the same memory
+        (CPU), so the path is the same. ``offloaded``: the shard is now off the device (sets
+        :attr:`param_offloaded`). Returns the bytes copied.
+
+        Raises:
+            ValueError: the chunk is not movable, or resident (its shard is the gathered buffer).
+        """
+        if not self.movable or self.resident:
+            raise ValueError(f"chunk {self.index}'s parameter shard cannot move (movable={self.movable}, resident={self.resident})")
+        self.shard = _moved(self.shard, device, self.device)
+        self.param_device = torch.device(device)
+        self.param_offloaded = bool(offloaded)
+        return self.shard.numel() * self.shard.element_size()
+
+    def move_master(self, device: torch.device) -> int:
+        """Move the fp32 master shard and its gradient to ``device`` (a copy, as :meth:`move_shard`);
+        reductions in flight are completed first. The optimizer state follows the master at the next
+        ``ZeroOptimizer.step`` (it sees the master replaced). Returns the bytes copied (0 when frozen).
+
+        Raises:
+            ValueError: the chunk is not movable.
+        """
+        if not self.movable:
+            raise ValueError(f"chunk {self.index}'s master cannot move (not movable)")
+        if self.master is None:
+            return 0
+        self.finish_reduces()
+        self.finish_host_gradients()
+        grad, self.master.grad = self.master.grad, None
+        self.master.data = _moved(self.master.detach(), device, self.device)
+        moved = self.master.numel() * 4
+        if grad is not None:
+            self.master.grad = _moved(grad, device, self.device)
+            moved += grad.numel() * 4
+        self.master_device = torch.device(device)
+        return moved
 
     # ------------------------------------------------------------------ gradients
     def _grad_buffer(self) -> torch.Tensor:

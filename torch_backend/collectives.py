@@ -233,10 +233,12 @@ def agreement_group(group):
     return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
 
 
-def agree(votes: torch.Tensor, group) -> None:
-    """Sum a small CPU int tensor of votes over ``group``'s ranks, in place (blocking)."""
-    if _world(group) > 1:
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group)
+def agree(votes: torch.Tensor, group, *, async_op: bool = False) -> Pending:
+    """Sum a small CPU int tensor of votes over ``group``'s ranks, in place; with ``async_op`` the sum
+    is there after ``wait()``."""
+    if _world(group) == 1:
+        return _DONE
+    return _finish(dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group, async_op=async_op), None, (votes,), async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> None:

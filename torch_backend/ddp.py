@@ -66,6 +66,8 @@ from chunkzero.errors import ConfigError, ShapeMismatchError
 from . import collectives
 from .chunks import TORCH_DTYPES, Chunk
 from .materialize import MetaMaterializer
+from .placement import (DEFAULT_STEADY_DEVICE_CAP_RATIO, AutoPlacement, check_placement_arguments, placement_budget_bytes,
+                        warmup_placements)
 from .memory import MEMORY_KINDS, MemoryReport
 from .runtime import ChunkRuntime, Entry, under_torch_compile
 from .schedule import Scheduler
@@ -116,10 +118,21 @@ class ZeroDDP(nn.Module):
             instead of raising (the optimizer then skips them, as torch skips ``grad is None``).
         placement: ``"static"`` (Gemini's static policy): the two fractions below decide, once, where
             each chunk's tensors live (:func:`chunkzero.static_placement`; :attr:`placements`).
+            ``"auto"`` (Gemini's auto policy, :mod:`torch_backend.placement`): a warm-up step with every
+            chunk on the host records the non-model memory at each chunk access; from the next step the
+            parameter shards move between host and device by Belady's farthest-next-use rule within the
+            budget, and the optimizer state of the chunks the margin cannot hold stays on the host
+            (:attr:`auto_placement`).
+        device_memory_bytes: ``placement="auto"`` only: the device memory to plan within (default: the
+            CUDA device's total memory; on CPU the machine's physical RAM).
+        steady_device_cap_ratio: ``placement="auto"``: share in ``(0, 1]`` of ``device_memory_bytes``
+            that the chunks on the device plus the non-model memory may use (Gemini's
+            ``steady_cuda_cap_ratio``).
         offload_optim_frac: fraction of trainable chunks (first in chunk order, rounded up) whose fp32
             master, gradient and optimizer state live on the host.
         offload_param_frac: fraction of sharded chunks whose compute-dtype parameter shard lives on the
-            host between uses (their master too); each gather copies it to the device first.
+            host between uses (their master too); each gather copies it to the device first. Both
+            fractions are for ``placement="static"``.
         keep_gathered: parameters to pack into keep-gathered (never sharded, all-reduced) chunks: an
             iterable of names (any alias matches) or a predicate ``name -> bool``.
         device: where a module built on the meta device is materialized (default: the current CUDA
@@ -135,7 +148,7 @@ class ZeroDDP(nn.Module):
     :meth:`grad_shard`, :meth:`load_master_shard`, :meth:`synchronize`.
 
     Raises:
-        ConfigError: a bad argument, a module without parameters, parameters on several devices, or a
+        ConfigError: a bad argument (named), a module without parameters, parameters on several devices, or a
             non-floating parameter.
     """
 
@@ -148,6 +161,8 @@ class ZeroDDP(nn.Module):
         mixed_precision: str = "fp32",
         prefetch: int = 1,
         placement: str = "static",
+        device_memory_bytes: int | None = None,
+        steady_device_cap_ratio: float = DEFAULT_STEADY_DEVICE_CAP_RATIO,
         reshard_after_forward: bool = True,
         find_unused_parameters: bool = False,
         offload_optim_frac: float = 0.0,
@@ -168,8 +183,8 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch must be a non-negative int (chunks), got {prefetch!r}")
-        if placement != "static":
-            raise ConfigError(f"placement must be 'static', got {placement!r}")
+        check_placement_arguments(placement, offload_optim_frac, offload_param_frac, device_memory_bytes)
+        auto = placement == "auto"
 
         self.module = module
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -204,6 +219,7 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"device={str(device)!r} differs from the parameters' device {next(iter(devices))}; "
                               "it is for modules built on the meta device")
         self.device: torch.device = devices.pop()
+        budget = placement_budget_bytes(self.device, device_memory_bytes, steady_device_cap_ratio) if auto else None
         for p, names in groups.values():
             if not p.is_floating_point():
                 raise ConfigError(f"parameter {names[0]!r} has dtype {p.dtype}; only floating parameters can be sharded")
@@ -222,11 +238,11 @@ class ZeroDDP(nn.Module):
         """The core layout (tensors → chunks → shards); identical on every rank."""
 
         # ---- placement: where each chunk's parameter shard, master, gradient and optimizer state live
-        self.placements: tuple[ChunkPlacement, ...] = static_placement(
-            self.layout.chunks, offload_optim_frac=self.offload_optim_frac, offload_param_frac=self.offload_param_frac)
-        """One :class:`chunkzero.ChunkPlacement` per chunk (Gemini's static policy over the fractions)."""
-        self.offload_param_chunks: tuple[int, ...] = tuple(p.index for p in self.placements if p.param_offloaded)
-        self.offload_optim_chunks: tuple[int, ...] = tuple(p.index for p in self.placements if p.optim_offloaded)
+        self._static_placements: tuple[ChunkPlacement, ...] = warmup_placements(self.layout.chunks) if auto else \
+            static_placement(self.layout.chunks, offload_optim_frac=self.offload_optim_frac,
+                             offload_param_frac=self.offload_param_frac)
+        self.auto_placement: AutoPlacement | None = None
+        """``placement="auto"``: the tracer and applier (its plan, trace, budget and bytes moved)."""
         where = {Location.DEVICE: self.device, Location.HOST: torch.device("cpu"), None: self.device}
 
         # ---- build the chunks (one full chunk in memory at a time)
@@ -251,12 +267,13 @@ class ZeroDDP(nn.Module):
                 self.rank,
                 {t.name: by_name[t.name] for t in placements},
                 device=self.device,
-                param_device=where[self.placements[info.index].param],
-                master_device=where[self.placements[info.index].master],
-                param_offloaded=self.placements[info.index].param_offloaded,
+                param_device=where[self._static_placements[info.index].param],
+                master_device=where[self._static_placements[info.index].master],
+                param_offloaded=self._static_placements[info.index].param_offloaded,
                 group=process_group,
                 divide_first=divide_first,
                 initial=initial,
+                movable=auto,
             )
             del initial
             self.chunks.append(chunk)
@@ -272,6 +289,28 @@ class ZeroDDP(nn.Module):
         self._runtime = ChunkRuntime(module, self.layout, self.chunks, entries, scheduler,
                                      find_unused_parameters=self.find_unused_parameters,
                                      reshard_after_forward=self.reshard_after_forward)
+        if auto:
+            self.auto_placement = AutoPlacement(self.chunks, scheduler, self._runtime, placements=self._static_placements,
+                                                device=self.device, budget_bytes=budget, prefetch=prefetch)
+
+    # ================================================================== placement
+    @property
+    def placements(self) -> tuple[ChunkPlacement, ...]:
+        """One :class:`chunkzero.ChunkPlacement` per chunk, as things are now (Gemini's static policy
+        over the fractions; with ``placement="auto"`` the applier's, which change between accesses)."""
+        if self.auto_placement is not None:
+            return tuple(self.auto_placement.placements)
+        return self._static_placements
+
+    @property
+    def offload_param_chunks(self) -> tuple[int, ...]:
+        """Chunks whose parameter shard is on the host now."""
+        return tuple(p.index for p in self.placements if p.param_offloaded)
+
+    @property
+    def offload_optim_chunks(self) -> tuple[int, ...]:
+        """Chunks whose master, gradient and optimizer state are on the host now."""
+        return tuple(p.index for p in self.placements if p.optim_offloaded)
 
     # ================================================================== construction helpers
     @staticmethod
@@ -297,12 +336,17 @@ class ZeroDDP(nn.Module):
         Raises:
             UnusedParameterError: the previous backward left a parameter without a gradient on every rank.
             ConfigError: called under ``torch.compile`` (compile the module or its blocks instead).
+            PlacementBudgetError: ``placement="auto"``: after the warm-up, the budget cannot hold some
+                chunk access (the chunk plus the non-model memory there; both numbers named).
         """
         if under_torch_compile():
             raise ConfigError("torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
                               "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)")
         if self.compute_dtype != torch.float32:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        if self.auto_placement is not None:
+            self._runtime.raise_pending_error()
+            self.auto_placement.before_forward(torch.is_grad_enabled())
         return self._runtime.forward(args, kwargs)
 
     def _cast_input(self, x):
@@ -350,8 +394,11 @@ class ZeroDDP(nn.Module):
             self.synchronize()
 
     def synchronize(self) -> None:
-        """Wait for every collective in flight (prefetched gathers, gradient reductions)."""
+        """Wait for every collective in flight (prefetched gathers, gradient reductions) and, with
+        ``placement="auto"`` on CUDA, every placement copy."""
         self._runtime.sched.wait_all()
+        if self.auto_placement is not None:
+            self.auto_placement.synchronize()
 
     def finish_gradients(self) -> None:
         """Complete every gradient reduction (collective): waits for those in flight, and reduces

@@ -137,6 +137,28 @@ class PieceStates:
                 self.keys.append(key)
         return buf
 
+    def follow_master(self, ci: int) -> None:
+        """Chunk ``ci``'s master was replaced (a placement moved it): its state buffers move to the
+        master's device (a copy, also where both are the same memory) and the pieces' state entries
+        become views of the new buffers; 0-d entries kept off the CPU (fused/capturable ``step``)
+        move along."""
+        flat = self.flat.get(ci)
+        if not flat:
+            return
+        device = self.chunks[ci].master.device
+        for key, buf in flat.items():
+            flat[key] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+            flat[key].copy_(buf)
+        for p in self.pieces[ci]:
+            st = self.state.get(p.param)
+            for key in list(p.views):
+                p.views[key] = flat[key][p.offset : p.offset + p.numel]
+                if st is not None and key in st:
+                    st[key] = p.views[key]
+            for key, value in (st or {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type != "cpu":
+                    st[key] = value.to(device)
+
     # ------------------------------------------------------------------ shard-level I/O
     def shard_state(self, ci: int) -> dict[str, torch.Tensor]:
         """The live flat buffers of chunk ``ci``, its other 0-d entries, and its ``step`` (the largest

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from chunkzero import ChunkLayout, TensorState
 from chunkzero.errors import ConfigError, UnusedParameterError
 
-from .access import ParamAccessMode, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
+from .access import ParamAccessMode, SavedActivation, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
 from .chunks import Chunk
 from .schedule import BACKWARD, FORWARD, OUTSIDE, Scheduler
 
@@ -136,11 +136,15 @@ class ChunkRuntime:
         self._phase: str | None = None
         self._mode_stack: list[tuple[nn.Module, ParamAccessMode]] = []
         self._release_in_forward = True
+        self._keep_for_backward: set[int] = set()
         self._fwd_used: dict[int, set[str]] = {}
         self._bwd_grads: set[int] = set()
         self._finalize_queued = False
         self._pending_error: Exception | None = None
         self._placeholders_set = False
+        self.saved_activations = None
+        """While set (a placement trace on CPU), every other saved tensor is held as a
+        :class:`~torch_backend.access.SavedActivation` counted by it."""
         self.backward_passes = 0
         """Backward passes finished so far."""
         self.grad_received = torch.zeros(len(layout.tensors), dtype=torch.bool)
@@ -164,6 +168,7 @@ class ChunkRuntime:
         self._clear_placeholders()
         grad_enabled = torch.is_grad_enabled()
         self._release_in_forward = self.reshard_after_forward or not grad_enabled
+        self._keep_for_backward = self.sched.prefetched_for(BACKWARD) if grad_enabled else set()
         self._fwd_used = {}
         self._phase = FORWARD
         self.sched.start(FORWARD)
@@ -178,9 +183,8 @@ class ChunkRuntime:
             self._phase = None
             self._fwd_used = {}
             self.sched.end(FORWARD, prefetch_next=BACKWARD if grad_enabled else None)
-            keep = self.sched.prefetched_for(BACKWARD) if grad_enabled else set()
             for c in self.chunks:
-                self._rest(c, release=self._release_in_forward and c.index not in keep)
+                self._rest(c, release=self._release_in_forward and c.index not in self._keep_for_backward)
         if grad_enabled:
             for t in _tensors_in(out):
                 if t.requires_grad:
@@ -244,6 +248,8 @@ class ChunkRuntime:
         used = self._fwd_used.setdefault(c.index, set())
         used.add(e.name)
         if self._release_in_forward and not c.resident and len(used) == c.states.num_tensors and c.states.can_release:
+            if self._keep_for_backward and c.index in self._keep_for_backward and self.sched.last_use(FORWARD, c.index):
+                return  # the backward starts with it (a tied output head): keep it rather than gather it again
             c.release()
 
     # ------------------------------------------------------------------ submodule calls outside forward
@@ -300,6 +306,8 @@ class ChunkRuntime:
             c = self.chunk_by_storage.get(storage_key(t))
             if c is not None:
                 return SavedView(self, c, t)
+        if self.saved_activations is not None:
+            return SavedActivation(self.saved_activations, t)
         return t
 
     @_engine_code
@@ -314,6 +322,8 @@ class ChunkRuntime:
         if type(x) is SavedView:
             self._begin_backward()
             self._unpacked(x.chunk)
+            return x.tensor
+        if type(x) is SavedActivation:
             return x.tensor
         return x
 

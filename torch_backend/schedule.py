@@ -132,12 +132,17 @@ class Scheduler:
         self._reducing: deque[int] = deque()
         self.rounds = 0
         """Rounds (vote all-reduces) so far."""
+        self._pending: tuple[torch.Tensor, collectives.Pending, set[int]] | None = None
         self.gathers = 0
         """All-gathers issued so far (prefetched or on demand)."""
         self.misses = 0
         """Uses of a chunk that was neither gathered nor being gathered (an on-demand gather)."""
         self.peak_gathered = 0
         """The most sharded chunks gathered or being gathered at once."""
+        self.listener = None
+        """Told of what the schedule does (``placement="auto"``: :class:`torch_backend.placement.AutoPlacement`):
+        ``phase_started(phase)``, ``accessed(phase, chunk)`` at each recorded access (before its gather),
+        ``gathering(chunk)`` before each gather is issued, ``phase_ended(phase)`` after the order is recorded."""
 
     # ------------------------------------------------------------------ phases
     def start(self, phase: str) -> None:
@@ -147,6 +152,8 @@ class Scheduler:
         for c in self.chunks:
             if not c.resident:
                 c.accessed = False
+        if self.listener is not None:
+            self.listener.phase_started(phase)
 
     def end(self, phase: str, used: torch.Tensor | None = None, prefetch_next: str | None = None) -> torch.Tensor | None:
         """Rounds until every rank has finished ``phase``; returns the summed ``used`` votes (backward).
@@ -155,6 +162,8 @@ class Scheduler:
         backward's first chunks at the end of a forward, so the backward does not start on a miss).
         """
         self.orders[phase].end()
+        if self.listener is not None:
+            self.listener.phase_ended(phase)
         want = [] if prefetch_next is None else [
             i for i in self.orders[prefetch_next].first(self.prefetch) if not self._present(self.chunks[i])]
         if self.world_size == 1:
@@ -165,6 +174,12 @@ class Scheduler:
             want = ()
             if int(votes[3 * self.n]) == self.world_size:
                 return None if used is None else votes[3 * self.n + 1 :]
+
+    def last_use(self, phase: str, index: int) -> bool:
+        """Whether the recorded order of ``phase`` expects no further use of chunk ``index`` (``False``
+        when there is no recorded order to tell)."""
+        order = self.orders[phase]
+        return order.in_step and index not in order.previous[order.pos :]
 
     def prefetched_for(self, phase: str) -> set[int]:
         """The first recorded chunks of ``phase`` (kept gathered across the phase boundary)."""
@@ -180,12 +195,17 @@ class Scheduler:
         chunk.accessed = True
         order = self.orders[phase]
         order.access(chunk.index)
-        upcoming = [i for i in order.upcoming(self.prefetch, exclude=chunk.index) if not self._present(self.chunks[i])]
+        if self.listener is not None:
+            self.listener.accessed(phase, chunk)
+        if self._voted(chunk.index):
+            self._resolve()  # its gather was voted for ahead of use: issue it now
+        upcoming = [i for i in order.upcoming(self.prefetch, exclude=chunk.index)
+                    if not self._present(self.chunks[i]) and not self._voted(i)]
         if not self._present(chunk):
             self.misses += 1
             self._round(want=[chunk.index, *upcoming])
         elif upcoming:
-            self._round(want=upcoming)
+            self._round(want=upcoming, wait=not self.async_op)
         if chunk.gather_in_flight:
             chunk.finish_gather()
 
@@ -221,6 +241,7 @@ class Scheduler:
 
     def wait_all(self) -> None:
         """Complete every collective in flight (gathers and reductions)."""
+        self._resolve()
         for c in self.chunks:
             if c.gather_in_flight:
                 c.finish_gather()
@@ -238,8 +259,15 @@ class Scheduler:
             self.chunks[self._reducing.popleft()].finish_reduces()
 
     # ------------------------------------------------------------------ rounds
-    def _round(self, *, want=(), done: bool = False, used: torch.Tensor | None = None) -> torch.Tensor:
-        """One vote all-reduce, then the decided collectives, in the same order on every rank."""
+    def _round(self, *, want=(), done: bool = False, used: torch.Tensor | None = None, wait: bool = True):
+        """One vote all-reduce, then the decided collectives, in the same order on every rank.
+
+        With ``wait=False`` (a prefetch with nothing needed now) the vote is issued asynchronously and
+        decided at the next round, so the rendezvous overlaps the computation; every rank still
+        issues a round's decided collectives right before its next vote, so the order is the same.
+        Returns the summed votes (``None`` when not waited for).
+        """
+        self._resolve()
         n = self.n
         if self.world_size == 1:
             for i in sorted(set(want)):
@@ -257,20 +285,39 @@ class Scheduler:
         votes[3 * n] = int(done)
         if used is not None:
             votes[3 * n + 1 :] = used
-        collectives.agree(votes, self.group)
         self.rounds += 1
-        decided = votes[:n].nonzero().flatten().tolist()
-        for i in decided:
+        if not wait:
+            self._pending = (votes, collectives.agree(votes, self.group, async_op=True), set(want))
+            return None
+        collectives.agree(votes, self.group)
+        self._decide(votes)
+        return votes
+
+    def _resolve(self) -> None:
+        """Decide the vote issued asynchronously by the previous round, if any."""
+        if self._pending is not None:
+            votes, pending, _ = self._pending
+            self._pending = None
+            pending.wait()
+            self._decide(votes)
+
+    def _voted(self, index: int) -> bool:
+        return self._pending is not None and index in self._pending[2]
+
+    def _decide(self, votes: torch.Tensor) -> None:
+        n = self.n
+        for i in votes[:n].nonzero().flatten().tolist():
             self._gather(i)
         ready, has_grad = votes[n : 2 * n], votes[2 * n : 3 * n]
         for i in ((ready == self.world_size) & (has_grad > 0)).nonzero().flatten().tolist():
             self._reduce(i)
-        return votes
 
     def _gather(self, index: int) -> None:
         c = self.chunks[index]
         if c.resident:
             return
+        if self.listener is not None:
+            self.listener.gathering(c)
         c.begin_gather(async_op=self.async_op)
         self.gathers += 1
         if not self.async_op:

@@ -1,0 +1,678 @@
+"""ZeroDDP against FSDP2, DDP and the no-communication floor: interleaved step times, memory, collectives.
+
+Every system trains the same GPT with AdamW on the same per-rank batch. Each system runs in its own
+``--world-size`` rank processes (its own process group), all spawned by this script (one process tree)
+and kept alive for the whole run; the script steps one system at a time, all systems per repeat, in an
+order that rotates from repeat to repeat, so slow drift of a shared machine's load hits every system
+alike and no two systems ever compete for the cores. Each rank runs ``--threads`` torch threads
+(default: cores / ranks, never oversubscribed).
+
+Systems (``--systems``, comma-separated; options after ``:``, e.g. ``zero:prefetch=0``):
+
+- ``floor`` — the plain module on each rank's batch, no collective at all: the same per-rank forward,
+  backward and full AdamW step, nothing communicated. The lower bound for any data-parallel engine.
+- ``ddp`` — ``DistributedDataParallel`` (``gradient_as_bucket_view=True``).
+- ``fsdp2`` — ``torch.distributed.fsdp.fully_shard`` on every transformer block, then the root; its
+  default (implicit) prefetch.
+- ``zero`` — chunkzero's ``ZeroDDP`` + ``ZeroOptimizer``; options are ``ZeroDDP`` keyword arguments
+  (``prefetch``, ``offload_optim_frac``, ``chunk_size`` …). ``zero:prefetch=0`` is "no overlap".
+  ``zero:oracle_votes=1`` (diagnosis) skips the vote all-reduce of its rounds (see :func:`oracle_votes`).
+- ``autocast`` — the plain module in fp32 under ``torch.autocast(bfloat16)`` with
+  ``AdamW(fused=True)``: the single-device PyTorch reference (world size 1, bf16 only).
+
+Precisions (``--precisions``): ``fp32``, and ``bf16`` = compute in bf16 with fp32 master weights and
+bf16 gradient reduction for every system: ``ZeroDDP(mixed_precision="bf16")``; FSDP2 with
+``MixedPrecisionPolicy(param_dtype=bf16)`` (fp32 shards; its reduce dtype defaults to bf16); floor and
+DDP hold a bf16 copy of the module and step fp32 masters (the same per-rank work as ZeroDDP's).
+
+Step = forward + loss + backward + optimizer step + ``zero_grad`` after a barrier; the step time of a
+step is its slowest rank's. Reported per system: min / median / max over all timed steps (``--repeats``
+× ``--steps`` after ``--warmup``), the median ratio to ``floor`` and to ``fsdp2``, the median of each
+phase (forward, backward, optimizer), peak RSS per rank (``ru_maxrss``, the whole process: torch
+included; ``base`` = after importing torch and joining the group), model-state bytes per rank
+(parameters, gradients, fp32 masters and optimizer states held right after ``step()``), and for
+ZeroDDP the collectives per step (vote rounds, all-gathers, misses = gathers on demand) and the peak
+number of gathered chunks. The ZeRO bound per rank is ``16 Ψ / W`` bytes: fp32 = 4 (parameter = master)
++ 4 (gradient) + 8 (Adam ``exp_avg``, ``exp_avg_sq``); bf16 mixed precision = 2 + 2 + 12 (fp32
+master + Adam states) in ZeRO's accounting (ZeroDDP keeps an fp32 gradient shard and casts the master
+at gather time instead of a bf16 shard: 4 + 4 + 8, the same 16); plus the prefetch window, ``(1 +
+prefetch)`` gathered chunks. The machine's load average is printed before and after the run.
+
+    .venv/bin/python benchmarks/bench_engine.py --repeats 5                     # the issue-11 table (CPU, ~15 min)
+    .venv/bin/python benchmarks/bench_engine.py --repeats 1 --warmup 1 --steps 1 --n-layer 1 --n-embd 64 \
+        --n-head 2 --vocab 256 --seq 32 --batch 2                                # plumbing check, ~1 min
+    python3 benchmarks/bench_engine.py --backend nccl --world-size 1 --precisions bf16 \
+        --systems autocast,fsdp2,zero --model gpt --vocab 50257 --n-layer 12 --n-embd 768 --n-head 12 \
+        --seq 1024 --batch 8 --json out.json                                     # one GPU (see gpu_check.sh)
+
+Run it in its own process group with a timeout (``setsid timeout 3600 ...``); ``--timeout`` bounds
+the whole run too (every rank process is killed past it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NAMES = {"floor": "floor (no communication)", "ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)",
+         "zero": "ZeroDDP", "autocast": "torch autocast + fused AdamW"}
+ADAMW_KERNELS = {"default": {}, "loop": {"foreach": False, "fused": False}, "foreach": {"foreach": True},
+                 "fused": {"fused": True}}
+"""``--adamw``: torch AdamW's kernel for every system (``default``: torch's choice, the for-loop on CPU)."""
+BYTES_PER_PARAM_ZERO = 16  # mixed-precision Adam (ZeRO paper, Rajbhandari et al. 2020): 2 + 2 + 12
+
+
+# ============================================================================ systems (in a rank process)
+def parse_system(spec: str) -> tuple[str, dict]:
+    """``"zero:prefetch=0:offload_optim_frac=0.5"`` -> ``("zero", {"prefetch": 0, ...})``."""
+    name, *opts = spec.split(":")
+    if name not in NAMES:
+        raise SystemExit(f"unknown system {name!r}; known: {', '.join(NAMES)}")
+    kwargs = {}
+    for o in opts:
+        k, _, v = o.partition("=")
+        kwargs[k] = json.loads(v) if v not in ("", None) else True
+    return name, kwargs
+
+
+def label(spec: str) -> str:
+    name, kwargs = parse_system(spec)
+    return NAMES[name] + (" " + " ".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else "")
+
+
+def build_module(cfg: dict, device):
+    """The benchmark GPT: HF GPT-2 (``--model hf-gpt2``) or the byte-level GPT of ``torch_backend.gpt``."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: no host copy of a large model
+        return _new_module(cfg)
+
+
+def _new_module(cfg: dict):
+    if cfg["model"] == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf = GPT2Config(vocab_size=cfg["vocab"], n_positions=cfg["seq"], n_embd=cfg["n_embd"], n_layer=cfg["n_layer"],
+                        n_head=cfg["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(hf)  # transformers' default attention: sdpa
+    from torch_backend.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(block_size=cfg["seq"], vocab_size=cfg["vocab"], n_layer=cfg["n_layer"],
+                         n_head=cfg["n_head"], n_embd=cfg["n_embd"]))
+
+
+def blocks_of(module):
+    return module.transformer.h
+
+
+def logits_of(out):
+    return getattr(out, "logits", out)
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct tensors (DTensors by their local shard), each storage counted once."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key in seen or t.untyped_storage().nbytes() == 0:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+class MasterWeights:
+    """fp32 master copies of a bf16 module's parameters and the AdamW over them (floor, DDP in bf16)."""
+
+    def __init__(self, params, optimizer_cls, **kw):
+        import torch
+
+        self.params = list(params)
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        self.optimizer = optimizer_cls(self.masters, **kw)
+
+    def step(self):
+        import torch
+
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.grad.float() if p.grad is not None else None
+        self.optimizer.step()
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.masters)
+
+    def zero_grad(self):
+        for m, p in zip(self.masters, self.params):
+            m.grad = p.grad = None
+
+    def state_tensors(self):
+        yield from self.masters
+        yield from (m.grad for m in self.masters)
+        for st in self.optimizer.state.values():
+            yield from (v for v in st.values() if hasattr(v, "numel") and v.dim() > 0)
+
+
+def oracle_votes(world: int) -> None:
+    """Diagnosis only (system option ``oracle_votes=1``): replace ZeroDDP's blocking vote all-reduce
+    by this rank's own votes × W — what the sum is when every rank votes alike, as here (same model,
+    same shapes, same order). The step time without the cost of agreeing; wrong if ranks diverge."""
+    from torch_backend import collectives
+
+    collectives.agree = lambda votes, group: votes.mul_(world)
+
+
+class System:
+    """One system on one rank: ``step()`` runs a timed training step."""
+
+    def __init__(self, spec: str, precision: str, cfg: dict, rank: int, world: int, device):
+        import torch
+        import torch.distributed as dist
+
+        self.name, kwargs = parse_system(spec)
+        self.device, self.cfg = device, cfg
+        bf16 = precision == "bf16"
+        module = build_module(cfg, device)
+        self.n_params = sum(p.numel() for p in module.parameters())
+        self.autocast = None
+        self.zero = None
+        adamw = torch.optim.AdamW
+        lr = dict(lr=1e-4, **ADAMW_KERNELS[cfg["adamw"]])
+        if self.name == "zero":
+            from torch_backend import ZeroDDP, ZeroOptimizer
+
+            if kwargs.pop("oracle_votes", False):
+                oracle_votes(world)
+
+            self.model = self.zero = ZeroDDP(module, mixed_precision=precision, **kwargs)
+            self.optim = ZeroOptimizer(self.zero, adamw, **lr)
+        elif self.name == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh = init_device_mesh(device.type, (world,))
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+            for block in blocks_of(module):
+                fully_shard(block, mesh=mesh, mp_policy=mp, **kwargs)
+            fully_shard(module, mesh=mesh, mp_policy=mp, **kwargs)
+            self.model, self.optim = module, adamw(module.parameters(), **lr)
+        elif self.name == "autocast":
+            self.autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+            self.model, self.optim = module, adamw(module.parameters(), **{**lr, **ADAMW_KERNELS["fused"]})
+        else:  # floor, ddp
+            if bf16:
+                module = module.to(torch.bfloat16)
+            self.model = module
+            if self.name == "ddp":
+                from torch.nn.parallel import DistributedDataParallel
+
+                ids = [device.index] if device.type == "cuda" else None
+                self.model = DistributedDataParallel(module, gradient_as_bucket_view=True, device_ids=ids, **kwargs)
+            self.optim = MasterWeights(module.parameters(), adamw, **lr) if bf16 else adamw(module.parameters(), **lr)
+        g = torch.Generator().manual_seed(1000 + rank)
+        x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g).to(device)
+        self.inp, self.tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        self.dist = dist
+        self.state_bytes = 0
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def step(self, measure_state: bool = False) -> list[float]:
+        """One training step; returns ``[total, forward, backward, optimizer]`` seconds."""
+        import torch.nn.functional as F
+
+        self.dist.barrier()
+        self._sync()
+        t0 = time.perf_counter()
+        if self.autocast is not None:
+            with self.autocast:
+                logits = logits_of(self.model(self.inp))
+        else:
+            logits = logits_of(self.model(self.inp))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), self.tgt.reshape(-1))
+        self._sync()
+        t1 = time.perf_counter()
+        if self.zero is not None:
+            self.optim.backward(loss)
+        else:
+            loss.backward()
+        self._sync()
+        t2 = time.perf_counter()
+        self.optim.step()
+        if measure_state:
+            self.state_bytes = self.model_state_bytes()
+        self.optim.zero_grad()
+        self._sync()
+        t3 = time.perf_counter()
+        del logits, loss
+        return [t3 - t0, t1 - t0, t2 - t1, t3 - t2]
+
+    def model_state_bytes(self) -> int:
+        if self.zero is not None:
+            return self.optim.memory_report().model_state_bytes()
+        params = list(self.model.parameters())
+        tensors = params + [p.grad for p in params]
+        opt = self.optim
+        if isinstance(opt, MasterWeights):
+            tensors += list(opt.state_tensors())
+        else:
+            for st in opt.state.values():
+                tensors += [v for v in st.values() if hasattr(v, "numel") and v.dim() > 0]
+        return tensor_bytes(tensors)
+
+    def zero_stats(self) -> dict | None:
+        if self.zero is None:
+            return None
+        s = dict(self.zero.collective_stats)
+        s.update(chunks=len(self.zero.chunks), chunk_size=self.zero.layout.chunk_size,
+                 chunk_bytes=self.zero.layout.chunk_size * self.zero.chunks[0].buffer.element_size(),
+                 prefetch=self.zero.prefetch)
+        return s
+
+
+def _timed_call(fn, acc: list):
+    """``fn`` that adds its wall seconds to ``acc[0]`` and counts its calls in ``acc[1]``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += time.perf_counter() - t0
+            acc[1] += 1
+
+    return wrapper
+
+
+class EngineProfile:
+    """``--profile``: wall seconds and calls inside ZeroDDP's engine functions (inclusive), per rank.
+
+    ``vote_rounds`` = ``collectives.agree`` (the blocking vote all-reduce of every round);
+    ``gather_issue`` / ``gather_wait`` = ``Chunk.begin_gather`` / ``finish_gather`` (with
+    ``prefetch=0`` the whole blocking all-gather is in the issue); ``reduce_issue`` / ``reduce_wait``
+    likewise for gradient reductions; ``grad_hooks`` = the post-accumulate-grad hook (copy into the
+    chunk's gradient buffer, and any reduction it triggers); ``finalize`` = the end-of-backward callback;
+    ``torch_function`` = the access mode's ``__torch_function__`` minus the torch op it runs: the mode's
+    own cost per intercepted call, with the engine work it triggers (rounds, gathers) included; its
+    call of ``Tensor.backward`` is left out.
+    """
+
+    def __init__(self):
+        from torch_backend import access, chunks, collectives, ddp
+
+        self.totals: dict[str, list[float]] = {}
+        targets = {"vote_rounds": (collectives, "agree"), "gather_issue": (chunks.Chunk, "begin_gather"),
+                   "gather_wait": (chunks.Chunk, "finish_gather"), "reduce_issue": (chunks.Chunk, "begin_reduce"),
+                   "reduce_wait": (chunks.Chunk, "finish_reduces"), "grad_hooks": (ddp.ZeroDDP, "_on_grad"),
+                   "finalize": (ddp.ZeroDDP, "_finalize_backward")}
+        for key, (owner, attr) in targets.items():
+            setattr(owner, attr, self._timed(key, getattr(owner, attr)))
+        mode = access.ParamAccessMode
+        mode.__torch_function__ = self._self_timed(mode.__torch_function__)
+
+    def _self_timed(self, handler):
+        """``handler``'s time minus that of the op it calls (timed by a stand-in that keeps the
+        attributes the mode reads: ``__name__`` and, for property reads, ``__self__``)."""
+        acc = self.totals.setdefault("torch_function", [0.0, 0])
+
+        def wrapper(mode, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", None) == "backward":
+                return handler(mode, func, types, args, kwargs)
+            inner = [0.0, 0]
+            op = _timed_call(func, inner)
+            if hasattr(func, "__self__"):
+                op.__self__ = func.__self__
+            t0 = time.perf_counter()
+            try:
+                return handler(mode, op, types, args, kwargs)
+            finally:
+                acc[0] += time.perf_counter() - t0 - inner[0]
+                acc[1] += 1
+
+        return wrapper
+
+    def _timed(self, key, fn):
+        return _timed_call(fn, self.totals.setdefault(key, [0.0, 0]))
+
+    def reset(self) -> None:
+        for acc in self.totals.values():
+            acc[0], acc[1] = 0.0, 0
+
+
+def _maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _send(conn, obj) -> None:
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def rank_main(conn, spec: str, precision: str, rank: int, world: int, init_file: str, cfg: dict) -> None:
+    """A rank process: build the system, then run the coordinator's commands (JSON over a pipe)."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(cfg["threads"])
+        device = torch.device("cpu")
+        if cfg["backend"] == "nccl":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        dist.init_process_group(cfg["backend"], init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg["timeout"]))
+        base_rss = _maxrss_mib()
+        profile = EngineProfile() if cfg["profile"] and spec.startswith("zero") else None
+        system = System(spec, precision, cfg, rank, world, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _send(conn, {"ready": True, "n_params": system.n_params, "base_rss_mib": base_rss,
+                     "built_rss_mib": _maxrss_mib()})
+        stats_before = None
+        while True:
+            msg = json.loads(conn.recv_bytes())
+            if msg["op"] == "run":
+                if msg.get("timed") and stats_before is None:
+                    stats_before = system.zero_stats()
+                    if profile is not None:
+                        profile.reset()
+                steps = [system.step(measure_state=msg.get("measure_state", False) and i == 0) for i in range(msg["steps"])]
+                _send(conn, {"steps": steps})
+            elif msg["op"] == "report":
+                peak_cuda = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+                _send(conn, {"peak_rss_mib": _maxrss_mib(), "state_bytes": system.state_bytes, "peak_cuda_mib": peak_cuda,
+                             "zero_before": stats_before, "zero_after": system.zero_stats(),
+                             "profile": None if profile is None else profile.totals})
+            else:
+                break
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - reported to the coordinator, which drops the system
+        with contextlib.suppress(OSError):  # the coordinator is gone
+            _send(conn, {"error": traceback.format_exc()})
+
+
+# ============================================================================ coordinator
+class RunError(RuntimeError):
+    pass
+
+
+class Group:
+    """The rank processes of one system and their pipes."""
+
+    def __init__(self, ctx, spec, precision, world, init_file, cfg):
+        self.spec, self.precision = spec, precision
+        self.procs, self.conns = [], []
+        for r in range(world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=rank_main, args=(child, spec, precision, r, world, init_file, cfg), daemon=True)
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+
+    def ask(self, msg: dict | None, deadline: float) -> list[dict]:
+        if msg is not None:
+            for c in self.conns:
+                _send(c, msg)
+        out = []
+        for r, c in enumerate(self.conns):
+            if not c.poll(max(0.0, deadline - time.monotonic())):
+                raise RunError(f"{self.spec} {self.precision}: rank {r} did not answer before the deadline")
+            try:
+                reply = json.loads(c.recv_bytes())
+            except EOFError:
+                raise RunError(f"{self.spec} {self.precision}: rank {r} died (exit code {self.procs[r].exitcode})") from None
+            if "error" in reply:
+                raise RunError(f"{self.spec} {self.precision}: rank {r} failed:\n{reply['error']}")
+            out.append(reply)
+        return out
+
+    def close(self):
+        for c in self.conns:
+            try:
+                _send(c, {"op": "exit"})
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _load() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, loads: list[float]) -> dict:
+    """All systems of one precision: spawn, warm up, interleaved timed repeats, reports. A system that
+    fails (or misses the deadline) is dropped with its error; the others go on."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results: dict[str, dict] = {}
+    live: list[Group] = []
+
+    def ask(g: Group, msg: dict | None):
+        try:
+            return g.ask(msg, deadline)
+        except RunError as e:
+            results[g.spec]["error"] = str(e)
+            print(f"# {precision} {g.spec}: FAILED, dropped: {e}", file=sys.stderr, flush=True)
+            live.remove(g)
+            g.close()
+            return None
+
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        try:
+            for i, spec in enumerate(specs):  # built one after another: construction never overlaps
+                results[spec] = {"steps": []}
+                g = Group(ctx, spec, precision, cfg["world_size"], os.path.join(tmp, f"store{i}"), cfg)
+                live.append(g)
+                ready = ask(g, None)
+                if ready is not None:
+                    results[spec]["ready"] = ready
+                    print(f"# {precision} {spec}: built ({ready[0]['n_params'] / 1e6:.1f}M parameters)", file=sys.stderr,
+                          flush=True)
+            for g in list(live):  # noqa: PERF101 - ask() removes a failed system from live
+                ask(g, {"op": "run", "steps": cfg["warmup"], "measure_state": True})
+            for rep in range(cfg["repeats"]):
+                loads.append(os.getloadavg()[0])
+                order = list(live)
+                k = rep % max(1, len(order))
+                for g in order[k:] + order[:k]:  # rotate the order: drift hits every system alike
+                    replies = ask(g, {"op": "run", "steps": cfg["steps"], "timed": True})
+                    for i in range(cfg["steps"] if replies else 0):  # per step and phase: the slowest rank
+                        results[g.spec]["steps"].append([max(r["steps"][i][j] for r in replies) for j in range(4)])
+                print(f"# {precision} repeat {rep + 1}/{cfg['repeats']} done, load {os.getloadavg()[0]:.2f}",
+                      file=sys.stderr, flush=True)
+            for g in list(live):  # noqa: PERF101 - as above
+                report = ask(g, {"op": "report"})
+                if report is not None:
+                    results[g.spec]["report"] = report
+        finally:
+            for g in live:
+                g.close()
+    return results
+
+
+def summarize(precision: str, spec: str, res: dict, cfg: dict) -> dict:
+    steps = res["steps"]
+    total = [s[0] for s in steps]
+    rep, ready = res["report"], res["ready"]
+    n_params = ready[0]["n_params"]
+    tokens = cfg["batch"] * cfg["seq"] * cfg["world_size"]
+    row = {
+        "system": spec, "precision": precision, "n_params": n_params, "timed_steps": len(steps),
+        "min_s": min(total), "median_s": statistics.median(total), "max_s": max(total),
+        "forward_s": statistics.median(s[1] for s in steps), "backward_s": statistics.median(s[2] for s in steps),
+        "optimizer_s": statistics.median(s[3] for s in steps),
+        "tokens_per_s": tokens / statistics.median(total),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in rep), "base_rss_mib": max(r["base_rss_mib"] for r in ready),
+        "state_mib": max(r["state_bytes"] for r in rep) / 2**20,
+        "zero_bound_mib": BYTES_PER_PARAM_ZERO * n_params / cfg["world_size"] / 2**20,
+        "peak_cuda_mib": rep[0]["peak_cuda_mib"],
+    }
+    after, before = rep[0]["zero_after"], rep[0]["zero_before"]
+    n = max(1, len(steps))
+    if after is not None:
+        row["zero"] = {
+            **{k: after[k] for k in ("chunks", "chunk_size", "chunk_bytes", "prefetch")},
+            "peak_gathered_chunks": max(r["zero_after"]["peak_gathered_chunks"] for r in rep),
+            **{f"{k}_per_step": (after[k] - before[k]) / n for k in ("rounds", "gathers", "misses")},
+            "window_mib": (1 + after["prefetch"]) * after["chunk_bytes"] / 2**20,
+        }
+    if rep[0].get("profile"):  # per step, the rank that spent the most
+        row["profile"] = {k: {"s": max(r["profile"][k][0] for r in rep) / n, "calls": rep[0]["profile"][k][1] / n}
+                          for k in rep[0]["profile"]}
+    if cfg["flops_per_token"]:
+        row["mfu"] = row["tokens_per_s"] * cfg["flops_per_token"] / (cfg["peak_tflops"] * 1e12 * cfg["world_size"])
+    return row
+
+
+def _ratio(seconds: float, reference: float | None) -> str:
+    return f"{seconds / reference:.2f}" if reference else "–"
+
+
+def print_tables(rows: list[dict], cfg: dict) -> None:
+    cuda = cfg["backend"] == "nccl"
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        block = [r for r in rows if r["precision"] == precision]
+        ref = {r["system"]: r["median_s"] for r in block}
+        base = "floor" if "floor" in ref else "autocast"
+        floor, fsdp2 = ref.get(base), ref.get("fsdp2")
+        print(f"\n**{precision}**\n")
+        print(f"| system | min s | median s | max s | × {base} | × FSDP2 | fwd / bwd / opt s | tokens/s | peak RSS/rank MiB "
+              "(base) | model state/rank MiB | ZeRO bound 16Ψ/W MiB |" + (" peak CUDA MiB | MFU |" if cuda else ""))
+        print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
+        for r in block:
+            ratio = functools.partial(_ratio, r["median_s"])
+            extra = f" {r['peak_cuda_mib']:.0f} | {100 * r.get('mfu', 0):.1f}% |" if cuda else ""
+            print(f"| {label(r['system'])} | {r['min_s']:.3f} | {r['median_s']:.3f} | {r['max_s']:.3f} | {ratio(floor)} | "
+                  f"{ratio(fsdp2)} | {r['forward_s']:.3f} / {r['backward_s']:.3f} / {r['optimizer_s']:.3f} | "
+                  f"{r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} ({r['base_rss_mib']:.0f}) | {r['state_mib']:.1f} | "
+                  f"{r['zero_bound_mib']:.1f} |{extra}")
+        zero = [r for r in block if "zero" in r]
+        if zero:
+            print("\n| ZeroDDP | chunks × size | peak gathered chunks | bound + window (1+prefetch chunks) MiB | "
+                  "vote rounds / step | all-gathers / step | misses / step |")
+            print("|---|---|---:|---:|---:|---:|---:|")
+            for r in zero:
+                z = r["zero"]
+                print(f"| {label(r['system'])} | {z['chunks']} × {z['chunk_size']:,} | {z['peak_gathered_chunks']} | "
+                      f"{r['zero_bound_mib'] + z['window_mib']:.1f} | {z['rounds_per_step']:.1f} | "
+                      f"{z['gathers_per_step']:.1f} | {z['misses_per_step']:.1f} |")
+
+
+def print_profile(rows: list[dict]) -> None:
+    prof = [r for r in rows if "profile" in r]
+    if not prof:
+        return
+    keys = list(prof[0]["profile"])
+    print("\n**Where ZeroDDP's time goes** (`--profile`: seconds per step inside each engine function, the busiest "
+          "rank; calls per step in parentheses; inclusive times, so they overlap)\n")
+    print("| system | precision | median step s | " + " | ".join(keys) + " |")
+    print("|---|---|---:|" + "---:|" * len(keys))
+    for r in prof:
+        cells = " | ".join(f"{r['profile'][k]['s']:.3f} ({r['profile'][k]['calls']:.0f})" for k in keys)
+        print(f"| {label(r['system'])} | {r['precision']} | {r['median_s']:.3f} | {cells} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", default="floor,ddp,fsdp2,zero:prefetch=0,zero:prefetch=1")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats after warm-up (all systems each)")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per system per repeat")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per system before the repeats")
+    ap.add_argument("--model", choices=["hf-gpt2", "gpt"], default="hf-gpt2")
+    ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-embd", type=int, default=512)
+    ap.add_argument("--n-head", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (= positions)")
+    ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    ap.add_argument("--adamw", choices=list(ADAMW_KERNELS), default="default",
+                    help="AdamW kernel of every system (autocast always uses fused)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / ranks)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU on CUDA (H100/H200 dense bf16)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
+    ap.add_argument("--profile", action="store_true", help="time ZeroDDP's engine functions (adds a little overhead)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    specs = args.systems.split(",")
+    for s in specs:
+        parse_system(s)
+    cfg = dict(vars(args))
+    if not cfg["threads"]:
+        cfg["threads"] = max(1, (os.cpu_count() or 1) // args.world_size)
+    os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])  # inherited by the rank processes
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # model FLOPs per token: 6 N (N: parameters, tied head once) + attention 12 L T d (PaLM appendix B)
+    cfg["flops_per_token"] = 0.0
+    load_before = _load()
+    print(f"# load before: {load_before}", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + args.timeout
+    rows, loads, failed = [], [], []
+    started = datetime.datetime.now()
+    for precision in args.precisions.split(","):
+        res = run_block(precision, specs, cfg, deadline, loads)
+        failed += [(precision, spec, r["error"]) for spec, r in res.items() if "error" in r]
+        done = [spec for spec in specs if "report" in res[spec] and res[spec]["steps"]]
+        if done and args.backend == "nccl":
+            n_params = res[done[0]]["ready"][0]["n_params"]
+            cfg["flops_per_token"] = 6 * n_params + 12 * args.n_layer * args.seq * args.n_embd
+        rows += [summarize(precision, spec, res[spec], cfg) for spec in done]
+    load_after = _load()
+    import torch
+
+    n_params = rows[0]["n_params"] if rows else 0
+    print(f"{args.model} {n_params / 1e6:.1f}M parameters ({args.n_layer} layers × {args.n_embd}, {args.n_head} heads, "
+          f"vocab {args.vocab}), world size {args.world_size} ({args.backend}), {args.batch}×{args.seq} tokens per rank, "
+          f"AdamW ({args.adamw} kernel), {cfg['threads']} thread(s) per rank; {args.repeats} interleaved repeats × {args.steps} steps after "
+          f"{args.warmup} warm-up per system ({args.repeats * args.steps} timed steps each)")
+    print(f"\n{started:%Y-%m-%d %H:%M}, {platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+    print(f"load before: {load_before}\nload after:  {load_after}")
+    if loads:
+        print(f"1-min load average at each repeat: {min(loads):.2f} – {max(loads):.2f}")
+    print_tables(rows, cfg)
+    print_profile(rows)
+    for precision, spec, error in failed:
+        print(f"\n**{label(spec)} ({precision}) failed**: {error.strip().splitlines()[-1]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "load_before": load_before, "load_after": load_after, "loads": loads,
+                       "rows": rows, "failed": failed}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
