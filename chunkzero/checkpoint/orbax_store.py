@@ -294,7 +294,8 @@ def save_step(
             wait_until_finished(directory)  # an earlier save's failure surfaces here, before this one starts
             manager = _manager(directory, _manager_options(max_to_keep, options, timeout_s=timeout_s))
         except Exception as e:
-            raise CheckpointError(f"step {step} was not saved under {str(directory)!r}: {e}") from e
+            why = e if isinstance(e, CheckpointError) else _orbax_failure(e, timeout_s)  # the manager's barriers
+            raise CheckpointError(f"step {step} was not saved under {str(directory)!r}: {why}") from e
         existing = list_steps(directory)
         if sorted(manager.all_steps()) != existing:  # the root changed outside this manager
             manager.reload()

@@ -38,14 +38,29 @@ WRITER = textwrap.dedent(
     from chunkzero.checkpoint import CheckpointMeta
     from chunkzero.layout import ChunkLayout, TensorSpec
     from torch_backend.checkpoint import checkpoint_steps, wait_until_finished, write_shards
+    from torch_backend.parallel_write import process_mesh
 
     rank, world, coordinator, root, step, numel, kill = sys.argv[1:8]
     rank, world, step, numel, kill = int(rank), int(world), int(step), int(numel), kill == "1"
+    timeout_s = float(os.environ.get("TIMEOUT_S", "300"))
     layout = ChunkLayout.build([TensorSpec(f"w{i}", (numel,)) for i in range(4)], numel, world)
     shards = {c.index: np.full(layout.shard_numel(c.index), 10 * step + rank, np.float32) for c in layout.chunks}
     t0 = time.perf_counter()
-    write_shards(root, CheckpointMeta(step=step, layout=layout), rank, shards, coordinator=coordinator, async_save=True,
-                 timeout_s=float(os.environ.get("TIMEOUT_S", "300")))
+
+    def failed(e):
+        print(f"{type(e).__name__} after {time.perf_counter() - t0:.0f} s: {e}", flush=True)
+
+    if os.environ.get("IDLE_S"):  # this rank joins JAX's group, then never comes to the save
+        process_mesh(rank, world, coordinator=coordinator, timeout_s=timeout_s)
+        print("joined", flush=True)
+        time.sleep(float(os.environ["IDLE_S"]))
+        sys.exit(0)
+    try:
+        write_shards(root, CheckpointMeta(step=step, layout=layout), rank, shards, coordinator=coordinator,
+                     async_save=True, timeout_s=timeout_s)
+    except Exception as e:
+        failed(e)
+        sys.exit(0)
     returned = time.perf_counter() - t0
     print(f"handed over in {returned:.3f} s; committed already: {step in checkpoint_steps(root)}", flush=True)
     if kill:
@@ -55,7 +70,7 @@ WRITER = textwrap.dedent(
             wait_until_finished()
             print("committed", flush=True)
         except Exception as e:
-            print(f"{type(e).__name__} after {time.perf_counter() - t0:.0f} s: {e}", flush=True)
+            failed(e)
     # else: exit at once; the pending save completes in the atexit handler
     """
 )
@@ -67,10 +82,12 @@ def _env():
     return env
 
 
-def _start(rank, world, port, root, step, numel, kill=False, wait=True, timeout_s=300):
+def _start(rank, world, port, root, step, numel, kill=False, wait=True, timeout_s=300, idle_s=None):
     env = _env()
     env["WAIT"] = "1" if wait else "0"
     env["TIMEOUT_S"] = str(timeout_s)
+    if idle_s is not None:
+        env["IDLE_S"] = str(idle_s)
     return subprocess.Popen(
         [sys.executable, "-c", WRITER, str(rank), str(world), f"127.0.0.1:{port}", str(root), str(step), str(numel), "1" if kill else "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -124,6 +141,28 @@ def test_kill9_of_one_rank_mid_save_keeps_previous_step(tmp_path):
     meta = _tiny_meta(2)
     write_shards(root, meta, 0, _shards(meta, 2.0))
     assert checkpoint_steps(root) == [1, 2]
+
+
+def test_a_rank_that_never_comes_to_the_save_ends_it_with_an_error(tmp_path):
+    """Rank 1 joins JAX's group but never saves: rank 0 waits in Orbax's first barrier (the manager's,
+    on the main thread, which Orbax bounds by a module constant of 300 s) only ``timeout_s``, then
+    raises; nothing of the step is committed."""
+    root = tmp_path / "ckpt"
+    port = _free_port()
+    idle_s = 240  # outlives the bound below: a save that waited for this rank would fail the test
+    ranks = [_start(0, 2, port, root, 1, 1000, timeout_s=DEAD_RANK_TIMEOUT_S),
+             _start(1, 2, port, root, 1, 1000, timeout_s=DEAD_RANK_TIMEOUT_S, idle_s=idle_s)]
+    try:
+        out0 = ranks[0].communicate(timeout=idle_s - 30)[0]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    found = re.search(rf"CheckpointError after (\d+) s: step 1 was not saved under '{re.escape(str(root.resolve()))}': "
+                      rf"another process did not arrive within timeout_s={DEAD_RANK_TIMEOUT_S} s", out0)
+    assert found, out0
+    assert int(found[1]) < DEAD_RANK_TIMEOUT_S + 60, out0  # its bound, plus the start of JAX on a loaded machine
+    assert checkpoint_steps(root) == []
 
 
 def test_async_save_returns_before_commit_and_exit_waits(tmp_path):
