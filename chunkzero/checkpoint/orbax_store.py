@@ -339,10 +339,19 @@ def _orbax_failure(e: BaseException, timeout_s: float) -> str:
 
 @contextmanager
 def _read_manager(root: Path) -> Iterator[Any]:
-    """A read-only manager on ``root`` (``state`` through the PyTree handler, so subsets restore)."""
+    """A read-only manager on ``root`` (``state`` through the PyTree handler, so subsets restore).
+
+    A read waits for no other process: under ``jax.distributed`` (the torch ranks after their first
+    save) the manager's barriers would otherwise make every read a collective of all processes. Its
+    only process is this one, so Orbax skips them.
+    """
+    import jax
+
     ocp = _ocp()
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     # read-only managers never save: save_interval_steps=0 as Orbax would set it, without its warning
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, multiprocessing_options=alone)
     handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(root.absolute(), item_handlers=handlers, options=options) as manager:
         yield manager

@@ -38,6 +38,7 @@ WRITER = textwrap.dedent(
     from chunkzero.checkpoint import CheckpointMeta
     from chunkzero.layout import ChunkLayout, TensorSpec
     from torch_backend.checkpoint import checkpoint_steps, wait_until_finished, write_shards
+    from chunkzero.checkpoint.orbax_store import read_array_metadata
     from torch_backend.parallel_write import process_mesh
 
     rank, world, coordinator, root, step, numel, kill = sys.argv[1:8]
@@ -71,6 +72,13 @@ WRITER = textwrap.dedent(
             print("committed", flush=True)
         except Exception as e:
             failed(e)
+    if os.environ.get("THEN_READ") == "1":  # rank 0 reads the step's array metadata alone; the others stay away
+        if rank == 0:
+            t1 = time.perf_counter()
+            read_array_metadata(root)
+            print(f"read alone in {time.perf_counter() - t1:.1f} s", flush=True)
+        else:
+            time.sleep(60)
     # else: exit at once; the pending save completes in the atexit handler
     """
 )
@@ -82,9 +90,10 @@ def _env():
     return env
 
 
-def _start(rank, world, port, root, step, numel, kill=False, wait=True, timeout_s=300, idle_s=None):
+def _start(rank, world, port, root, step, numel, kill=False, wait=True, timeout_s=300, idle_s=None, then_read=False):
     env = _env()
     env["WAIT"] = "1" if wait else "0"
+    env["THEN_READ"] = "1" if then_read else "0"
     env["TIMEOUT_S"] = str(timeout_s)
     if idle_s is not None:
         env["IDLE_S"] = str(idle_s)
@@ -163,6 +172,23 @@ def test_a_rank_that_never_comes_to_the_save_ends_it_with_an_error(tmp_path):
     assert found, out0
     assert int(found[1]) < DEAD_RANK_TIMEOUT_S + 60, out0  # its bound, plus the start of JAX on a loaded machine
     assert checkpoint_steps(root) == []
+
+
+def test_a_read_under_jax_distributed_waits_for_no_other_process(tmp_path):
+    """After a save the ranks are JAX processes; Orbax's read-only manager would make each read a
+    collective of all of them. Rank 0 reads alone while rank 1 stays away."""
+    root = tmp_path / "ckpt"
+    port = _free_port()
+    ranks = [_start(r, 2, port, root, 1, 1000, timeout_s=DEAD_RANK_TIMEOUT_S, then_read=True) for r in range(2)]
+    try:
+        out0 = ranks[0].communicate(timeout=200)[0]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    found = re.search(r"read alone in ([0-9.]+) s", out0)
+    assert "committed" in out0.splitlines() and found, out0
+    assert float(found[1]) < DEAD_RANK_TIMEOUT_S, out0
 
 
 def test_async_save_returns_before_commit_and_exit_waits(tmp_path):
