@@ -67,6 +67,26 @@ def adamw_hyperparameters(optimizer_meta: OptimizerMeta) -> dict[str, float]:
             "weight_decay": float(hp["weight_decay"])}
 
 
+def adamw_meta(*, learning_rate: float, b1: float, b2: float, eps: float, weight_decay: float,
+               max_norm: float | None = None) -> OptimizerMeta:
+    """The checkpoint metadata of ``optax.adamw(learning_rate, b1, b2, eps, weight_decay=...)`` in torch
+    AdamW's names (``lr``, ``betas``, ``eps``, ``weight_decay``; ``max_norm`` for global-norm clipping),
+    at step 0 — the inverse of :func:`adamw_hyperparameters`, for a :class:`~jax_backend.ZeroTrainer`
+    trained from scratch whose checkpoints torch resumes (``ZeroTrainer(..., optimizer_meta=...)``).
+
+    Raises:
+        ConfigError: a hyper-parameter is not a number (a schedule cannot be recorded as one value).
+    """
+    values = {"learning_rate": learning_rate, "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
+    for key, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{key} must be a number to be saved for torch, got {v!r}")
+    hp = {"lr": float(learning_rate), "betas": [float(b1), float(b2)], "eps": float(eps),
+          "weight_decay": float(weight_decay), "amsgrad": False, "maximize": False,
+          "max_norm": None if max_norm is None else float(max_norm)}
+    return OptimizerMeta("torch.optim.AdamW", hp, list(ADAMW_STATE_KEYS), 0)
+
+
 def adamw_from_meta(optimizer_meta: OptimizerMeta, **overrides: Any) -> optax.GradientTransformation:
     """``optax.adamw`` with the checkpoint's torch AdamW hyper-parameters (``overrides`` win, e.g.
     ``learning_rate=schedule``). Raises ConfigError as :func:`adamw_hyperparameters`."""
