@@ -153,7 +153,7 @@ class ZeroTrainer(ShardedTrainer):
                         axis: str = DEFAULT_AXIS, **kwargs) -> tuple[ZeroTrainer, TrainState]:
         """A trainer and its state from a chunkzero checkpoint of torch AdamW (any world size): the
         chunks and AdamW state restored on ``mesh`` (:func:`jax_backend.restore_checkpoint`),
-        ``optax.adamw`` with the saved hyper-parameters (:func:`jax_backend.adamw_from_meta`), the
+        torch AdamW with the saved hyper-parameters of every param group (:func:`jax_backend.adamw_from_meta`), the
         saved ``max_norm`` and compute precision.
 
         Args:
@@ -184,7 +184,7 @@ class ZeroTrainer(ShardedTrainer):
                               "run: pass mixed_precision='fp32' or 'bf16'")
         kwargs.setdefault("mixed_precision", meta.mixed_precision)
         kwargs.setdefault("max_norm", optim.hyperparameters.get("max_norm"))
-        trainer = cls(program, restored.layout, mesh, adamw_from_meta(optim), optimizer_meta=optim, axis=axis, **kwargs)
+        trainer = cls(program, restored.layout, mesh, adamw_from_meta(optim, layout=restored.layout), optimizer_meta=optim, axis=axis, **kwargs)
         trainer.source = meta
         return trainer, trainer.from_chunks(restored.chunks, restored.opt_state_chunks, optim.step)
 
@@ -195,8 +195,7 @@ class ZeroTrainer(ShardedTrainer):
 
         Writes the fp32 master chunks and the AdamW state (:meth:`opt_state_chunks`) at this trainer's
         layout, and the complete optimizer metadata: the class and hyper-parameters of
-        ``optimizer_meta`` (every saved param group's, each holding the same values: one optax
-        ``adamw`` over the chunks) with this trainer's ``max_norm``, the step (optax's ``count``), and
+        ``optimizer_meta`` (every param group's, as restored) with this trainer's ``max_norm``, the step (optax's ``count``), and
         the loss scaler — :attr:`source`'s with ``step_count`` advanced by the steps taken here (the
         JAX step never skips one), or ``{"step_count": count, "skipped_steps": 0}`` without a source.
         ``model_config`` defaults to the source's; the compute precision is the trainer's.

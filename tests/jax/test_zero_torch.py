@@ -12,6 +12,7 @@ carries AdamW state (``exp_avg``, ``exp_avg_sq``, step 2); JAX restores it with
 from __future__ import annotations
 
 import numpy as np
+import optax
 import pytest
 from zero_utils import BATCH, SEQ, normwise_rel_err
 
@@ -158,3 +159,69 @@ def test_a_trainer_from_scratch_saves_with_adamw_meta(tmp_path):
     loaded = load_checkpoint(tmp_path / "c", model, optim, load_rng=False)
     assert loaded.optimizer.step == 1 and optim.step_count == 1 and optim.max_norm == 1.0
     assert optim.param_groups[0]["lr"] == 1e-3 and tuple(optim.param_groups[0]["betas"]) == (0.9, 0.95)
+
+
+GROUPED = dict(lr=2e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.5)
+"""Two param groups that differ in both lr and weight decay (nanoGPT's split, exaggerated so that a step
+that ignores the groups is far outside the tolerance)."""
+
+
+def test_jax_keeps_torch_param_groups_exactly(tmp_path):
+    """torch ZeroDDP with nanoGPT's two groups (weight decay on matrices; none and half the lr on biases and
+    LayerNorm, which share chunks with the matrices) saves; ZeroTrainer.from_checkpoint continues on 4
+    devices equal to torch within the cross-framework tolerance, per tensor; ignoring the groups (one
+    optax.adamw with group 0's values) does not; and the JAX save hands the groups back to torch."""
+    from chunkzero.errors import ConfigError
+    from jax_backend.optim import adamw_hyperparameters
+    from torch_backend.checkpoint import load_checkpoint, read_meta
+    from zero_utils import max_rel_err
+
+    cfg = GPT_CONFIGS["gpt-tiny"]
+    torch.manual_seed(0)
+    model = ZeroDDP(GPT(cfg), chunk_size=CHUNK_SIZE)
+    no_decay = [p for p in model.module.parameters() if p.dim() < 2]
+    groups = [{"params": no_decay, "weight_decay": 0.0, "lr": GROUPED["lr"] / 2}]
+    optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=groups, **GROUPED)
+    mixed = {t.chunk for t in model.layout.tensors if t.name.endswith("bias")} & \
+        {t.chunk for t in model.layout.tensors if t.name.endswith("weight") and len(t.shape) == 2}
+    assert mixed, "the test wants chunks that mix the two groups"
+    for i in range(WARMUP):
+        _torch_step(model, optim, 100 + i)
+    step_dir = torch_save_checkpoint(tmp_path / "ckpt", model, optim, step=WARMUP)
+    torch_losses = [_torch_step(model, optim, 200 + i) for i in range(STEPS)]
+    ref = {k: v.detach().numpy() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+
+    def run_jax(trainer, state):
+        losses = []
+        for i in range(STEPS):
+            x, y = _batch(200 + i)
+            state, loss = trainer.step(state, {"idx": x.numpy(), "targets": y.numpy()})
+            losses.append(float(loss))
+        return state, losses, jb.unflatten(trainer.chunks(state), trainer.layout, nested=False)
+
+    trainer, state = ZeroTrainer.from_checkpoint(step_dir, jb.make_mesh(4))
+    state, jax_losses, got = run_jax(trainer, state)
+    np.testing.assert_allclose(jax_losses, torch_losses, rtol=CROSS_RTOL)
+    err = max_rel_err(got, ref)
+    print(f"JAX with torch's two param groups vs torch after {STEPS} steps: per-tensor max rel {err:.2e}")
+    assert err < CROSS_RTOL
+
+    # the mutant: one set of hyper-parameters for every element
+    restored = jb.restore_checkpoint(step_dir, jb.make_mesh(4), with_optimizer=True)
+    with pytest.raises(ConfigError, match="pass the layout"):
+        adamw_from_meta(restored.meta.optimizer)
+    flat = optax.adamw(**adamw_hyperparameters(restored.meta.optimizer, groups_may_differ=True))
+    wrong = ZeroTrainer(trainer.program, restored.layout, jb.make_mesh(4), flat)
+    _, _, wrong_got = run_jax(wrong, wrong.from_chunks(restored.chunks, restored.opt_state_chunks, WARMUP))
+    assert max_rel_err(wrong_got, ref) > 10 * CROSS_RTOL
+
+    # JAX saves, torch (built with the right groups but wrong values) resumes them
+    trainer.save_checkpoint(tmp_path / "ckpt", state, step=WARMUP + STEPS)
+    meta = read_meta(tmp_path / "ckpt")
+    assert [g["weight_decay"] for g in meta.optimizer.param_groups] == [0.0, GROUPED["weight_decay"]]
+    resumed = ZeroDDP(GPT(cfg), chunk_size=CHUNK_SIZE)
+    resumed_optim = ZeroOptimizer(resumed, torch.optim.AdamW, lr=0.5, param_groups=[
+        {"params": [p for p in resumed.module.parameters() if p.dim() < 2], "weight_decay": 0.1}])
+    load_checkpoint(tmp_path / "ckpt", resumed, resumed_optim, load_rng=False)
+    assert [(g["lr"], g["weight_decay"]) for g in resumed_optim.param_groups] == \
+        [(GROUPED["lr"] / 2, 0.0), (GROUPED["lr"], GROUPED["weight_decay"])]
