@@ -342,6 +342,7 @@ class ZeroDDP(nn.Module):
         if under_torch_compile():
             raise ConfigError("torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
                               "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)")
+        self._runtime.finish_aborted_backward()
         if self.compute_dtype != torch.float32:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         if self.auto_placement is not None:
@@ -403,6 +404,7 @@ class ZeroDDP(nn.Module):
     def finish_gradients(self) -> None:
         """Complete every gradient reduction (collective): waits for those in flight, and reduces
         gradients still accumulated locally (backwards that ran under :meth:`no_sync`)."""
+        self._runtime.finish_aborted_backward()
         sched = self._runtime.sched
         sched.wait_all()
         sched.final_reduce()

@@ -152,6 +152,7 @@ class ChunkRuntime:
 
     def zero_grad(self) -> None:
         """Drop all accumulated gradients (buffers, reductions in flight, fp32 shards, placeholders)."""
+        self.finish_aborted_backward()
         self._clear_placeholders()
         for c in self.chunks:
             c.zero_grad()
@@ -414,10 +415,22 @@ class ChunkRuntime:
                 if c.pinned in (None, "recompute") and c.saved_refs == 0:
                     self._release_if_idle(c)
 
+    def finish_aborted_backward(self) -> None:
+        """End a backward that raised inside the autograd engine, which then drops the callbacks
+        queued on it, so :meth:`_finalize_backward` never ran: the same end-of-backward rounds run
+        now (every rank whose backward raised takes part, so ranks stay paired), the gradient
+        buffers it was accumulating are dropped and every chunk comes to rest. Gradients already
+        reduced into the fp32 shards stay, as torch keeps a partial ``.grad``. Does nothing during
+        a backward or after one that completed."""
+        if self._finalize_queued and torch._C._current_autograd_node() is None:
+            self._finalize_backward(aborted=True)
+
     @_engine_code
-    def _finalize_backward(self) -> None:
+    def _finalize_backward(self, aborted: bool = False) -> None:
         """End of a backward pass (autograd callback): agree on what got gradients, reduce what is
-        left, release, reset states. Never raises (an error is kept for :meth:`raise_pending_error`)."""
+        left, release, reset states. Never raises (an error is kept for :meth:`raise_pending_error`).
+        ``aborted``: the backward raised (:meth:`finish_aborted_backward`): no reduction, no error
+        kept, not counted in :attr:`backward_passes`."""
         self._finalize_queued = False
         error = None
         try:
@@ -425,6 +438,9 @@ class ChunkRuntime:
             if self._bwd_grads:
                 used[sorted(self._bwd_grads)] = 1
             received = self.sched.end(BACKWARD, used) > 0
+            if aborted:
+                self._discard_grad_buffers()
+                return
             self.backward_passes += 1
             trainable = self.trainable
             if any(bool(received[e.index]) for e in trainable):
@@ -436,8 +452,7 @@ class ChunkRuntime:
                                     for e in unused)
                         + ". Make every parameter take part in the loss, freeze it (requires_grad=False) before "
                         "wrapping, or pass find_unused_parameters=True to reduce a zero gradient for it.")
-                    for c in self.chunks:
-                        c.discard_grad_buffer()
+                    self._discard_grad_buffers()
                 else:
                     self.grad_received |= received.to(torch.bool)
                     if self.sync:
@@ -455,6 +470,12 @@ class ChunkRuntime:
             self._set_placeholders()
         if error is not None:
             self._pending_error = error
+
+    def _discard_grad_buffers(self) -> None:
+        """Drop the gradients not yet reduced (their chunks are no longer waiting to be reduced)."""
+        for c in self.chunks:
+            c.discard_grad_buffer()
+        self.sched.ready.clear()
 
     def raise_pending_error(self) -> None:
         """Raise (once) the error the last backward found, if any (ZeroOptimizer calls it)."""
