@@ -257,9 +257,17 @@ class Chunk:
         if self.master is None:
             return
         if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
-            # across devices, move first (async from pinned memory) and cast on the far side: a copy that
-            # also casts would go through a pageable host buffer
-            self.shard.copy_(self.master.detach().to(self.shard.device, non_blocking=True))
+            master = self.master.detach()
+            if master.device.type == "cuda" and self.shard.device.type == "cpu":
+                # device → host (placement="auto": master on the device, shard evicted): cast on the
+                # device, then one stream-ordered copy into the pinned shard. (``.to("cpu",
+                # non_blocking=True)`` followed by a host copy would read the staging buffer before
+                # the device has written it.) Host readers synchronize first (ZeroDDP.synchronize).
+                self.shard.copy_(master.to(self.dtype), non_blocking=self.shard.is_pinned())
+            else:
+                # host → device: move first (async from pinned memory) and cast on the device: a copy
+                # that also casts would go through a pageable host buffer
+                self.shard.copy_(master.to(self.shard.device, non_blocking=True))
         if not self.resident and self._gathered:
             self.release()  # the gathered copy is stale; the next use gathers the new values
 
