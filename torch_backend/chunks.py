@@ -236,15 +236,19 @@ class Chunk:
         return True
 
     def release(self) -> bool:
-        """Free the gathered buffer's storage (sharded chunks only); tensors HOLD → FREE.
+        """Free the gathered buffer's storage (sharded chunks only), also of a gather still in flight
+        (waited for first: never free a buffer a collective is writing); tensors HOLD → FREE.
+        Returns whether there was a buffer to free.
 
         Raises:
             IllegalTransitionError: a tensor is still in use (COMPUTE, HOLD_AFTER_BWD).
         """
-        if self.resident or not self._gathered:
+        if self.resident:
             return False
         if self._gather is not None:
-            self.finish_gather()  # never free a buffer a collective is writing
+            self.finish_gather()
+        if not self._gathered:
+            return False
         self.states.transition_all(S.FREE)
         self.buffer.untyped_storage().resize_(0)
         self._gathered = False
@@ -268,8 +272,7 @@ class Chunk:
                 # host → device: move first (async from pinned memory) and cast on the device: a copy
                 # that also casts would go through a pageable host buffer
                 self.shard.copy_(master.to(self.shard.device, non_blocking=True))
-        if not self.resident and self._gathered:
-            self.release()  # the gathered copy is stale; the next use gathers the new values
+        self.release()  # the gathered (or being gathered) copy is stale; the next use gathers the new values
 
     # ------------------------------------------------------------------ placement moves (movable chunks)
     def move_shard(self, device: torch.device, *, offloaded: bool) -> int:
@@ -434,8 +437,7 @@ class Chunk:
                     self.shard.copy_(self.master.detach())
             else:
                 self.shard.copy_(values.to(self.shard.device, self.dtype))
-        if not self.resident and self._gathered:
-            self.release()
+        self.release()
 
     def low_precision_shard(self) -> torch.Tensor:
         """The compute-dtype shard: the live persistent tensor, or a fresh cast of the master when

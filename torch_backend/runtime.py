@@ -173,6 +173,7 @@ class ChunkRuntime:
         self._fwd_used = {}
         self._phase = FORWARD
         self.sched.start(FORWARD)
+        backward_next = False
         try:
             with self._intercepting():
                 if grad_enabled:
@@ -180,12 +181,15 @@ class ChunkRuntime:
                         out = self.module(*args, **kwargs)
                 else:
                     out = self.module(*args, **kwargs)
+            backward_next = grad_enabled
         finally:
+            # a forward that raised has no backward: nothing is gathered ahead for it, nothing kept
             self._phase = None
             self._fwd_used = {}
-            self.sched.end(FORWARD, prefetch_next=BACKWARD if grad_enabled else None)
+            self.sched.end(FORWARD, prefetch_next=BACKWARD if backward_next else None)
             for c in self.chunks:
-                self._rest(c, release=self._release_in_forward and c.index not in self._keep_for_backward)
+                keep = backward_next and (not self._release_in_forward or c.index in self._keep_for_backward)
+                self._rest(c, release=not keep)
         if grad_enabled:
             for t in _tensors_in(out):
                 if t.requires_grad:
@@ -501,8 +505,8 @@ class ChunkRuntime:
                 state = S.HOLD
             if state is not target:
                 c.states.transition(t.name, target)
-        if release and not c.resident and c.is_gathered:
-            c.release()
+        if release:
+            c.release()  # also a gather still in flight (prefetched, then not used)
 
     # ------------------------------------------------------------------ placeholders
     def _set_placeholders(self) -> None:

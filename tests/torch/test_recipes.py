@@ -29,7 +29,7 @@ def test_plain_optimizer_or_clip_over_parameters_raises(world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_error_raised_in_backward_leaves_the_engine_usable(world):
+def test_error_raised_in_forward_or_backward_leaves_the_engine_usable(world):
     run_distributed(recipe_cases.worker_error_in_backward, world, timeout=600)
 
 
