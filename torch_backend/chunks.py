@@ -4,10 +4,11 @@ A chunk owns, on this rank (the design of ColossalAI Gemini's ``Chunk``, itself 
 
 - ``shard`` — this rank's slice ``[r·size/W, (r+1)·size/W)`` of the chunk in the compute dtype
   (the *low-precision shard* in bf16/fp16; in fp32 it is the master shard itself). A keep-gathered
-  chunk's "shard" is the whole chunk and doubles as its gathered buffer. In bf16/fp16, when the
-  master sits on the compute device, no persistent low-precision copy is kept (``shard is None``):
-  the gather casts the master shard on the fly (as FSDP2's mixed precision does), which saves
-  2 bytes per element of model state; :meth:`Chunk.low_precision_shard` then returns a fresh cast.
+  chunk's "shard" is the whole chunk and doubles as its gathered buffer. In bf16/fp16, for a
+  sharded chunk whose master sits on the compute device, no persistent low-precision copy is kept
+  (``shard is None``): the gather casts the master shard on the fly (as FSDP2's mixed precision
+  does), which saves 2 bytes per element of model state; :meth:`Chunk.low_precision_shard` then
+  returns a fresh cast.
   A parameter-offloaded chunk keeps its shard on the host (pinned on CUDA); each gather first
   copies it to the device, so no device copy is kept between uses.
 - ``master`` — the fp32 master shard, an ``nn.Parameter`` leaf the optimizer updates (its ``.grad``
@@ -193,11 +194,6 @@ class Chunk:
         """Whether a gather was issued and not yet waited for."""
         return self._gather is not None
 
-    @property
-    def gathered(self) -> torch.Tensor | None:
-        """The full chunk (``size`` elements, compute dtype) while gathered, else ``None``."""
-        return self.buffer if self._gathered else None
-
     def _gather_source(self) -> torch.Tensor:
         if self.shard is None:
             return self.master.detach().to(self.device, self.dtype)
@@ -226,14 +222,6 @@ class Chunk:
         if not self._gathered:
             self._gathered = True
             self.states.transition_all(S.HOLD, only_from=S.FREE)
-
-    def gather(self) -> bool:
-        """Gather now (blocking). Returns ``True`` if a gather happened (``False``: already gathered)."""
-        if self._gathered and self._gather is None:
-            return False
-        self.begin_gather(async_op=False)
-        self.finish_gather()
-        return True
 
     def release(self) -> bool:
         """Free the gathered buffer's storage (sharded chunks only), also of a gather still in flight
@@ -360,10 +348,6 @@ class Chunk:
             pending = collectives.reduce_scatter_avg(out, buf, self.group, divide_first=self.divide_first, async_op=async_op)
         self._reduces.append((pending, out))
 
-    @property
-    def reduces_in_flight(self) -> int:
-        return len(self._reduces)
-
     def finish_reduces(self) -> None:
         """Wait for the issued reductions and add each result into ``master.grad`` (fp32, master device);
         :attr:`grad_sq_norm` is recomputed over the valid elements."""
@@ -408,6 +392,7 @@ class Chunk:
             self.grad_sq_norm = self.master.grad[: self.valid_numel].float().square().sum()
 
     def discard_grad_buffer(self) -> None:
+        """Drop the gradient buffer not yet reduced (reductions in flight and ``master.grad`` stay)."""
         self.grad_buffer = None
         self._grad_written = set()
 

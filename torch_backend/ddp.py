@@ -20,7 +20,8 @@ How parameters are found when they are used (the part that makes *any* module wo
   another module (``F.linear(x, other.weight)``), through an operator (``x @ w``), inside
   ``torch.stack([...])`` or several times is always gathered. A chunk is released (with
   ``reshard_after_forward``) once every tensor of it has been used in this forward; whatever is
-  still gathered is released when the forward returns.
+  still gathered is released when the forward returns, except the first ``prefetch`` chunks of the
+  recorded backward order (gathered ahead, so the backward does not start on a miss).
 - **Backward**: ``saved_tensors_hooks`` replace a saved parameter (or a saved view of a chunk
   buffer) by a reference that counts on its chunk; unpacking it gathers the chunk again, and once
   autograd has freed every reference to a chunk, the chunk is released — so a frozen chunk is
@@ -86,7 +87,7 @@ def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, i
     from chunkzero.search import search_chunk_size
 
     result = search_chunk_size(specs, world_size)
-    return int(result.chunk_size), int(getattr(result, "keep_gathered_below_numel", 0) or 0)
+    return int(result.chunk_size), int(result.keep_gathered_below_numel)
 
 
 def _default_device() -> torch.device:

@@ -378,6 +378,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {**self.scaler.state_dict(), "step_count": self.step_count, "skipped_steps": self.skipped_steps}
 
     def load_loss_scaler_state(self, state: dict[str, Any]) -> None:
+        """The reverse of :meth:`loss_scaler_state` (fields not given keep their values).
+
+        Raises:
+            CheckpointError: a field the scaler does not have.
+        """
         state = dict(state)
         self.step_count = int(state.pop("step_count", self.step_count))
         self.skipped_steps = int(state.pop("skipped_steps", self.skipped_steps))

@@ -196,7 +196,6 @@ class ChunkRuntime:
                     t.register_hook(self._output_grad_hook)
         return out
 
-
     @contextlib.contextmanager
     def _intercepting(self):
         mode = ParamAccessMode(self)
@@ -208,11 +207,7 @@ class ChunkRuntime:
             self._mode_stack.pop()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` with this model's parameter access on for the whole backward, so that a
-        recomputation that uses parameters outside any module call (``checkpoint(fn, ...)`` of a plain
-        function) finds them gathered. ``ZeroOptimizer.backward`` calls it. (A plain
-        ``loss.backward()`` covers recomputations that call modules: activation checkpointing of
-        blocks, Hugging Face ``gradient_checkpointing_enable()``.)"""
+        """:meth:`torch_backend.ZeroDDP.backward`: ``loss.backward()`` under the access mode."""
         run = getattr(torch.autograd.graph, "_engine_run_backward", None)
         if run is None or self._mode_stack:
             loss.backward()
@@ -231,6 +226,8 @@ class ChunkRuntime:
         self.sched.ensure(c, self._phase or FORWARD)
 
     def run_op(self, entries: list[Entry], func, args, kwargs):
+        """Run the torch call ``func(*args, **kwargs)`` that takes the parameters of ``entries``: their
+        chunks gathered, the tensors in COMPUTE during the call (the access mode calls it)."""
         if len(entries) > 1:
             entries = list({id(e): e for e in entries}.values())
         for e in entries:
