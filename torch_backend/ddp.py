@@ -109,7 +109,7 @@ class ZeroDDP(nn.Module):
             is initialized, else a single process.
         chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
         mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient
-            reduction; the optimizer always updates fp32 master shards. Floating inputs are cast to it.
+            reduction; the optimizer always updates fp32 master shards. fp32 tensor inputs are cast to it.
         prefetch: chunks gathered ahead of use, in the order recorded during the previous step
             (Gemini's ``max_prefetch``); with ``prefetch > 0`` all-gathers and reduce-scatters are
             asynchronous and overlap the computation. ``0``: gather on first use, blocking collectives.
@@ -332,7 +332,8 @@ class ZeroDDP(nn.Module):
     def forward(self, *args, **kwargs):
         """Run the wrapped module with chunks gathered on use (see the module docstring).
 
-        Floating-point tensor inputs are cast to the compute dtype in bf16/fp16.
+        fp32 tensor inputs (anywhere in ``args``/``kwargs``) are cast to the compute dtype in bf16/fp16;
+        other dtypes are passed as they are.
 
         Raises:
             UnusedParameterError: the previous backward left a parameter without a gradient on every rank.
