@@ -196,10 +196,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ConfigError("add_param_group lists a parameter twice")
         group = {**{k: v for k, v in param_group.items() if k != "params"}, "params": self._params_of(names)}
         self._check_group_keys([group], self.defaults)
-        moved = {id(p) for p in group["params"]}
-        dg = self.param_groups[self._default_group]
-        dg["params"] = [p for p in dg["params"] if id(p) not in moved]
-        self.group_names[self._default_group] = [n for n in self.group_names[self._default_group] if n not in set(names)]
+        if names:  # (names are all in the default group, checked above)
+            moved, listed = {id(p) for p in group["params"]}, set(names)
+            dg = self.param_groups[self._default_group]
+            dg["params"] = [p for p in dg["params"] if id(p) not in moved]
+            self.group_names[self._default_group] = [n for n in self.group_names[self._default_group] if n not in listed]
         type(self.optimizer).add_param_group(self.optimizer, group)
         self.group_names.append(names)
         for ci in self._pieces:
