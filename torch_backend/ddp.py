@@ -430,9 +430,14 @@ class ZeroDDP(nn.Module):
         return self.chunks[chunk].low_precision_shard()
 
     def grad_shard(self, chunk: int) -> torch.Tensor | None:
-        """This rank's reduced fp32 gradient shard of ``chunk`` (1-D, ``shard_numel``), or ``None``."""
-        master = self.chunks[chunk].master
-        return None if master is None else master.grad
+        """This rank's reduced fp32 gradient shard of ``chunk`` (1-D, ``shard_numel``), or ``None``
+        (frozen, or no gradient reduced yet). Reductions of it still in flight are completed first."""
+        c = self.chunks[chunk]
+        if c.master is None:
+            return None
+        c.finish_reduces()
+        c.finish_host_gradients()
+        return c.master.grad
 
     def load_master_shard(self, chunk: int, shard: torch.Tensor) -> None:
         """Overwrite this rank's fp32 master shard of ``chunk`` and refresh the low-precision shard.
