@@ -95,6 +95,15 @@ def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _device_arg(device: torch.device | str) -> torch.device:
+    """``device`` with a CUDA index (``"cuda"`` is the current device, as torch places tensors), so it
+    compares equal to the parameters' device and names the same memory-report key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ZeroDDP(nn.Module):
     """Wrap ``module`` for chunk-based ZeRO-3 data parallelism (ColossalAI Gemini's ``ZeroDDP``).
 
@@ -213,10 +222,10 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
         materializer = None
         if any(p.is_meta for p, _ in groups.values()):
-            target = torch.device(device) if device is not None else (devices.pop() if devices else _default_device())
+            target = _device_arg(device) if device is not None else (devices.pop() if devices else _default_device())
             materializer = MetaMaterializer(module, target, param_init_fn)
             devices = {target}
-        elif device is not None and torch.device(device) != next(iter(devices)):
+        elif device is not None and _device_arg(device) != next(iter(devices)):
             raise ConfigError(f"device={str(device)!r} differs from the parameters' device {next(iter(devices))}; "
                               "it is for modules built on the meta device")
         self.device: torch.device = devices.pop()
