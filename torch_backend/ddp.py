@@ -371,7 +371,11 @@ class ZeroDDP(nn.Module):
         recomputation that uses parameters outside any module call (``checkpoint(fn, ...)`` of a plain
         function) finds them gathered. ``ZeroOptimizer.backward`` calls it. (A plain
         ``loss.backward()`` covers recomputations that call modules: activation checkpointing of
-        blocks, Hugging Face ``gradient_checkpointing_enable()``.)"""
+        blocks, Hugging Face ``gradient_checkpointing_enable()``.)
+
+        Raises:
+            ShapeMismatchError: ``loss`` has more than one element (as ``loss.backward()`` refuses).
+        """
         self._runtime.backward(loss)
 
     def raise_pending_error(self) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from chunkzero import ChunkLayout, TensorState
-from chunkzero.errors import ConfigError, UnusedParameterError
+from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
 from .access import ParamAccessMode, SavedActivation, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
 from .chunks import Chunk
@@ -207,7 +207,13 @@ class ChunkRuntime:
             self._mode_stack.pop()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """:meth:`torch_backend.ZeroDDP.backward`: ``loss.backward()`` under the access mode."""
+        """:meth:`torch_backend.ZeroDDP.backward`: ``loss.backward()`` under the access mode.
+
+        Raises:
+            ShapeMismatchError: ``loss`` has more than one element (as ``loss.backward()`` refuses).
+        """
+        if loss.numel() != 1:
+            raise ShapeMismatchError("loss", (), tuple(loss.shape), "backward needs a scalar loss")
         run = getattr(torch.autograd.graph, "_engine_run_backward", None)
         if run is None or self._mode_stack:
             loss.backward()
