@@ -193,7 +193,8 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch must be a non-negative int (chunks), got {prefetch!r}")
-        check_placement_arguments(placement, offload_optim_frac, offload_param_frac, device_memory_bytes)
+        check_placement_arguments(placement, offload_optim_frac, offload_param_frac, device_memory_bytes,
+                                  steady_device_cap_ratio)
         auto = placement == "auto"
 
         self.module = module
