@@ -47,24 +47,16 @@ def host_empty(numel: int, dtype: torch.dtype, like_device: torch.device) -> tor
     return torch.empty(numel, dtype=dtype, pin_memory=like_device.type == "cuda")
 
 
-def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
-    """A copy of ``t`` on ``device`` in ``dtype``; host copies are pinned when computing on CUDA."""
-    if device.type == "cpu" and compute_device.type == "cuda":
-        out = host_empty(t.numel(), dtype, compute_device)
-        out.copy_(t.reshape(-1))
-        return out
-    return t.to(device, dtype, copy=True)
-
-
-def _moved(t: torch.Tensor, device: torch.device, compute_device: torch.device) -> torch.Tensor:
-    """A fresh copy of ``t`` on ``device`` (pinned host memory when computing on CUDA), issued
-    asynchronously (stream-ordered on CUDA)."""
-    device = torch.device(device)
+def _copied(t: torch.Tensor, device: torch.device, compute_device: torch.device, dtype: torch.dtype | None = None,
+            *, non_blocking: bool = False) -> torch.Tensor:
+    """A fresh 1-D copy of ``t`` on ``device``, in ``dtype`` (default: ``t``'s); host copies are pinned
+    when computing on CUDA, so that ``non_blocking`` copies are asynchronous (stream-ordered)."""
+    device, dtype = torch.device(device), dtype or t.dtype
     if device.type == "cpu":
-        out = host_empty(t.numel(), t.dtype, compute_device)
+        out = host_empty(t.numel(), dtype, compute_device)
     else:
-        out = torch.empty(t.numel(), dtype=t.dtype, device=device)
-    out.copy_(t.reshape(-1), non_blocking=True)
+        out = torch.empty(t.numel(), dtype=dtype, device=device)
+    out.copy_(t.reshape(-1), non_blocking=non_blocking)
     return out
 
 
@@ -140,13 +132,13 @@ class Chunk:
         self.master: torch.nn.Parameter | None = None
         self.shard: torch.Tensor | None
         if not self.requires_grad:
-            self.shard = _on(mine, shard_device, self.dtype, self.device)  # frozen: compute dtype only
+            self.shard = _copied(mine, shard_device, self.device, self.dtype)  # frozen: compute dtype only
         else:
-            self.master = torch.nn.Parameter(_on(mine, self.master_device, torch.float32, self.device))
+            self.master = torch.nn.Parameter(_copied(mine, self.master_device, self.device, torch.float32))
             if self.dtype == torch.float32 and self.master_device == shard_device and not movable:
                 self.shard = self.master.data  # fp32: the master shard is the parameter shard
             elif self.resident or movable or shard_device != self.master_device or shard_device != self.device:
-                self.shard = _on(mine, shard_device, self.dtype, self.device)
+                self.shard = _copied(mine, shard_device, self.device, self.dtype)
             else:
                 self.shard = None  # cast from the master at gather time
         self.grad_buffer: torch.Tensor | None = None
@@ -274,7 +266,7 @@ class Chunk:
         """
         if not self.movable or self.resident:
             raise ValueError(f"chunk {self.index}'s parameter shard cannot move (movable={self.movable}, resident={self.resident})")
-        self.shard = _moved(self.shard, device, self.device)
+        self.shard = _copied(self.shard, device, self.device, non_blocking=True)
         self.param_device = torch.device(device)
         self.param_offloaded = bool(offloaded)
         return self.shard.numel() * self.shard.element_size()
@@ -294,10 +286,10 @@ class Chunk:
         self.finish_reduces()
         self.finish_host_gradients()
         grad, self.master.grad = self.master.grad, None
-        self.master.data = _moved(self.master.detach(), device, self.device)
+        self.master.data = _copied(self.master.detach(), device, self.device, non_blocking=True)
         moved = self.master.numel() * 4
         if grad is not None:
-            self.master.grad = _moved(grad, device, self.device)
+            self.master.grad = _copied(grad, device, self.device, non_blocking=True)
             moved += grad.numel() * 4
         self.master_device = torch.device(device)
         return moved
