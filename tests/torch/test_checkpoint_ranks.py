@@ -108,3 +108,45 @@ def test_a_load_failing_on_one_rank_fails_on_all_and_changes_no_model(tmp_path):
         assert "ranks disagree on the step directory of the load" in r["other_steps"], r["other_steps"]
         assert f"rank 0 has '{root / '1'}', rank 1 has '{root / '2'}'" in r["other_steps"]
         assert r["truncated_unchanged"] and r["other_steps_unchanged"], r
+
+
+# ------------------------------------------------------------------ saves: ranks that hold different optimizer state
+
+
+def _save_with_a_stateless_rank(rank, world, root):
+    """One chunk of 16 elements at W = 2: rank 0's half is ``idle`` (a module's own parameters come before
+    its children's), which never gets a gradient (``find_unused_parameters``), so rank 0 holds no
+    optimizer state at all; rank 1's half is ``used.weight``."""
+    import torch
+
+    from torch_backend import ZeroDDP, ZeroOptimizer
+
+    class Half(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = torch.nn.Linear(4, 2, bias=False)
+            self.idle = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = ZeroDDP(Half(), chunk_size=16, find_unused_parameters=True)
+    optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    assert len(model.chunks) == 1 and model.layout.owned_range("idle", rank=0) == (0, 8)
+    optim.backward(model(torch.randn(3, 4)).square().sum())
+    optim.step()
+    save_checkpoint(root, model, optim, step=1, timeout_s=60)
+    again = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    meta = load_checkpoint(root, model, again, load_rng=False)
+    return {"keys": meta.optimizer.state_keys, "step": meta.optimizer.step, "tensor_steps": meta.optimizer.tensor_steps,
+            "exp_avg": [float(v) for v in again.shard_state(0).get("exp_avg", [])]}
+
+
+def test_a_rank_without_optimizer_state_saves_with_the_others(tmp_path):
+    """Each rank saves the same arrays and metadata although only rank 1 holds AdamW state: the state keys
+    and the step are agreed, and rank 0's part of ``exp_avg`` is zeros (no state, as torch keeps none)."""
+    out = run_distributed(_save_with_a_stateless_rank, 2, str(tmp_path / "c"), timeout=300)
+    assert out[0]["keys"] == out[1]["keys"] == ["exp_avg", "exp_avg_sq"], out
+    assert out[0]["step"] == out[1]["step"] == 1 and out[0]["tensor_steps"] == {"idle": 0}, out
+    assert any(v != 0 for v in out[1]["exp_avg"]) and out[0]["exp_avg"] in ([], [0.0] * 8), out
