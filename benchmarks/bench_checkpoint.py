@@ -20,6 +20,12 @@ data goes through the page cache (loads follow saves; caches are not dropped on 
 table.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--layers 24] [--dim 2048] [--world 2] [--repeats 3] [--dir DIR]
+
+With ``--resume-world 3`` it measures instead what a resume at another world size reads: the same
+model and state saved at ``--world`` ranks, then loaded by ``--resume-world`` ranks; per rank, the bytes
+it owns (valid elements of its new shards: parameters and both AdamW states) and the bytes TensorStore
+read from files during its ``load_checkpoint`` (its ``/tensorstore/kvstore/file/bytes_read`` counter:
+array data and OCDBT metadata, page cache or not).
 """
 
 from __future__ import annotations
@@ -48,16 +54,12 @@ def _timed(fn):
     return time.perf_counter() - t0
 
 
-def _worker(rank, world, args, root):
+def _model(rank, args):
+    """The benchmark's ZeroDDP model and a ZeroOptimizer(AdamW) whose state is filled."""
     import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
 
     from torch_backend import ZeroDDP, ZeroOptimizer
-    from torch_backend.checkpoint import load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     module = nn.Sequential(*[nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.layers)])
@@ -69,6 +71,19 @@ def _worker(rank, world, args, root):
         n = model.layout.shard_numel(c.index)
         optim.load_shard_state(c.index, {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g),
                                          "step": torch.tensor(1.0)})
+    return model, optim
+
+
+def _worker(rank, world, args, root):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torch_backend.checkpoint import load_checkpoint, save_checkpoint
+
+    model, optim = _model(rank, args)
     n_params = model.layout.utilized_numel
     root = Path(root)
     results: dict[str, list[float]] = {}
@@ -125,6 +140,50 @@ def _worker(rank, world, args, root):
     return {"times": results, "sizes": sizes, "params": n_params}
 
 
+def _file_bytes_read() -> int:
+    """TensorStore's own count of bytes read from files by this process (array data and OCDBT metadata)."""
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return int(found[0]["values"][0]["value"]) if found else 0
+
+
+def _resume_save(rank, world, args, root):
+    from torch_backend.checkpoint import save_checkpoint
+
+    model, optim = _model(rank, args)
+    save_checkpoint(root, model, optim, step=1)
+
+
+def _resume_load(rank, world, args, root):
+    """Load the checkpoint saved at another world size; this rank's owned and read bytes."""
+    from torch_backend.checkpoint import load_checkpoint
+
+    model, optim = _model(rank, args)
+    layout = model.layout
+    owned = sum(layout.valid_length(c.index, rank) for c in layout.chunks) * 4 * 3  # fp32 params + 2 AdamW states
+    before = _file_bytes_read()
+    t0 = time.perf_counter()
+    load_checkpoint(root, model, optim)
+    return {"owned": owned, "read": _file_bytes_read() - before, "seconds": time.perf_counter() - t0}
+
+
+def resume_bytes(args, base: Path) -> str:
+    """Bytes each rank reads from disk when a world-size-``args.world`` checkpoint is loaded at
+    ``args.resume_world``: the markdown table."""
+    from torch_backend._testing import run_distributed
+
+    root = base / "resume"
+    run_distributed(_resume_save, args.world, args, str(root), timeout=3000)
+    rows = run_distributed(_resume_load, args.resume_world, args, str(root), timeout=3000)
+    lines = [f"| rank (of {args.resume_world}) | owned MB | read MB | read / owned | load s |", "|---:|---:|---:|---:|---:|"]
+    for rank, r in enumerate(rows):
+        lines.append(f"| {rank} | {r['owned'] / 1e6:.1f} | {r['read'] / 1e6:.1f} | {r['read'] / r['owned']:.3f} | {r['seconds']:.2f} |")
+    total_owned, total_read = sum(r["owned"] for r in rows), sum(r["read"] for r in rows)
+    lines.append(f"| all | {total_owned / 1e6:.1f} | {total_read / 1e6:.1f} | {total_read / total_owned:.3f} | |")
+    return "\n".join(lines)
+
+
 def dd_write_rate(directory: Path, mib: int = 1024) -> float:
     """MB/s of ``dd if=/dev/zero bs=1M count=mib conv=fdatasync`` into ``directory``."""
     target = directory / "dd.bin"
@@ -145,12 +204,23 @@ def main(argv=None) -> str:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", help="where to write (default: a temporary directory, removed after)")
+    ap.add_argument("--resume-world", type=int, default=0,
+                    help="instead of the timings: save at --world, load at this world size, and print the bytes "
+                         "each rank reads (TensorStore's file-read counter)")
     args = ap.parse_args(argv)
 
     from torch_backend._testing import run_distributed
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     base.mkdir(parents=True, exist_ok=True)
+    if args.resume_world:
+        try:
+            table = resume_bytes(args, base)
+        finally:
+            if not args.dir:
+                shutil.rmtree(base, ignore_errors=True)
+        print(table)
+        return table
     try:
         dd = dd_write_rate(base)
         results = run_distributed(_worker, args.world, args, str(base), timeout=3000)

@@ -154,8 +154,8 @@ class TrainConfig:
                                metavar="N", minimum=1, default_help="one per GPU, or 2 on CPU")
     device: str = option("auto", "auto: CUDA when available, else CPU", "workers", choices=DEVICES)
     timeout_s: float = option(
-        45.0, "collective timeout: a worker waiting longer for the others gives up, so a dead worker ends the "
-              "run", "workers", flag="--timeout", metavar="SECONDS", above=0)
+        45.0, "collective timeout: a worker waiting longer for the others (in a collective, or in a checkpoint "
+              "save's barriers and commit) gives up, so a dead worker ends the run", "workers", flag="--timeout", metavar="SECONDS", above=0)
     # reporting
     out: str | None = option(None, "output directory; refused if it holds another run unless --overwrite",
                              "reporting", metavar="DIR", default_help="a fresh runs/<YYYYmmdd-HHMMSS>")

@@ -40,7 +40,7 @@ from .convert import (
 from .gpt import GPT, GPT_CONFIGS, GPTConfig, gpt_config, init_gpt, logits
 from .layout import flatten, flatten_optimizer, nest, shard_chunks, unflatten, unflatten_optimizer
 from .mesh import DEFAULT_AXIS, chunk_sharding, make_mesh, mesh_world_size
-from .optim import adam_state_from_chunks, adam_state_to_chunks, adamw_from_meta, adamw_step
+from .optim import adam_state_from_chunks, adam_state_to_chunks, adamw_from_meta, adamw_meta, adamw_step
 from .schedule import TrainState
 from .zero import ZeroTrainer
 from .baselines import DDPTrainer, FSDPTrainer
@@ -62,6 +62,7 @@ __all__ = [
     "adam_state_from_chunks",
     "adam_state_to_chunks",
     "adamw_from_meta",
+    "adamw_meta",
     "adamw_step",
     "check_layout",
     "chunk_sharding",

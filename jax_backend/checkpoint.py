@@ -234,7 +234,8 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
                     optimizer_meta: OptimizerMeta | Mapping[str, Any] | None = None,
                     mixed_precision: str = "fp32", loss_scaler: dict | None = None, model_config: dict | None = None,
                     data_position: dict | None = None, rng_states: list[dict] | None = None, extra: dict | None = None,
-                    checksums: bool = True, options: Any = None) -> Path:
+                    checksums: bool = True, options: Any = None,
+                    timeout_s: float = orbax_store.DEFAULT_TIMEOUT_S) -> Path:
     """Write chunk arrays as a chunkzero checkpoint step ``<directory>/<step>/`` that torch can resume.
 
     Args:
@@ -253,6 +254,8 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
             verifies what it reads); skipped when an array is not fully addressable (multi-host).
         options: ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep``,
             ``multiprocessing_options`` …).
+        timeout_s: the longest, in seconds, any wait for the other JAX processes may take (each Orbax
+            barrier, and the write plus its commit), so a lost process ends the save with an error.
 
     Returns:
         The step directory (committed).
@@ -261,7 +264,7 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
         LayoutError / ShapeMismatchError: a chunk is missing, extra or mis-sized (names it and both shapes).
         CheckpointError: a chunk has the wrong dtype, the optimizer arguments disagree, or the step
             exists or is before the latest one (nothing is overwritten).
-        ConfigError: bad ``mixed_precision`` or ``step``, or metadata that is not JSON-serializable.
+        ConfigError: bad ``mixed_precision``, ``step`` or ``timeout_s``, or metadata that is not JSON-serializable.
     """
     if mixed_precision not in MIXED_PRECISIONS:
         raise ConfigError(f"mixed_precision must be one of {MIXED_PRECISIONS}, got {mixed_precision!r}")
@@ -297,7 +300,7 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
     host = _host_arrays(state) if checksums else None
     if host is not None:
         meta.checksums = meta.checksums_of_arrays(host)
-    return orbax_store.save_step(directory, meta, state, options=options)
+    return orbax_store.save_step(directory, meta, state, options=options, timeout_s=timeout_s)
 
 
 __all__ = [

@@ -13,20 +13,30 @@ Both bias corrections use the 1-based step after incrementing, so optax's ``coun
 steps already taken (``meta.optimizer.step``) and ``mu``/``nu`` to ``exp_avg``/``exp_avg_sq``. The two
 differ only in rounding (``√(v/c)`` vs ``√v/√c``): within 1e-7 relative per element. Chunk padding
 stays zero (zero gradient, zero parameter, zero moments).
+
+Param groups. A torch checkpoint's groups may differ in ``lr`` and ``weight_decay`` (nanoGPT's: no
+decay on biases and LayerNorm), and a chunk may hold tensors of several groups. :func:`param_groups_adamw`
+keeps them exact on the chunk arrays: ``scale_by_adam``, then per element ``u ← (u + wd_g·p)·lr_g/lr``,
+then ``-lr`` — torch's ``p ← p·(1 − lr_g·wd_g) − lr_g·adam`` for the element's group ``g``. The group of
+each element is an ``uint8`` (``int32`` past 255 groups) array per chunk in the optax state, built from
+the layout's tensor offsets and sharded like the chunk, so inside ``shard_map`` each device sees the
+groups of its own shard; padding belongs to group 0 and stays zero.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from chunkzero.checkpoint import OptimizerMeta
+from chunkzero.checkpoint import OptimizerMeta, chunk_key
 from chunkzero.errors import ConfigError
+from chunkzero.layout import ChunkLayout
 
 from .layout import Chunks, OptimizerChunks
 
@@ -37,12 +47,22 @@ TORCH_ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_
 """``torch.optim.AdamW`` defaults, used for hyper-parameters a checkpoint does not record."""
 
 
-def adamw_hyperparameters(optimizer_meta: OptimizerMeta) -> dict[str, float]:
-    """``{"learning_rate", "b1", "b2", "eps", "weight_decay"}`` for ``optax.adamw`` from torch AdamW metadata.
+GROUP_KEYS = ("lr", "weight_decay")
+"""The hyper-parameters in which param groups may differ on the JAX side (:func:`param_groups_adamw`)."""
+
+
+def adamw_hyperparameters(optimizer_meta: OptimizerMeta, *, groups_may_differ: bool = False) -> dict[str, float]:
+    """``{"learning_rate", "b1", "b2", "eps", "weight_decay"}`` for ``optax.adamw`` from torch AdamW metadata
+    (the first param group's).
+
+    Args:
+        groups_may_differ: accept param groups that differ in :data:`GROUP_KEYS` (for
+            :func:`param_groups_adamw`); they must still agree in everything else.
 
     Raises:
         ConfigError: the optimizer is not AdamW, uses ``amsgrad`` / ``maximize``, has param groups whose
-            hyper-parameters differ, or tensors at different steps (none of which is mirrored).
+            hyper-parameters differ (in :data:`GROUP_KEYS` only unless ``groups_may_differ``), or tensors
+            at different steps (none of which is mirrored).
     """
     name = optimizer_meta.class_name
     if not name.lower().endswith("adamw"):
@@ -50,10 +70,10 @@ def adamw_hyperparameters(optimizer_meta: OptimizerMeta) -> dict[str, float]:
     groups = optimizer_meta.param_groups or []
     for i, g in enumerate(groups[1:], 1):
         for key in (*TORCH_ADAMW_DEFAULTS, "amsgrad", "maximize"):
-            if g.get(key) != groups[0].get(key):
-                raise ConfigError(
-                    f"param group {i} has {key}={g.get(key)!r}, group 0 has {groups[0].get(key)!r}: one optax.adamw over "
-                    "the chunk arrays takes one set of hyper-parameters, so per-group ones are not mirrored")
+            if g.get(key) != groups[0].get(key) and not (groups_may_differ and key in GROUP_KEYS):
+                how = ("pass the layout (adamw_from_meta(meta, layout=...)) to keep per-group lr and weight_decay"
+                       if key in GROUP_KEYS else "only lr and weight_decay may differ between groups")
+                raise ConfigError(f"param group {i} has {key}={g.get(key)!r}, group 0 has {groups[0].get(key)!r}: {how}")
     if optimizer_meta.tensor_steps:
         some = next(iter(optimizer_meta.tensor_steps))
         raise ConfigError(f"{len(optimizer_meta.tensor_steps)} tensor(s) (e.g. {some!r}) are at another step than "
@@ -67,10 +87,124 @@ def adamw_hyperparameters(optimizer_meta: OptimizerMeta) -> dict[str, float]:
             "weight_decay": float(hp["weight_decay"])}
 
 
-def adamw_from_meta(optimizer_meta: OptimizerMeta, **overrides: Any) -> optax.GradientTransformation:
-    """``optax.adamw`` with the checkpoint's torch AdamW hyper-parameters (``overrides`` win, e.g.
-    ``learning_rate=schedule``). Raises ConfigError as :func:`adamw_hyperparameters`."""
-    return optax.adamw(**{**adamw_hyperparameters(optimizer_meta), **overrides})
+class ParamGroupsState(NamedTuple):
+    """State of :func:`scale_by_param_groups`: ``group_index``, per chunk the group of each element
+    (``uint8[size]`` or ``int32[size]``, sharded like the chunk). Never changes."""
+
+    group_index: Any
+
+
+def _group_runs(layout: ChunkLayout, groups: list[dict[str, Any]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per chunk key: (start offsets, group ids) of the runs of consecutive elements of one group.
+
+    Raises:
+        ConfigError: a group names a tensor the layout does not have.
+    """
+    group_of: dict[str, int] = {}
+    for g, group in enumerate(groups):
+        for name in group.get("params", []):
+            if name not in layout:
+                raise ConfigError(f"param group {g} names tensor {name!r}, which the layout does not have")
+            group_of[layout.tensor(name).name] = g
+    runs = {}
+    for c in layout.chunks:
+        starts, ids = [0], [0]
+        for t in layout.chunk_tensors(c.index):
+            g = group_of.get(t.name, 0)
+            if g != ids[-1]:
+                if starts[-1] == t.offset:
+                    ids[-1] = g
+                else:
+                    starts.append(t.offset)
+                    ids.append(g)
+        runs[chunk_key(c.index)] = (np.asarray(starts, np.int64), np.asarray(ids))
+    return runs
+
+
+def scale_by_param_groups(layout: ChunkLayout, groups: list[dict[str, Any]]) -> optax.GradientTransformation:
+    """``u ← (u + wd_g·p) · lr_g / lr_0`` per element, ``g`` the element's param group (torch's AdamW
+    decay and per-group learning rate, before ``scale_by_learning_rate(lr_0)``).
+
+    Args:
+        layout: the chunk layout of the parameter pytree ``{chunk_key: f32[size]}`` (any world size: the
+            offsets are the same).
+        groups: torch param groups ``{"lr", "weight_decay", "params": [tensor names]}`` (a checkpoint's
+            ``OptimizerMeta.param_groups``); tensors in none of them count as group 0.
+
+    Raises:
+        ConfigError: a group names a tensor the layout does not have.
+    """
+    runs = _group_runs(layout, groups)
+    dtype = jnp.uint8 if len(groups) <= 255 else jnp.int32
+    decay = jnp.asarray([float(g.get("weight_decay", TORCH_ADAMW_DEFAULTS["weight_decay"])) for g in groups], jnp.float32)
+    lr0 = float(groups[0]["lr"])
+    lr_scale = jnp.asarray([float(g["lr"]) / lr0 for g in groups], jnp.float32)
+
+    def index_of(path, p):
+        starts, ids = runs[path[-1].key]
+        run = jnp.searchsorted(jnp.asarray(starts), jnp.arange(p.shape[0]), side="right") - 1
+        return jnp.asarray(ids, dtype)[run]
+
+    def init_fn(params):
+        return ParamGroupsState(jax.tree_util.tree_map_with_path(index_of, params))
+
+    def update_fn(updates, state, params):
+        if params is None:
+            raise ConfigError("scale_by_param_groups needs the parameters (weight decay)")
+        new = jax.tree.map(lambda u, p, g: ((u + decay[g] * p) * lr_scale[g]).astype(u.dtype),
+                           updates, params, state.group_index)
+        return new, state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def param_groups_adamw(learning_rate: Any, b1: float, b2: float, eps: float, layout: ChunkLayout,
+                       groups: list[dict[str, Any]]) -> optax.GradientTransformation:
+    """torch AdamW with per-group ``lr`` and ``weight_decay`` on chunk arrays: ``optax.adamw``'s chain
+    with :func:`scale_by_param_groups` in place of its one ``add_decayed_weights``. ``learning_rate``
+    (a number or an optax schedule) is group 0's; group ``g`` runs at ``learning_rate · lr_g / lr_0``."""
+    return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps), scale_by_param_groups(layout, groups),
+                       optax.scale_by_learning_rate(learning_rate))
+
+
+def adamw_meta(*, learning_rate: float, b1: float, b2: float, eps: float, weight_decay: float,
+               max_norm: float | None = None) -> OptimizerMeta:
+    """The checkpoint metadata of ``optax.adamw(learning_rate, b1, b2, eps, weight_decay=...)`` in torch
+    AdamW's names (``lr``, ``betas``, ``eps``, ``weight_decay``; ``max_norm`` for global-norm clipping),
+    at step 0 — the inverse of :func:`adamw_hyperparameters`, for a :class:`~jax_backend.ZeroTrainer`
+    trained from scratch whose checkpoints torch resumes (``ZeroTrainer(..., optimizer_meta=...)``).
+
+    Raises:
+        ConfigError: a hyper-parameter is not a number (a schedule cannot be recorded as one value).
+    """
+    values = {"learning_rate": learning_rate, "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay}
+    for key, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{key} must be a number to be saved for torch, got {v!r}")
+    hp = {"lr": float(learning_rate), "betas": [float(b1), float(b2)], "eps": float(eps),
+          "weight_decay": float(weight_decay), "amsgrad": False, "maximize": False,
+          "max_norm": None if max_norm is None else float(max_norm)}
+    return OptimizerMeta("torch.optim.AdamW", hp, list(ADAMW_STATE_KEYS), 0)
+
+
+def adamw_from_meta(optimizer_meta: OptimizerMeta, *, layout: ChunkLayout | None = None,
+                    **overrides: Any) -> optax.GradientTransformation:
+    """torch AdamW as optax, from a checkpoint's metadata: ``optax.adamw`` with the saved
+    hyper-parameters, or, where the param groups differ in ``lr`` / ``weight_decay`` and ``layout`` is
+    given, :func:`param_groups_adamw` (exact per group). ``overrides`` win (``learning_rate=schedule``:
+    group 0's; the other groups keep their ratio to it).
+
+    Raises:
+        ConfigError: as :func:`adamw_hyperparameters` (groups that differ and no ``layout``); a group
+            names a tensor ``layout`` does not have; a ``weight_decay`` override for groups that differ.
+    """
+    hp = {**adamw_hyperparameters(optimizer_meta, groups_may_differ=layout is not None), **overrides}
+    groups = optimizer_meta.param_groups or []
+    if layout is not None and any(g.get(k) != groups[0].get(k) for g in groups[1:] for k in GROUP_KEYS):
+        if "weight_decay" in overrides:
+            raise ConfigError("weight_decay cannot be overridden when the param groups differ: each group keeps its own")
+        return param_groups_adamw(hp["learning_rate"], hp["b1"], hp["b2"], hp["eps"], layout, groups)
+    return optax.adamw(**hp)
 
 
 def adam_state_from_chunks(tx: optax.GradientTransformation, chunks: Mapping[str, jax.Array],
@@ -108,8 +242,8 @@ def adam_state_to_chunks(state: optax.OptState) -> tuple[OptimizerChunks, int]:
 
 
 def adamw_step(chunks: Mapping[str, jax.Array], grads: Mapping[str, jax.Array],
-               opt_state_chunks: Mapping[str, Mapping[str, jax.Array]], optimizer_meta: OptimizerMeta
-               ) -> tuple[Chunks, OptimizerChunks, OptimizerMeta]:
+               opt_state_chunks: Mapping[str, Mapping[str, jax.Array]], optimizer_meta: OptimizerMeta,
+               layout: ChunkLayout | None = None) -> tuple[Chunks, OptimizerChunks, OptimizerMeta]:
     """One torch-equivalent AdamW step on chunk arrays.
 
     Args:
@@ -117,6 +251,7 @@ def adamw_step(chunks: Mapping[str, jax.Array], grads: Mapping[str, jax.Array],
         grads: gradients of the trainable chunks, same shapes (and ideally shardings).
         opt_state_chunks: ``{"exp_avg": ..., "exp_avg_sq": ...}`` over the trainable chunks.
         optimizer_meta: the checkpoint's :class:`OptimizerMeta` (hyper-parameters and ``step``).
+        layout: the chunks' layout, needed where the param groups differ (:func:`adamw_from_meta`).
 
     Returns:
         ``(new_chunks, new_opt_state_chunks, new_optimizer_meta)`` with ``step + 1``, ready for
@@ -129,7 +264,7 @@ def adamw_step(chunks: Mapping[str, jax.Array], grads: Mapping[str, jax.Array],
     missing = sorted(set(trainable) - set(grads))
     if missing:
         raise ConfigError(f"no gradient for trainable chunk {missing[0]}")
-    tx = adamw_from_meta(optimizer_meta)
+    tx = adamw_from_meta(optimizer_meta, layout=layout)
     state = adam_state_from_chunks(tx, trainable, opt_state_chunks, optimizer_meta.step)
     g = {k: grads[k] for k in trainable}
     updates, state = jax.jit(tx.update)(g, state, trainable)

@@ -21,7 +21,10 @@ and DDP baselines (:mod:`jax_backend.baselines`) run the same schedule with othe
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,14 +34,17 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from chunkzero.checkpoint import chunk_key
+from chunkzero.checkpoint import CheckpointMeta, OptimizerMeta, chunk_key
+from chunkzero.checkpoint.orbax_store import DEFAULT_TIMEOUT_S
 from chunkzero.errors import ConfigError, LayoutError
 from chunkzero.layout import ChunkLayout
 
-from .blocks import Program
+from . import checkpoint as jax_checkpoint
+from .blocks import Program, gpt_program
+from .gpt import GPTConfig
 from .layout import check_chunks
 from .mesh import DEFAULT_AXIS, mesh_world_size
-from .optim import adam_state_from_chunks, adam_state_to_chunks
+from .optim import ADAMW_STATE_KEYS, adam_state_from_chunks, adam_state_to_chunks, adamw_from_meta
 from .schedule import GatherUnit, ShardedTrainer, TrainState
 
 
@@ -100,11 +106,20 @@ class ZeroTrainer(ShardedTrainer):
     chunks = trainer.chunks(state)                           # {chunk_key: f32[size]} P('dp')
     ```
 
+    A checkpoint in, a checkpoint out, with the whole training state (torch resumes from it)::
+
+        trainer, state = ZeroTrainer.from_checkpoint("runs/ckpt", make_mesh(4))   # torch-trained
+        state, loss = trainer.step(state, batch)
+        trainer.save_checkpoint("runs/ckpt", state, step=101)                     # torch loads it
+
     Args:
         program, mesh, tx, mixed_precision, max_norm, axis, donate: as
             :class:`jax_backend.schedule.ShardedTrainer`.
         layout: the chunk layout of ``program.specs`` (names must match, any chunk size); its world
             size must be the mesh's (``layout.relayout(n)`` otherwise).
+        optimizer_meta: what ``tx`` is in the checkpoint format — torch AdamW's class and
+            hyper-parameters (:func:`jax_backend.optim.adamw_meta`), needed by :meth:`save_checkpoint`;
+            set by :meth:`from_checkpoint`.
 
     Raises:
         ConfigError: the layout's world size differs from the mesh's.
@@ -113,7 +128,8 @@ class ZeroTrainer(ShardedTrainer):
 
     name = "chunk-zero3"
 
-    def __init__(self, program: Program, layout: ChunkLayout, mesh: Mesh, tx: optax.GradientTransformation, **kwargs):
+    def __init__(self, program: Program, layout: ChunkLayout, mesh: Mesh, tx: optax.GradientTransformation, *,
+                 optimizer_meta: OptimizerMeta | None = None, **kwargs):
         axis = kwargs.get("axis", DEFAULT_AXIS)
         n = mesh_world_size(mesh, axis)
         if layout.world_size != n:
@@ -126,7 +142,89 @@ class ZeroTrainer(ShardedTrainer):
                 raise LayoutError(f"tensor {spec.name!r}: layout shape {layout.tensor(spec.name).shape}, "
                                   f"model shape {spec.shape}")
         self.layout = layout
+        self.optimizer_meta = optimizer_meta
+        self.source: CheckpointMeta | None = None
+        """The metadata of the checkpoint :meth:`from_checkpoint` started from (``data_position``,
+        ``model_config``, the loss scaler …), or ``None``."""
         super().__init__(program, [ChunkUnit(layout, c.index) for c in layout.chunks], mesh, tx, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, mesh: Mesh, *, step: int | None = None, program: Program | None = None,
+                        axis: str = DEFAULT_AXIS, **kwargs) -> tuple[ZeroTrainer, TrainState]:
+        """A trainer and its state from a chunkzero checkpoint of torch AdamW (any world size): the
+        chunks and AdamW state restored on ``mesh`` (:func:`jax_backend.restore_checkpoint`),
+        torch AdamW with the saved hyper-parameters of every param group (:func:`jax_backend.adamw_from_meta`), the
+        saved ``max_norm`` and compute precision.
+
+        Args:
+            path, step: a checkpoint root or step directory, and the step (default: the latest).
+            mesh, axis: where to train; the layout is the saved one relaid out for ``mesh.shape[axis]``.
+            program: the model as stages (default: the GPT of the checkpoint's ``model_config``).
+            kwargs: more :class:`ZeroTrainer` arguments (``donate`` …); ``mixed_precision`` and
+                ``max_norm`` override the saved ones.
+
+        Returns:
+            ``(trainer, state)``; ``trainer.source`` is the checkpoint's metadata.
+
+        Raises:
+            CheckpointError / CheckpointFormatError: as :func:`jax_backend.restore_checkpoint`; no
+                optimizer state saved.
+            ConfigError: the optimizer is not a mirrored AdamW (:func:`jax_backend.optim.adamw_hyperparameters`),
+                no ``program`` and no GPT ``model_config`` saved, or fp16 compute saved and no
+                ``mixed_precision`` given (JAX trains in fp32 or bf16).
+        """
+        restored = jax_checkpoint.restore_checkpoint(path, mesh, axis=axis, step=step, with_optimizer=True)
+        meta, optim = restored.meta, restored.meta.optimizer
+        if program is None:
+            if not meta.model_config:
+                raise ConfigError(f"checkpoint {str(restored.path)!r} has no model_config: pass program=")
+            program = gpt_program(GPTConfig.from_dict(meta.model_config))
+        if meta.mixed_precision == "fp16" and "mixed_precision" not in kwargs:
+            raise ConfigError(f"checkpoint {str(restored.path)!r} was trained in fp16, which the JAX step does not "
+                              "run: pass mixed_precision='fp32' or 'bf16'")
+        kwargs.setdefault("mixed_precision", meta.mixed_precision)
+        kwargs.setdefault("max_norm", optim.hyperparameters.get("max_norm"))
+        trainer = cls(program, restored.layout, mesh, adamw_from_meta(optim, layout=restored.layout), optimizer_meta=optim, axis=axis, **kwargs)
+        trainer.source = meta
+        return trainer, trainer.from_chunks(restored.chunks, restored.opt_state_chunks, optim.step)
+
+    def save_checkpoint(self, directory: str | os.PathLike, state: TrainState, *, step: int,
+                        data_position: dict | None = None, extra: dict | None = None, model_config: dict | None = None,
+                        timeout_s: float = DEFAULT_TIMEOUT_S) -> Path:
+        """Save ``state`` as step ``step`` of a chunkzero checkpoint that torch resumes with nothing built by hand.
+
+        Writes the fp32 master chunks and the AdamW state (:meth:`opt_state_chunks`) at this trainer's
+        layout, and the complete optimizer metadata: the class and hyper-parameters of
+        ``optimizer_meta`` (every param group's, as restored) with this trainer's ``max_norm``, the step (optax's ``count``), and
+        the loss scaler — :attr:`source`'s with ``step_count`` advanced by the steps taken here (the
+        JAX step never skips one), or ``{"step_count": count, "skipped_steps": 0}`` without a source.
+        ``model_config`` defaults to the source's; the compute precision is the trainer's.
+
+        Returns:
+            The committed step directory.
+
+        Raises:
+            ConfigError: the trainer has no ``optimizer_meta``; bad ``step`` or ``timeout_s``.
+            CheckpointError: as :func:`jax_backend.save_checkpoint` (the step exists, or is before the latest).
+        """
+        if self.optimizer_meta is None:
+            raise ConfigError("this ZeroTrainer has no optimizer_meta: build it with ZeroTrainer.from_checkpoint, or pass "
+                              "optimizer_meta=jax_backend.optim.adamw_meta(...) describing tx")
+        opt_state, count = self.opt_state_chunks(state)
+        optim = dataclasses.replace(self.optimizer_meta, step=count, state_keys=list(ADAMW_STATE_KEYS), tensor_steps=None,
+                                    hyperparameters={**self.optimizer_meta.hyperparameters, "max_norm": self.max_norm})
+        source = self.source
+        if source is not None and source.loss_scaler is not None and source.optimizer is not None:
+            taken = count - source.optimizer.step
+            scaler = {**source.loss_scaler, "step_count": int(source.loss_scaler.get("step_count", 0)) + taken}
+        else:
+            scaler = {"step_count": count, "skipped_steps": 0}
+        if model_config is None and source is not None:
+            model_config = source.model_config
+        return jax_checkpoint.save_checkpoint(
+            directory, self.chunks(state), self.layout, step=step, opt_state_chunks=opt_state, optimizer_meta=optim,
+            mixed_precision=self.mixed_precision, loss_scaler=scaler, model_config=model_config,
+            data_position=data_position, extra=extra, timeout_s=timeout_s)
 
     @property
     def sharded_chunks(self) -> list[int]:

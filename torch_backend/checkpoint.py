@@ -5,18 +5,22 @@ the model's master shards and the optimizer's state shards become numpy arrays a
 (:mod:`.numpy_bridge`, :mod:`.optim_shards`), and the ranks agree through :mod:`.collectives`.
 
 **Save** (all ranks in parallel). Each rank checksums its own shards; one all-gather of JSON collects
-every rank's checksums and RNG state into the metadata; then each rank writes only its own shards, as
-one JAX process of a CPU ``jax.distributed`` group (:mod:`.parallel_write`). Orbax writes into a
-temporary directory and renames it on commit, so a save killed midway leaves the previous step as the
-latest. An asynchronous save returns once JAX holds a copy of the shards; the next save, a load of the
-same directory, :func:`wait_until_finished` or the process's exit waits for the commit.
+every rank's checksums and RNG state into the metadata, and what each rank was asked to save (the
+directory, step and a digest of its layout: ranks that disagree fail together here,
+:mod:`chunkzero.checkpoint.agreement`); then each rank writes only its own shards, as one JAX process
+of a CPU ``jax.distributed`` group (:mod:`.parallel_write`), every wait for the others bounded by
+``timeout_s``. Orbax writes into a temporary directory and renames it on commit, so a save killed
+midway leaves the previous step as the latest. An asynchronous save returns once JAX holds a copy of
+the shards; the next save, a load of the same directory, :func:`wait_until_finished` or the process's
+exit waits for the commit.
 
-**Load** (each rank reads alone; one all-reduce at the end to agree that every rank succeeded). A rank
-computes, from the saved layout and its model's layout, which element ranges of which saved arrays make
-up each of its shards — by tensor name, so the world size *and* the chunk size may differ
-(:func:`~chunkzero.checkpoint.read_plan`) — and reads them with TensorStore
-(:mod:`chunkzero.checkpoint.reader`), verifying every saved shard's checksum, straight into the live
-CPU shards where it can.
+**Load** (each rank reads alone, then one all-gather of JSON to agree). A rank computes, from the
+saved layout and its model's layout, which element ranges of which saved arrays make up each of its
+shards — by tensor name, so the world size *and* the chunk size may differ
+(:func:`~chunkzero.checkpoint.read_plan`) — and reads only those ranges with TensorStore
+(:mod:`chunkzero.checkpoint.reader`), each verified against its checksums. By default into new
+buffers: the model changes only once every rank has read everything and the ranks agree that they
+read the same step (staged); with ``staged=False`` straight into the live CPU shards.
 
 Nothing here unpickles: metadata is JSON validated by ``CheckpointMeta.from_dict``, arrays are
 TensorStore/zarr, RNG states are JSON (:mod:`.rng`).
@@ -46,13 +50,14 @@ from chunkzero.checkpoint import (
     shard_arrays,
 )
 from chunkzero.checkpoint import list_steps as checkpoint_steps
+from chunkzero.checkpoint.agreement import check_agreement, failed_ranks, load_outcome, save_target
 from chunkzero.checkpoint.orbax_store import wait_until_finished
 from chunkzero.checkpoint.reader import ChunkReader, read_shards
 from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.layout import ChunkLayout
 
 from . import optim_shards
-from .collectives import all_gather_json, all_ranks_ok
+from .collectives import all_gather_json
 from .numpy_bridge import to_numpy, to_torch, torch_dtype
 from .parallel_write import process_mesh, write_shards
 from .rng import reseed, rng_state, set_rng_state
@@ -111,6 +116,7 @@ def save_checkpoint(
     max_to_keep: int | None = None,
     model_config: Mapping[str, Any] | None = None,
     data_position: Mapping[str, Any] | None = None,
+    timeout_s: float = orbax_store.DEFAULT_TIMEOUT_S,
 ) -> Path:
     """Save ``model`` (a :class:`~torch_backend.ZeroDDP`) and ``optimizer`` as step ``step`` (collective).
 
@@ -129,16 +135,24 @@ def save_checkpoint(
         model_config: JSON-able model configuration (default: ``module.config.to_dict()`` if the
             wrapped module has one — GPT and Hugging Face models do).
         data_position: JSON-able data-loader position (e.g. a sampler's ``state_dict()``).
+        timeout_s: the longest, in seconds, that any wait of the save for the other ranks may take
+            (the start of ``jax.distributed`` and every Orbax barrier, an asynchronous save's commit
+            included), so a rank that died or never arrives ends the save with an error. The gather
+            before the write is bounded by the process group's own timeout.
 
     Returns:
         ``directory/<step>``.
 
     Raises:
-        ConfigError: bad ``step`` or ``max_to_keep``, or metadata that is not JSON-serializable.
-        CheckpointError: ``step`` exists already or is before the latest step, or Orbax failed.
+        ConfigError: bad ``step``, ``max_to_keep`` or ``timeout_s``, or metadata that is not JSON-serializable.
+        CheckpointError: the ranks were given different directories, steps, ``max_to_keep`` or chunk
+            layouts (on every rank, before anything is written; names the field and both values);
+            ``step`` exists already or is before the latest step; another rank did not arrive within
+            ``timeout_s``; or Orbax failed.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
+    timeout_s = orbax_store.check_timeout(timeout_s)
     model.synchronize()  # no collective still writing a shard this save reads
     layout: ChunkLayout = model.layout
     rank = int(model.rank)
@@ -162,15 +176,21 @@ def save_checkpoint(
         data_position=None if data_position is None else _json_ready(dict(data_position), "data_position"),
         extra=None if extra is None else _json_ready(dict(extra), "extra"),
     )
-    # One gather before any write: every rank's RNG state and the checksums of its own shards (and the
-    # place where ranks can compare what they were asked to write before any of them writes).
-    own = {"rng": own_rng, "sums": meta.shard_checksums(rank, shard_arrays(meta, params, optim))}
-    everyone = all_gather_json(own, group)
+    # One gather before any write: what each rank was asked to save (compared: ranks given different
+    # directories or steps fail here, together, instead of waiting for each other inside Orbax), its
+    # RNG state and the checksums of its own shards.
+    target = save_target(directory, step, layout, max_to_keep=max_to_keep)
+    own = {"target": target, "rng": own_rng, "sums": meta.shard_checksums(rank, shard_arrays(meta, params, optim))}
+    try:
+        everyone = all_gather_json(own, group)
+    except RuntimeError as e:  # a peer died, or did not call the save within the process group's timeout
+        raise CheckpointError(f"the ranks could not agree on saving step {step} to {target['directory']!r}: {e}") from e
+    check_agreement([e["target"] for e in everyone], "save")
     meta.rng_states = [e["rng"] for e in everyone]
     meta.checksums = meta.checksums_from_ranks([e["sums"] for e in everyone])
     try:
         return write_shards(directory, meta, rank, params, optim, async_save=async_save, max_to_keep=max_to_keep,
-                            process_group=group)
+                            process_group=group, timeout_s=timeout_s)
     finally:
         # Orbax and JAX draw from Python's and numpy's global RNGs (temporary names, ids): a save must
         # leave the training RNG streams exactly where they were, or runs with and without saves diverge.
@@ -185,27 +205,29 @@ def load_checkpoint(
     *,
     load_rng: bool = True,
     load_hyperparameters: bool = True,
-    staged: bool = False,
+    staged: bool = True,
 ) -> CheckpointMeta:
     """Restore ``model`` and ``optimizer`` from a checkpoint of any world size or chunk size.
 
     Every rank of the model's process group calls it. Each rank reads only the element ranges its
     shards now hold (tensors matched by name; see the module docstring), then the ranks agree (one
-    all-reduce) that all of them succeeded. Files are never modified.
+    all-gather of JSON) that every one of them succeeded, and read the same step, before any rank
+    changes its model. Files are never modified.
 
-    Everything that can be checked without reading array data is checked before the model is touched:
-    the step, the metadata, the layout against the model's (names, shapes), the optimizer, every
-    array's presence, shape and dtype. The array data then goes straight into the live CPU shards
-    (TensorStore copies into them; no second buffer), so a read error *during* that phase — a
-    truncated file, a checksum mismatch — leaves the model partly overwritten (the error says so).
-    ``staged=True`` reads everything into new buffers first and touches the model only after every
-    rank succeeded, at the cost of a second copy of this rank's state in memory.
+    Staged (the default): everything is read into new buffers — checked against the metadata, the
+    model's layout and the checksums — the ranks agree, and only then is it copied into the model,
+    so a failure on any rank (a truncated file, a checksum mismatch, another step) leaves every
+    rank's model and optimizer exactly as they were. This holds a second copy of this rank's shards
+    (parameters and optimizer state) in memory during the load. ``staged=False`` reads straight into
+    the live CPU shards instead (TensorStore copies into them; no second copy): everything that can
+    be checked without reading array data is still checked before the model is touched, but a read
+    error *during* the reads leaves this rank's shards partly overwritten (the error says so).
 
     Restores: fp32 master shards (and the low-precision shards from them), optimizer state shards and
     step counts (per tensor where they differ), every param group's hyper-parameters (``lr``, ``betas``
-    …, not kernel flags like ``foreach``) and ``max_norm``, the loss scaler, and — when the checkpoint was saved at this world size — each rank's Python, numpy, torch
-    and CUDA RNG states. At another world size the RNGs are re-seeded from ``(step, rank)`` with a
-    warning.
+    …, not kernel flags like ``foreach``) and ``max_norm``, the loss scaler, and — when the checkpoint
+    was saved at this world size — each rank's Python, numpy, torch and CUDA RNG states. At another
+    world size the RNGs are re-seeded from ``(step, rank)`` with a warning.
 
     Args:
         directory: checkpoint root, or one step's directory.
@@ -214,7 +236,7 @@ def load_checkpoint(
         load_rng: restore (or re-seed) the RNG states.
         load_hyperparameters: overwrite the optimizer's hyper-parameters (every group's, and
             ``max_norm``) with the saved ones; the saved groups must then hold the same tensors.
-        staged: leave the model untouched on any failure (see above).
+        staged: read everything before touching the model (see above).
 
     Returns:
         The checkpoint's :class:`~chunkzero.checkpoint.CheckpointMeta` (``meta.data_position``,
@@ -224,7 +246,8 @@ def load_checkpoint(
         CheckpointError: no such step, a truncated or missing array (names the file and array), a
             tensor of the model missing from the checkpoint or vice versa, an optimizer of another class,
             a checkpoint without optimizer state, param groups of other tensors (with
-            ``load_hyperparameters``), or another rank failed to read.
+            ``load_hyperparameters``), another rank failed (names it and its error), or the ranks
+            resolved different step directories (names both). On every rank together.
         CheckpointFormatError: malformed metadata (names the file and field).
         ShapeMismatchError: a tensor's shape differs between the model and the checkpoint.
     """
@@ -233,36 +256,35 @@ def load_checkpoint(
     group = getattr(model, "process_group", None)
     error: BaseException | None = None
     reader: ChunkReader | None = None
-    into: dict[tuple[str, ...], np.ndarray] = {}
+    step_dir: Path | None = None
     try:
         step_dir = orbax_store.committed_step_dir(directory, step)
         meta = read_meta(step_dir)
-        optim_keys: list[str] = []
-        if optimizer is not None:
-            if meta.optimizer is None:
-                raise CheckpointError(f"checkpoint {str(step_dir)!r} holds no optimizer state (saved without an optimizer)")
-            inner = getattr(optimizer, "optimizer", optimizer)
-            if meta.optimizer.class_name != optim_shards.class_name(inner):
-                raise CheckpointError(
-                    f"checkpoint {str(step_dir)!r} holds {meta.optimizer.class_name} state, the optimizer is "
-                    f"{optim_shards.class_name(inner)} (pass optimizer=None to load parameters only)"
-                )
-            optim_keys = list(meta.optimizer.state_keys)
-            if load_hyperparameters:
-                optim_shards.check_param_groups(model, optimizer, meta.optimizer, source=f"checkpoint {str(step_dir)!r}")
+        optim_keys = _check_optimizer(model, optimizer, meta, step_dir, load_hyperparameters)
         reader = ChunkReader(step_dir, meta)
         into = {} if staged else optim_shards.live_buffers(model, optimizer, optim_keys)
         params, optim = read_shards(step_dir, meta, model.layout, rank, optim_keys=optim_keys, reader=reader, into=into)
     except Exception as e:  # agree first, re-raise after
         error = e
         if not staged and reader is not None and reader.reads_started and isinstance(e, CheckpointError):
-            error = type(e)(f"{e} (this rank's shards are now partly overwritten: load a good checkpoint, or pass "
-                            "staged=True to keep the model intact on failure)")
-    if not all_ranks_ok(error is None, group):
-        if error is not None:
-            raise error
-        touched = "" if staged else " (this rank's shards were loaded; the ranks now disagree: load again)"
-        raise CheckpointError(f"another rank failed to read the checkpoint under {str(directory)!r}{touched}")
+            error = type(e)(f"{e} (this rank's shards are now partly overwritten: load a good checkpoint, or load "
+                            "staged, the default, to keep the model intact on failure)")
+    model_state = "no rank's model was changed" if staged else "this rank's shards were loaded; the ranks now disagree: load again"
+    try:
+        outcomes = all_gather_json(load_outcome(step_dir, error), group)
+    except RuntimeError as e:  # a peer died, or did not call the load within the process group's timeout
+        here = "this rank's model is unchanged" if staged else "this rank's shards may be partly overwritten"
+        raise CheckpointError(f"the ranks could not agree on the load of {str(directory)!r} ({here}): {e}") from (error or e)
+    if error is not None:
+        raise error
+    failed = failed_ranks(outcomes)
+    if failed:
+        q, why = failed[0]
+        raise CheckpointError(f"rank {q} failed to read the checkpoint under {str(directory)!r} ({model_state}): {why}")
+    try:
+        check_agreement([{"step_dir": o["step_dir"]} for o in outcomes], "load")
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} ({model_state})") from None
 
     for i, shard in params.items():
         model.load_master_shard(i, to_torch(shard))  # in place already: refreshes the low-precision shard
@@ -284,3 +306,25 @@ def load_checkpoint(
             )
             reseed(seed)
     return meta
+
+
+def _check_optimizer(model, optimizer, meta: CheckpointMeta, step_dir: Path, load_hyperparameters: bool) -> list[str]:
+    """The optimizer-state keys to read, once the checkpoint is known to hold this optimizer's state
+    (and, with ``load_hyperparameters``, its param groups).
+
+    Raises:
+        CheckpointError: no optimizer state saved, another optimizer class, other param groups.
+    """
+    if optimizer is None:
+        return []
+    if meta.optimizer is None:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r} holds no optimizer state (saved without an optimizer)")
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if meta.optimizer.class_name != optim_shards.class_name(inner):
+        raise CheckpointError(
+            f"checkpoint {str(step_dir)!r} holds {meta.optimizer.class_name} state, the optimizer is "
+            f"{optim_shards.class_name(inner)} (pass optimizer=None to load parameters only)"
+        )
+    if load_hyperparameters:
+        optim_shards.check_param_groups(model, optimizer, meta.optimizer, source=f"checkpoint {str(step_dir)!r}")
+    return list(meta.optimizer.state_keys)

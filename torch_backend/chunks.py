@@ -4,10 +4,11 @@ A chunk owns, on this rank (the design of ColossalAI Gemini's ``Chunk``, itself 
 
 - ``shard`` — this rank's slice ``[r·size/W, (r+1)·size/W)`` of the chunk in the compute dtype
   (the *low-precision shard* in bf16/fp16; in fp32 it is the master shard itself). A keep-gathered
-  chunk's "shard" is the whole chunk and doubles as its gathered buffer. In bf16/fp16, when the
-  master sits on the compute device, no persistent low-precision copy is kept (``shard is None``):
-  the gather casts the master shard on the fly (as FSDP2's mixed precision does), which saves
-  2 bytes per element of model state; :meth:`Chunk.low_precision_shard` then returns a fresh cast.
+  chunk's "shard" is the whole chunk and doubles as its gathered buffer. In bf16/fp16, for a
+  sharded chunk whose master sits on the compute device, no persistent low-precision copy is kept
+  (``shard is None``): the gather casts the master shard on the fly (as FSDP2's mixed precision
+  does), which saves 2 bytes per element of model state; :meth:`Chunk.low_precision_shard` then
+  returns a fresh cast.
   A parameter-offloaded chunk keeps its shard on the host (pinned on CUDA); each gather first
   copies it to the device, so no device copy is kept between uses.
 - ``master`` — the fp32 master shard, an ``nn.Parameter`` leaf the optimizer updates (its ``.grad``
@@ -46,24 +47,16 @@ def host_empty(numel: int, dtype: torch.dtype, like_device: torch.device) -> tor
     return torch.empty(numel, dtype=dtype, pin_memory=like_device.type == "cuda")
 
 
-def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
-    """A copy of ``t`` on ``device`` in ``dtype``; host copies are pinned when computing on CUDA."""
-    if device.type == "cpu" and compute_device.type == "cuda":
-        out = host_empty(t.numel(), dtype, compute_device)
-        out.copy_(t.reshape(-1))
-        return out
-    return t.to(device, dtype, copy=True)
-
-
-def _moved(t: torch.Tensor, device: torch.device, compute_device: torch.device) -> torch.Tensor:
-    """A fresh copy of ``t`` on ``device`` (pinned host memory when computing on CUDA), issued
-    asynchronously (stream-ordered on CUDA)."""
-    device = torch.device(device)
+def _copied(t: torch.Tensor, device: torch.device, compute_device: torch.device, dtype: torch.dtype | None = None,
+            *, non_blocking: bool = False) -> torch.Tensor:
+    """A fresh 1-D copy of ``t`` on ``device``, in ``dtype`` (default: ``t``'s); host copies are pinned
+    when computing on CUDA, so that ``non_blocking`` copies are asynchronous (stream-ordered)."""
+    device, dtype = torch.device(device), dtype or t.dtype
     if device.type == "cpu":
-        out = host_empty(t.numel(), t.dtype, compute_device)
+        out = host_empty(t.numel(), dtype, compute_device)
     else:
-        out = torch.empty(t.numel(), dtype=t.dtype, device=device)
-    out.copy_(t.reshape(-1), non_blocking=True)
+        out = torch.empty(t.numel(), dtype=dtype, device=device)
+    out.copy_(t.reshape(-1), non_blocking=non_blocking)
     return out
 
 
@@ -139,13 +132,13 @@ class Chunk:
         self.master: torch.nn.Parameter | None = None
         self.shard: torch.Tensor | None
         if not self.requires_grad:
-            self.shard = _on(mine, shard_device, self.dtype, self.device)  # frozen: compute dtype only
+            self.shard = _copied(mine, shard_device, self.device, self.dtype)  # frozen: compute dtype only
         else:
-            self.master = torch.nn.Parameter(_on(mine, self.master_device, torch.float32, self.device))
+            self.master = torch.nn.Parameter(_copied(mine, self.master_device, self.device, torch.float32))
             if self.dtype == torch.float32 and self.master_device == shard_device and not movable:
                 self.shard = self.master.data  # fp32: the master shard is the parameter shard
             elif self.resident or movable or shard_device != self.master_device or shard_device != self.device:
-                self.shard = _on(mine, shard_device, self.dtype, self.device)
+                self.shard = _copied(mine, shard_device, self.device, self.dtype)
             else:
                 self.shard = None  # cast from the master at gather time
         self.grad_buffer: torch.Tensor | None = None
@@ -193,11 +186,6 @@ class Chunk:
         """Whether a gather was issued and not yet waited for."""
         return self._gather is not None
 
-    @property
-    def gathered(self) -> torch.Tensor | None:
-        """The full chunk (``size`` elements, compute dtype) while gathered, else ``None``."""
-        return self.buffer if self._gathered else None
-
     def _gather_source(self) -> torch.Tensor:
         if self.shard is None:
             return self.master.detach().to(self.device, self.dtype)
@@ -227,24 +215,20 @@ class Chunk:
             self._gathered = True
             self.states.transition_all(S.HOLD, only_from=S.FREE)
 
-    def gather(self) -> bool:
-        """Gather now (blocking). Returns ``True`` if a gather happened (``False``: already gathered)."""
-        if self._gathered and self._gather is None:
-            return False
-        self.begin_gather(async_op=False)
-        self.finish_gather()
-        return True
-
     def release(self) -> bool:
-        """Free the gathered buffer's storage (sharded chunks only); tensors HOLD → FREE.
+        """Free the gathered buffer's storage (sharded chunks only), also of a gather still in flight
+        (waited for first: never free a buffer a collective is writing); tensors HOLD → FREE.
+        Returns whether there was a buffer to free.
 
         Raises:
             IllegalTransitionError: a tensor is still in use (COMPUTE, HOLD_AFTER_BWD).
         """
-        if self.resident or not self._gathered:
+        if self.resident:
             return False
         if self._gather is not None:
-            self.finish_gather()  # never free a buffer a collective is writing
+            self.finish_gather()
+        if not self._gathered:
+            return False
         self.states.transition_all(S.FREE)
         self.buffer.untyped_storage().resize_(0)
         self._gathered = False
@@ -257,11 +241,18 @@ class Chunk:
         if self.master is None:
             return
         if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
-            # across devices, move first (async from pinned memory) and cast on the far side: a copy that
-            # also casts would go through a pageable host buffer
-            self.shard.copy_(self.master.detach().to(self.shard.device, non_blocking=True))
-        if not self.resident and self._gathered:
-            self.release()  # the gathered copy is stale; the next use gathers the new values
+            master = self.master.detach()
+            if master.device.type == "cuda" and self.shard.device.type == "cpu":
+                # device → host (placement="auto": master on the device, shard evicted): cast on the
+                # device, then one stream-ordered copy into the pinned shard. (``.to("cpu",
+                # non_blocking=True)`` followed by a host copy would read the staging buffer before
+                # the device has written it.) Host readers synchronize first (ZeroDDP.synchronize).
+                self.shard.copy_(master.to(self.dtype), non_blocking=self.shard.is_pinned())
+            else:
+                # host → device: move first (async from pinned memory) and cast on the device: a copy
+                # that also casts would go through a pageable host buffer
+                self.shard.copy_(master.to(self.shard.device, non_blocking=True))
+        self.release()  # the gathered (or being gathered) copy is stale; the next use gathers the new values
 
     # ------------------------------------------------------------------ placement moves (movable chunks)
     def move_shard(self, device: torch.device, *, offloaded: bool) -> int:
@@ -275,7 +266,7 @@ class Chunk:
         """
         if not self.movable or self.resident:
             raise ValueError(f"chunk {self.index}'s parameter shard cannot move (movable={self.movable}, resident={self.resident})")
-        self.shard = _moved(self.shard, device, self.device)
+        self.shard = _copied(self.shard, device, self.device, non_blocking=True)
         self.param_device = torch.device(device)
         self.param_offloaded = bool(offloaded)
         return self.shard.numel() * self.shard.element_size()
@@ -295,10 +286,10 @@ class Chunk:
         self.finish_reduces()
         self.finish_host_gradients()
         grad, self.master.grad = self.master.grad, None
-        self.master.data = _moved(self.master.detach(), device, self.device)
+        self.master.data = _copied(self.master.detach(), device, self.device, non_blocking=True)
         moved = self.master.numel() * 4
         if grad is not None:
-            self.master.grad = _moved(grad, device, self.device)
+            self.master.grad = _copied(grad, device, self.device, non_blocking=True)
             moved += grad.numel() * 4
         self.master_device = torch.device(device)
         return moved
@@ -349,10 +340,6 @@ class Chunk:
             pending = collectives.reduce_scatter_avg(out, buf, self.group, divide_first=self.divide_first, async_op=async_op)
         self._reduces.append((pending, out))
 
-    @property
-    def reduces_in_flight(self) -> int:
-        return len(self._reduces)
-
     def finish_reduces(self) -> None:
         """Wait for the issued reductions and add each result into ``master.grad`` (fp32, master device);
         :attr:`grad_sq_norm` is recomputed over the valid elements."""
@@ -397,6 +384,7 @@ class Chunk:
             self.grad_sq_norm = self.master.grad[: self.valid_numel].float().square().sum()
 
     def discard_grad_buffer(self) -> None:
+        """Drop the gradient buffer not yet reduced (reductions in flight and ``master.grad`` stay)."""
         self.grad_buffer = None
         self._grad_written = set()
 
@@ -426,8 +414,7 @@ class Chunk:
                     self.shard.copy_(self.master.detach())
             else:
                 self.shard.copy_(values.to(self.shard.device, self.dtype))
-        if not self.resident and self._gathered:
-            self.release()
+        self.release()
 
     def low_precision_shard(self) -> torch.Tensor:
         """The compute-dtype shard: the live persistent tensor, or a fresh cast of the master when

@@ -226,11 +226,12 @@ def all_reduce_avg(tensor: torch.Tensor, group, *, divide_first: bool = False, a
 
 def agreement_group(group):
     """The group on which :func:`agree` runs: ``group`` itself on gloo, else a gloo group over the same
-    ranks (votes are read on the host, so they must not queue behind the device's work). Collective:
-    every rank of ``group`` calls it, in the same order."""
+    ranks (votes are read on the host, so they must not queue behind the device's work). Collective
+    over ``group`` only: every rank of it calls it, in the same order; ranks outside it (another
+    data-parallel group of a larger job) need not (``use_local_synchronization``)."""
     if group is None or dist.get_backend(group) == "gloo":
         return group
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
 
 
 def agree(votes: torch.Tensor, group, *, async_op: bool = False) -> Pending:

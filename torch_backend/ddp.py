@@ -20,7 +20,8 @@ How parameters are found when they are used (the part that makes *any* module wo
   another module (``F.linear(x, other.weight)``), through an operator (``x @ w``), inside
   ``torch.stack([...])`` or several times is always gathered. A chunk is released (with
   ``reshard_after_forward``) once every tensor of it has been used in this forward; whatever is
-  still gathered is released when the forward returns.
+  still gathered is released when the forward returns, except the first ``prefetch`` chunks of the
+  recorded backward order (gathered ahead, so the backward does not start on a miss).
 - **Backward**: ``saved_tensors_hooks`` replace a saved parameter (or a saved view of a chunk
   buffer) by a reference that counts on its chunk; unpacking it gathers the chunk again, and once
   autograd has freed every reference to a chunk, the chunk is released — so a frozen chunk is
@@ -86,12 +87,21 @@ def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, i
     from chunkzero.search import search_chunk_size
 
     result = search_chunk_size(specs, world_size)
-    return int(result.chunk_size), int(getattr(result, "keep_gathered_below_numel", 0) or 0)
+    return int(result.chunk_size), int(result.keep_gathered_below_numel)
 
 
 def _default_device() -> torch.device:
     """Where a meta-device module is materialized by default: the current CUDA device, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _device_arg(device: torch.device | str) -> torch.device:
+    """``device`` with a CUDA index (``"cuda"`` is the current device, as torch places tensors), so it
+    compares equal to the parameters' device and names the same memory-report key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class ZeroDDP(nn.Module):
@@ -108,7 +118,7 @@ class ZeroDDP(nn.Module):
             is initialized, else a single process.
         chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
         mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient
-            reduction; the optimizer always updates fp32 master shards. Floating inputs are cast to it.
+            reduction; the optimizer always updates fp32 master shards. fp32 tensor inputs are cast to it.
         prefetch: chunks gathered ahead of use, in the order recorded during the previous step
             (Gemini's ``max_prefetch``); with ``prefetch > 0`` all-gathers and reduce-scatters are
             asynchronous and overlap the computation. ``0``: gather on first use, blocking collectives.
@@ -183,7 +193,8 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ConfigError(f"prefetch must be a non-negative int (chunks), got {prefetch!r}")
-        check_placement_arguments(placement, offload_optim_frac, offload_param_frac, device_memory_bytes)
+        check_placement_arguments(placement, offload_optim_frac, offload_param_frac, device_memory_bytes,
+                                  steady_device_cap_ratio)
         auto = placement == "auto"
 
         self.module = module
@@ -212,10 +223,10 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
         materializer = None
         if any(p.is_meta for p, _ in groups.values()):
-            target = torch.device(device) if device is not None else (devices.pop() if devices else _default_device())
+            target = _device_arg(device) if device is not None else (devices.pop() if devices else _default_device())
             materializer = MetaMaterializer(module, target, param_init_fn)
             devices = {target}
-        elif device is not None and torch.device(device) != next(iter(devices)):
+        elif device is not None and _device_arg(device) != next(iter(devices)):
             raise ConfigError(f"device={str(device)!r} differs from the parameters' device {next(iter(devices))}; "
                               "it is for modules built on the meta device")
         self.device: torch.device = devices.pop()
@@ -331,7 +342,8 @@ class ZeroDDP(nn.Module):
     def forward(self, *args, **kwargs):
         """Run the wrapped module with chunks gathered on use (see the module docstring).
 
-        Floating-point tensor inputs are cast to the compute dtype in bf16/fp16.
+        fp32 tensor inputs (anywhere in ``args``/``kwargs``) are cast to the compute dtype in bf16/fp16;
+        other dtypes are passed as they are.
 
         Raises:
             UnusedParameterError: the previous backward left a parameter without a gradient on every rank.
@@ -342,6 +354,7 @@ class ZeroDDP(nn.Module):
         if under_torch_compile():
             raise ConfigError("torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
                               "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)")
+        self._runtime.finish_aborted_backward()
         if self.compute_dtype != torch.float32:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         if self.auto_placement is not None:
@@ -359,7 +372,11 @@ class ZeroDDP(nn.Module):
         recomputation that uses parameters outside any module call (``checkpoint(fn, ...)`` of a plain
         function) finds them gathered. ``ZeroOptimizer.backward`` calls it. (A plain
         ``loss.backward()`` covers recomputations that call modules: activation checkpointing of
-        blocks, Hugging Face ``gradient_checkpointing_enable()``.)"""
+        blocks, Hugging Face ``gradient_checkpointing_enable()``.)
+
+        Raises:
+            ShapeMismatchError: ``loss`` has more than one element (as ``loss.backward()`` refuses).
+        """
         self._runtime.backward(loss)
 
     def raise_pending_error(self) -> None:
@@ -403,6 +420,7 @@ class ZeroDDP(nn.Module):
     def finish_gradients(self) -> None:
         """Complete every gradient reduction (collective): waits for those in flight, and reduces
         gradients still accumulated locally (backwards that ran under :meth:`no_sync`)."""
+        self._runtime.finish_aborted_backward()
         sched = self._runtime.sched
         sched.wait_all()
         sched.final_reduce()
@@ -426,9 +444,14 @@ class ZeroDDP(nn.Module):
         return self.chunks[chunk].low_precision_shard()
 
     def grad_shard(self, chunk: int) -> torch.Tensor | None:
-        """This rank's reduced fp32 gradient shard of ``chunk`` (1-D, ``shard_numel``), or ``None``."""
-        master = self.chunks[chunk].master
-        return None if master is None else master.grad
+        """This rank's reduced fp32 gradient shard of ``chunk`` (1-D, ``shard_numel``), or ``None``
+        (frozen, or no gradient reduced yet). Reductions of it still in flight are completed first."""
+        c = self.chunks[chunk]
+        if c.master is None:
+            return None
+        c.finish_reduces()
+        c.finish_host_gradients()
+        return c.master.grad
 
     def load_master_shard(self, chunk: int, shard: torch.Tensor) -> None:
         """Overwrite this rank's fp32 master shard of ``chunk`` and refresh the low-precision shard.

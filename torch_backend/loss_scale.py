@@ -43,6 +43,7 @@ class DynamicLossScaler:
         self.hysteresis_tracker = hysteresis
 
     def update(self, overflow: bool) -> None:
+        """After a step: ``overflow`` (a non-finite gradient norm) backs off per hysteresis, else growth."""
         if overflow:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
@@ -56,11 +57,17 @@ class DynamicLossScaler:
                 self.scale = min(self.scale * self.growth_factor, self.max_scale)
 
     def state_dict(self) -> dict[str, Any]:
+        """The scale, both trackers and the settings, as plain Python numbers."""
         return {k: getattr(self, k) for k in (
             "scale", "growth_tracker", "hysteresis_tracker", "growth_interval", "hysteresis",
             "min_scale", "max_scale", "growth_factor", "backoff_factor")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Set the fields of :meth:`state_dict` given in ``state`` (each cast to its current type).
+
+        Raises:
+            CheckpointError: a field this scaler does not have.
+        """
         for k, v in state.items():
             if not hasattr(self, k):
                 raise CheckpointError(f"unknown loss-scaler field {k!r}")

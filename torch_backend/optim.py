@@ -209,10 +209,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ConfigError("add_param_group lists a parameter twice")
         group = {**{k: v for k, v in param_group.items() if k != "params"}, "params": self._params_of(names)}
         self._check_group_keys([group], self.defaults)
-        moved = {id(p) for p in group["params"]}
-        dg = self.param_groups[self._default_group]
-        dg["params"] = [p for p in dg["params"] if id(p) not in moved]
-        self.group_names[self._default_group] = [n for n in self.group_names[self._default_group] if n not in set(names)]
+        if names:  # (names are all in the default group, checked above)
+            moved, listed = {id(p) for p in group["params"]}, set(names)
+            dg = self.param_groups[self._default_group]
+            dg["params"] = [p for p in dg["params"] if id(p) not in moved]
+            self.group_names[self._default_group] = [n for n in self.group_names[self._default_group] if n not in listed]
         type(self.optimizer).add_param_group(self.optimizer, group)
         self.group_names.append(names)
         for ci in self._pieces:
@@ -408,6 +409,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {**self.scaler.state_dict(), "step_count": self.step_count, "skipped_steps": self.skipped_steps}
 
     def load_loss_scaler_state(self, state: dict[str, Any]) -> None:
+        """The reverse of :meth:`loss_scaler_state` (fields not given keep their values).
+
+        Raises:
+            CheckpointError: a field the scaler does not have.
+        """
         state = dict(state)
         self.step_count = int(state.pop("step_count", self.step_count))
         self.skipped_steps = int(state.pop("skipped_steps", self.skipped_steps))

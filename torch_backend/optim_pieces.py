@@ -72,11 +72,15 @@ def build_pieces(model) -> dict[int, list[Piece]]:
     return out
 
 
+def _step_device(group: dict, param: torch.Tensor) -> torch.device:
+    """Where torch keeps a parameter's ``step``: on the CPU, on the parameter's device when the group
+    is ``fused`` or ``capturable`` (their kernels read it there)."""
+    return param.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
 def _step_tensor(value: int, group: dict, param: torch.Tensor) -> torch.Tensor:
-    """A piece's ``step`` as torch keeps it: float32 0-d on the CPU, on the parameter's device when
-    the group is ``fused`` or ``capturable``."""
-    device = param.device if group.get("fused") or group.get("capturable") else "cpu"
-    return torch.tensor(float(value), dtype=torch.float32, device=device)
+    """A piece's ``step`` as torch keeps it: float32 0-d, on :func:`_step_device`."""
+    return torch.tensor(float(value), dtype=torch.float32, device=_step_device(group, param))
 
 
 class PieceStates:
@@ -140,12 +144,14 @@ class PieceStates:
     def follow_master(self, ci: int) -> None:
         """Chunk ``ci``'s master was replaced (a placement moved it): its state buffers move to the
         master's device (a copy, also where both are the same memory) and the pieces' state entries
-        become views of the new buffers; 0-d entries kept off the CPU (fused/capturable ``step``)
-        move along."""
+        become views of the new buffers; a ``step`` goes where torch keeps it for the new device
+        (:func:`_step_device`: host → device under a fused AdamW too), other 0-d entries kept off the
+        CPU move along."""
         flat = self.flat.get(ci)
         if not flat:
             return
         device = self.chunks[ci].master.device
+        group_of = {id(q): g for g in self.groups for q in g["params"]}
         for key, buf in flat.items():
             flat[key] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
             flat[key].copy_(buf)
@@ -156,7 +162,11 @@ class PieceStates:
                 if st is not None and key in st:
                     st[key] = p.views[key]
             for key, value in (st or {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type != "cpu":
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    continue
+                if key == "step":
+                    st[key] = value.to(_step_device(group_of.get(id(p.param), {}), p.param))
+                elif value.device.type != "cpu":
                     st[key] = value.to(device)
 
     # ------------------------------------------------------------------ shard-level I/O

@@ -21,6 +21,7 @@ from chunkzero.checkpoint import OPTIM_KEY, PARAMS_KEY, ArrayPath, OptimizerMeta
 from chunkzero.errors import CheckpointError
 from chunkzero.layout import ChunkLayout
 
+from .collectives import all_gather_json
 from .numpy_bridge import to_numpy, to_torch
 from .optim_state_dict import IMPLEMENTATION_FLAGS
 
@@ -52,7 +53,8 @@ def class_name(obj: Any) -> str:
 
 def optimizer_shards(model, optimizer) -> tuple[OptimizerMeta, dict[str, dict[int, np.ndarray]]]:
     """The optimizer's metadata and its state as ``state key -> chunk index -> fp32 shard`` (views
-    of the live state where it is a contiguous fp32 CPU tensor).
+    of the live state where it is a contiguous fp32 CPU tensor). Collective over the model's process
+    group: the ranks agree on the state keys, so every rank saves the same arrays.
 
     Raises:
         CheckpointError: a state entry is neither a per-element shard nor the step count.
@@ -75,13 +77,15 @@ def optimizer_shards(model, optimizer) -> tuple[OptimizerMeta, dict[str, dict[in
                     f"optimizer state {key!r} of chunk {c.index} (shape {tuple(value.shape)}) is neither a per-element "
                     f"shard of {layout.shard_numel(c.index)} elements nor the step count; the chunkzero format cannot hold it"
                 )
+    if getattr(model, "world_size", 1) > 1:
+        # a rank whose pieces never had a gradient holds no state, yet saves the same arrays as the others
+        keys = list(dict.fromkeys(k for part in all_gather_json(keys, model.process_group) for k in part))
     optim: dict[str, dict[int, np.ndarray]] = {k: {} for k in keys}
     for i, state in per_chunk.items():
         for k in keys:
             if k in state:
                 optim[k][i] = to_numpy(state[k].to(torch.float32), copy=False)
-            else:
-                logger.warning("chunk %d has no optimizer state %r (saved as zeros)", i, k)
+            else:  # no tensor of this rank's shard has state yet: zeros, as the state starts
                 optim[k][i] = np.zeros(layout.shard_numel(i), dtype=np.float32)
     steps = optimizer.tensor_steps()
     step = max(steps.values(), default=0) if keys else int(optimizer.step_count)

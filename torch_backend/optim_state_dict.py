@@ -4,7 +4,9 @@
 [{hyper-parameters..., "params": [names]}, ...]}``: per-element states are gathered chunk by chunk
 from the flat shard buffers (:mod:`.optim_pieces`) and cut into each tensor's full shape; ``step``
 comes from the per-tensor step counts; other 0-d entries (ASGD's ``eta`` …) are collected from the
-ranks that hold a piece of the tensor (one small all-gather).
+ranks that hold a piece of the tensor. One small all-gather first agrees on both and on which state
+keys each chunk has on some rank, so every rank issues the same gathers (a rank whose pieces never
+had a gradient has no state of its own).
 """
 
 from __future__ import annotations
@@ -24,19 +26,33 @@ IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentia
 """Optimizer param-group entries that choose a kernel, not the math: recorded, never restored."""
 
 
-def _other_scalars(zopt) -> dict[str, dict[str, Any]]:
-    """``name -> {key: number}`` of the 0-d state entries other than ``step``, from every rank."""
-    local: dict[str, dict[str, Any]] = {}
+def _agreed_state(zopt) -> tuple[dict[int, dict[str, torch.dtype]], dict[str, dict[str, Any]], bool]:
+    """What every rank must gather, from one small all-gather of each rank's view: per trainable
+    chunk, the per-element state keys any rank holds a flat buffer for (with its dtype) — a rank whose
+    pieces never had a gradient holds none, yet must take part in the chunk's gathers —,
+    ``name -> {key: number}`` of the 0-d state entries other than ``step``, from the ranks that hold
+    a piece of the tensor, and whether the optimizer keeps a ``step`` (seen on some rank)."""
+    local_keys = {str(ci): {k: str(b.dtype).removeprefix("torch.") for k, b in flat.items()}
+                  for ci, flat in zopt._states.flat.items()}
+    local_scalars: dict[str, dict[str, Any]] = {}
     for pieces in zopt._pieces.values():
         for p in pieces:
             for k, v in zopt.state.get(p.param, {}).items():
                 if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
-                    local.setdefault(p.name, {})[k] = v.item()
-    merged: dict[str, dict[str, Any]] = {}
-    for part in all_gather_json(local, zopt.model.process_group):
-        for name, entries in part.items():
-            merged.setdefault(name, {}).update(entries)
-    return merged
+                    local_scalars.setdefault(p.name, {})[k] = v.item()
+    keys: dict[int, dict[str, torch.dtype]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    uses_step = False
+    parts = all_gather_json({"keys": local_keys, "scalars": local_scalars, "uses_step": zopt._states.uses_step},
+                            zopt.model.process_group)
+    for part in parts:
+        uses_step |= bool(part["uses_step"])
+        for ci, entries in part["keys"].items():
+            for k, dtype in entries.items():
+                keys.setdefault(int(ci), {}).setdefault(k, getattr(torch, dtype))
+        for name, entries in part["scalars"].items():
+            scalars.setdefault(name, {}).update(entries)
+    return keys, scalars, uses_step
 
 
 def full_state_dict(zopt) -> dict[str, Any]:
@@ -44,19 +60,21 @@ def full_state_dict(zopt) -> dict[str, Any]:
     model, states = zopt.model, zopt._states
     steps = zopt.tensor_steps()
     per: dict[str, dict[str, Any]] = {n: {} for g in zopt.group_names for n in g}
+    keys, scalars, uses_step = _agreed_state(zopt)
     for c in zopt._chunks:
         flat = states.flat.get(c.index, {})
-        for key in states.keys:
-            if key not in flat:
-                continue
-            full = c.gather_shard_tensor(flat[key])
+        for key, dtype in keys.get(c.index, {}).items():
+            mine = flat.get(key)
+            if mine is None:  # no state here: zeros, so that this rank still takes part in the gather
+                mine = torch.zeros(c.shard_numel, dtype=dtype, device=c.master.device)
+            full = c.gather_shard_tensor(mine)
             for t in model.layout.chunk_tensors(c.index):
                 if steps.get(t.name, 0) > 0:
                     per[t.name][key] = full[t.offset : t.end].view(t.shape).to("cpu", torch.float32, copy=True)
             del full
-    for name, entries in _other_scalars(zopt).items():
+    for name, entries in scalars.items():
         per[name].update({k: torch.tensor(v) for k, v in entries.items()})
-    if states.uses_step:
+    if uses_step:
         for name, s in steps.items():
             if s > 0:
                 per[name]["step"] = torch.tensor(float(s), dtype=torch.float32)

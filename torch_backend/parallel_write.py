@@ -7,10 +7,20 @@ P('dp')), [shard])`` over a mesh of one CPU device per process, so each rank han
 shard and Orbax writes each shard from the process that holds it. A keep-gathered chunk is replicated
 (``P()``) and written once. The write itself — checks, commit, keep-last-N — is
 :func:`chunkzero.checkpoint.orbax_store.save_step`.
+
+Every wait for the other processes is bounded by ``timeout_s``: the start of ``jax.distributed``, each
+Orbax barrier of a save, and the shutdown barrier at the process's exit. A rank that died therefore
+ends the others' save with a :class:`~chunkzero.errors.CheckpointError` after ``timeout_s``. JAX then
+ends the survivors itself, with an abort: its coordination service stops a job one of whose processes
+stopped sending heartbeats (``heartbeat_timeout_seconds = max(100, 2·timeout_s)``, so our error comes
+first), and a process's exit fails at the shutdown barrier its dead peer never reaches. Nothing
+hangs. (JAX's ``jax_enable_recoverability`` would let the survivors exit cleanly, but then rank 0,
+which hosts the coordination service, aborts every rank still running when it exits first.)
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -89,7 +99,8 @@ def _use_cpu_jax() -> None:
         pass
 
 
-def process_mesh(rank: int, world_size: int, process_group=None, *, coordinator: str | None = None) -> ProcessMesh:
+def process_mesh(rank: int, world_size: int, process_group=None, *, coordinator: str | None = None,
+                 timeout_s: float = orbax_store.DEFAULT_TIMEOUT_S) -> ProcessMesh:
     """This process's JAX mesh, starting ``jax.distributed`` on CPU the first time (world size > 1).
 
     Args:
@@ -97,10 +108,14 @@ def process_mesh(rank: int, world_size: int, process_group=None, *, coordinator:
         process_group: the torch process group over which rank 0 broadcasts the coordinator port;
             ``None`` is the default group. Not needed when ``coordinator`` is given.
         coordinator: ``host:port`` of the JAX coordinator (default: ``MASTER_ADDR`` and a free port).
+        timeout_s: how long, in seconds, the start waits for every process to join, and the exit of
+            the process for the others at JAX's shutdown barrier (the first call's value holds for
+            the process).
 
     Raises:
-        CheckpointError: JAX was already started for another world size or rank in this process, or
-            JAX computations ran before the first save (``jax.distributed`` must start first).
+        CheckpointError: JAX was already started for another world size or rank in this process, a
+            process did not join within ``timeout_s``, or JAX computations ran before the first save
+            (``jax.distributed`` must start first).
     """
     global _RUNTIME
     with _RUNTIME_LOCK:
@@ -130,12 +145,16 @@ def process_mesh(rank: int, world_size: int, process_group=None, *, coordinator:
                     num_processes=world_size,
                     process_id=rank,
                     local_device_ids=None,
-                    initialization_timeout=int(os.environ.get("CHUNKZERO_JAX_INIT_TIMEOUT", "300")),
+                    initialization_timeout=max(1, math.ceil(timeout_s)),
+                    shutdown_timeout_seconds=max(1, math.ceil(timeout_s)),
+                    # JAX ends every process once a peer misses heartbeats this long: after our own timeouts
+                    heartbeat_timeout_seconds=max(100, 2 * math.ceil(timeout_s)),
                 )
-            except RuntimeError as e:
+            except Exception as e:  # RuntimeError, or JaxRuntimeError once the deadline passes
                 raise CheckpointError(
-                    f"cannot start jax.distributed for rank {rank} of {world_size} at {coordinator}: {e} "
-                    "(in a torch training process JAX must not run computations before the first save)"
+                    f"cannot start jax.distributed for rank {rank} of {world_size} at {coordinator} within "
+                    f"timeout_s={timeout_s:g} s: {e} (every rank must save; in a torch training process JAX must "
+                    "not run computations before the first save)"
                 ) from e
         _RUNTIME = ProcessMesh(rank, world_size)
         return _RUNTIME
@@ -152,6 +171,7 @@ def write_shards(
     max_to_keep: int | None = None,
     process_group=None,
     coordinator: str | None = None,
+    timeout_s: float = orbax_store.DEFAULT_TIMEOUT_S,
 ) -> Path:
     """Write step ``meta.step`` from this rank's shards (collective over the ``meta.world_size`` ranks).
 
@@ -167,24 +187,28 @@ def write_shards(
             background (the next save, a load of ``directory`` or process exit waits for it).
         max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: keep all).
         process_group, coordinator: as :func:`process_mesh`.
+        timeout_s: the bound, in seconds, on every wait for the other ranks: the start of
+            ``jax.distributed`` and each of Orbax's barriers (:func:`chunkzero.checkpoint.orbax_store.save_step`).
 
     Returns:
         ``directory/<step>`` (committed unless ``async_save``).
 
     Raises:
-        ConfigError: a shard is missing, bad ``max_to_keep``, metadata that is not JSON-serializable.
-        CheckpointError: the step already exists or is not after the latest step, or the write failed.
+        ConfigError: a shard is missing, bad ``max_to_keep`` or ``timeout_s``, metadata that is not JSON-serializable.
+        CheckpointError: the step already exists or is not after the latest step, the write failed, or
+            another rank did not arrive within ``timeout_s`` (it died, hangs, or saves elsewhere).
         ShapeMismatchError: a shard's numel differs from the layout's shard numel (names the array).
     """
     layout = meta.layout
+    timeout_s = orbax_store.check_timeout(timeout_s)
 
     def tree():
         shards = shard_arrays(meta, params, optim)  # checked before jax.distributed starts
-        runtime = process_mesh(rank, layout.world_size, process_group, coordinator=coordinator)
+        runtime = process_mesh(rank, layout.world_size, process_group, coordinator=coordinator, timeout_s=timeout_s)
         arrays = {}
         for path, local in shards.items():
             c = layout.chunks[chunk_index(path[-1])]
             arrays[path] = runtime.global_array(local, c.size, c.keep_gathered)
         return state_tree(arrays)
 
-    return orbax_store.save_step(directory, meta, tree, async_save=async_save, max_to_keep=max_to_keep)
+    return orbax_store.save_step(directory, meta, tree, async_save=async_save, max_to_keep=max_to_keep, timeout_s=timeout_s)

@@ -84,12 +84,14 @@ def device_memory_bytes(device: torch.device) -> int:
         raise ConfigError(f"cannot read the memory of device {device}: pass ZeroDDP(device_memory_bytes=...)") from None
 
 
-def check_placement_arguments(placement: str, offload_optim_frac, offload_param_frac, device_memory) -> None:
+def check_placement_arguments(placement: str, offload_optim_frac, offload_param_frac, device_memory,
+                              steady_device_cap_ratio=DEFAULT_STEADY_DEVICE_CAP_RATIO) -> None:
     """Which of ``ZeroDDP``'s placement arguments go together.
 
     Raises:
         ConfigError: ``placement`` is not ``"static"`` or ``"auto"``; offload fractions with ``"auto"``;
-            ``device_memory_bytes`` with ``"static"`` (the message names the argument).
+            ``device_memory_bytes`` or a ``steady_device_cap_ratio`` other than the default with
+            ``"static"`` (the message names the argument).
     """
     if placement not in ("static", "auto"):
         raise ConfigError(f"placement must be 'static' or 'auto', got {placement!r}")
@@ -98,6 +100,9 @@ def check_placement_arguments(placement: str, offload_optim_frac, offload_param_
                           f"decides from the budget (got {offload_optim_frac=}, {offload_param_frac=})")
     if placement != "auto" and device_memory is not None:
         raise ConfigError(f"device_memory_bytes is for placement='auto' (got {device_memory!r} with placement={placement!r})")
+    if placement != "auto" and steady_device_cap_ratio != DEFAULT_STEADY_DEVICE_CAP_RATIO:
+        raise ConfigError(f"steady_device_cap_ratio is for placement='auto' (got {steady_device_cap_ratio!r} with "
+                          f"placement={placement!r})")
 
 
 def placement_budget_bytes(device: torch.device, device_memory: int | None, steady_device_cap_ratio: float) -> int:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from chunkzero import ChunkLayout, TensorState
-from chunkzero.errors import ConfigError, UnusedParameterError
+from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
 from .access import ParamAccessMode, SavedActivation, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
 from .chunks import Chunk
@@ -152,6 +152,7 @@ class ChunkRuntime:
 
     def zero_grad(self) -> None:
         """Drop all accumulated gradients (buffers, reductions in flight, fp32 shards, placeholders)."""
+        self.finish_aborted_backward()
         self._clear_placeholders()
         for c in self.chunks:
             c.zero_grad()
@@ -172,6 +173,7 @@ class ChunkRuntime:
         self._fwd_used = {}
         self._phase = FORWARD
         self.sched.start(FORWARD)
+        backward_next = False
         try:
             with self._intercepting():
                 if grad_enabled:
@@ -179,18 +181,20 @@ class ChunkRuntime:
                         out = self.module(*args, **kwargs)
                 else:
                     out = self.module(*args, **kwargs)
+            backward_next = grad_enabled
         finally:
+            # a forward that raised has no backward: nothing is gathered ahead for it, nothing kept
             self._phase = None
             self._fwd_used = {}
-            self.sched.end(FORWARD, prefetch_next=BACKWARD if grad_enabled else None)
+            self.sched.end(FORWARD, prefetch_next=BACKWARD if backward_next else None)
             for c in self.chunks:
-                self._rest(c, release=self._release_in_forward and c.index not in self._keep_for_backward)
+                keep = backward_next and (not self._release_in_forward or c.index in self._keep_for_backward)
+                self._rest(c, release=not keep)
         if grad_enabled:
             for t in _tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(self._output_grad_hook)
         return out
-
 
     @contextlib.contextmanager
     def _intercepting(self):
@@ -203,11 +207,13 @@ class ChunkRuntime:
             self._mode_stack.pop()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` with this model's parameter access on for the whole backward, so that a
-        recomputation that uses parameters outside any module call (``checkpoint(fn, ...)`` of a plain
-        function) finds them gathered. ``ZeroOptimizer.backward`` calls it. (A plain
-        ``loss.backward()`` covers recomputations that call modules: activation checkpointing of
-        blocks, Hugging Face ``gradient_checkpointing_enable()``.)"""
+        """:meth:`torch_backend.ZeroDDP.backward`: ``loss.backward()`` under the access mode.
+
+        Raises:
+            ShapeMismatchError: ``loss`` has more than one element (as ``loss.backward()`` refuses).
+        """
+        if loss.numel() != 1:
+            raise ShapeMismatchError("loss", (), tuple(loss.shape), "backward needs a scalar loss")
         run = getattr(torch.autograd.graph, "_engine_run_backward", None)
         if run is None or self._mode_stack:
             loss.backward()
@@ -226,6 +232,8 @@ class ChunkRuntime:
         self.sched.ensure(c, self._phase or FORWARD)
 
     def run_op(self, entries: list[Entry], func, args, kwargs):
+        """Run the torch call ``func(*args, **kwargs)`` that takes the parameters of ``entries``: their
+        chunks gathered, the tensors in COMPUTE during the call (the access mode calls it)."""
         if len(entries) > 1:
             entries = list({id(e): e for e in entries}.values())
         for e in entries:
@@ -414,10 +422,22 @@ class ChunkRuntime:
                 if c.pinned in (None, "recompute") and c.saved_refs == 0:
                     self._release_if_idle(c)
 
+    def finish_aborted_backward(self) -> None:
+        """End a backward that raised inside the autograd engine, which then drops the callbacks
+        queued on it, so :meth:`_finalize_backward` never ran: the same end-of-backward rounds run
+        now (every rank whose backward raised takes part, so ranks stay paired), the gradient
+        buffers it was accumulating are dropped and every chunk comes to rest. Gradients already
+        reduced into the fp32 shards stay, as torch keeps a partial ``.grad``. Does nothing during
+        a backward or after one that completed."""
+        if self._finalize_queued and torch._C._current_autograd_node() is None:
+            self._finalize_backward(aborted=True)
+
     @_engine_code
-    def _finalize_backward(self) -> None:
+    def _finalize_backward(self, aborted: bool = False) -> None:
         """End of a backward pass (autograd callback): agree on what got gradients, reduce what is
-        left, release, reset states. Never raises (an error is kept for :meth:`raise_pending_error`)."""
+        left, release, reset states. Never raises (an error is kept for :meth:`raise_pending_error`).
+        ``aborted``: the backward raised (:meth:`finish_aborted_backward`): no reduction, no error
+        kept, not counted in :attr:`backward_passes`."""
         self._finalize_queued = False
         error = None
         try:
@@ -425,6 +445,9 @@ class ChunkRuntime:
             if self._bwd_grads:
                 used[sorted(self._bwd_grads)] = 1
             received = self.sched.end(BACKWARD, used) > 0
+            if aborted:
+                self._discard_grad_buffers()
+                return
             self.backward_passes += 1
             trainable = self.trainable
             if any(bool(received[e.index]) for e in trainable):
@@ -436,8 +459,7 @@ class ChunkRuntime:
                                     for e in unused)
                         + ". Make every parameter take part in the loss, freeze it (requires_grad=False) before "
                         "wrapping, or pass find_unused_parameters=True to reduce a zero gradient for it.")
-                    for c in self.chunks:
-                        c.discard_grad_buffer()
+                    self._discard_grad_buffers()
                 else:
                     self.grad_received |= received.to(torch.bool)
                     if self.sync:
@@ -455,6 +477,12 @@ class ChunkRuntime:
             self._set_placeholders()
         if error is not None:
             self._pending_error = error
+
+    def _discard_grad_buffers(self) -> None:
+        """Drop the gradients not yet reduced (their chunks are no longer waiting to be reduced)."""
+        for c in self.chunks:
+            c.discard_grad_buffer()
+        self.sched.ready.clear()
 
     def raise_pending_error(self) -> None:
         """Raise (once) the error the last backward found, if any (ZeroOptimizer calls it)."""
@@ -480,8 +508,8 @@ class ChunkRuntime:
                 state = S.HOLD
             if state is not target:
                 c.states.transition(t.name, target)
-        if release and not c.resident and c.is_gathered:
-            c.release()
+        if release:
+            c.release()  # also a gather still in flight (prefetched, then not used)
 
     # ------------------------------------------------------------------ placeholders
     def _set_placeholders(self) -> None:

@@ -57,7 +57,8 @@ class AccessOrder:
         self.previous: list[int] | None = None
         self.current: list[int] = []
         self.pos = 0
-        self.in_step = True
+        self.in_step = False
+        """Whether this phase's accesses still follow ``previous`` (set by :meth:`start`)."""
         self.recordings = 0
         """How many times the order was (re-)recorded."""
 

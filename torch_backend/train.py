@@ -71,11 +71,12 @@ def evaluate(engine: Engine, batches, device: torch.device, group) -> float:
 def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, counters: dict) -> None:
     """An asynchronous Orbax checkpoint of step ``step`` in ``<out>/checkpoints/<step>`` (the newest
     ``CHECKPOINTS_KEPT`` are kept), with the data position and the run's cumulative ``counters``
-    (:meth:`Report.counters`), so ``--resume`` continues exactly here, at any world size."""
+    (:meth:`Report.counters`), so ``--resume`` continues exactly here, at any world size. Every wait of
+    the save for the other ranks is bounded by ``--timeout`` (``cfg.timeout_s``)."""
     from torch_backend import save_checkpoint
 
     save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim, step=step, async_save=True,
-                    max_to_keep=CHECKPOINTS_KEPT, data_position={"sampler": sampler.state_dict()},
+                    max_to_keep=CHECKPOINTS_KEPT, timeout_s=cfg.timeout_s, data_position={"sampler": sampler.state_dict()},
                     extra={"model": cfg.model, "seed": cfg.seed, "world_size": cfg.world_size,
                            "steps": cfg.steps, "warmup": cfg.warmup, "lr": cfg.lr,
                            "min_lr_ratio": cfg.min_lr_ratio, "counters": counters})

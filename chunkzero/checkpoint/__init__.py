@@ -5,7 +5,9 @@ chunk and optimizer-state chunk as a 1-D global array, the item ``meta`` the JSO
 :class:`CheckpointMeta`. The backends only adapt their tensors (torch ↔ numpy, ``jax.Array``) and their
 process mesh; everything about the format is in this package:
 
-- :mod:`.meta` — names, the metadata schema and its validation; saved-shard ranges and checksums.
+- :mod:`.meta` — names, the metadata schema and its validation; saved-shard ranges and their checksums.
+- :mod:`.checksums` — the checksum algorithm, storage blocks, the checksum record's validation.
+- :mod:`.agreement` — what the ranks of a save or load must agree on.
 - :mod:`.steps` — committed steps on disk and reading a step's metadata (file system only).
 - :mod:`.tree` — the ``state`` tree ↔ array paths; one rank's checked shards.
 - :mod:`.plan` — matching tensors by name or alias; which saved slices make up a shard of another layout.
@@ -18,10 +20,10 @@ imported by the functions that need them.
 """
 
 from ..errors import CheckpointError, CheckpointFormatError  # the format's errors, importable with its names
+from .checksums import CHECKSUM_ALGORITHM, STORAGE_BLOCK_BYTES, checksum_key, shard_checksum
 from .meta import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
-    CHECKSUM_ALGORITHM,
     META_FILENAME,
     META_ITEM,
     MIXED_PRECISIONS,
@@ -32,11 +34,9 @@ from .meta import (
     CheckpointMeta,
     OptimizerMeta,
     array_name,
-    checksum_key,
     chunk_index,
     chunk_key,
     param_array_dtype,
-    shard_checksum,
 )
 from .plan import ReadPiece, check_compatible, matching_names, read_plan, saved_tensor
 from .steps import is_step_dir, latest_step, list_steps, read_meta, resolve_step_dir
@@ -58,6 +58,7 @@ __all__ = [
     "PARAMS_KEY",
     "ReadPiece",
     "STATE_ITEM",
+    "STORAGE_BLOCK_BYTES",
     "array_name",
     "check_compatible",
     "checksum_key",

@@ -19,8 +19,9 @@ A plain ``orbax.checkpoint`` user restores ``state`` as numpy, or with target sh
 device count (padding differs between world sizes; restore with ``global_shape`` of the new size,
 or slice ``[:utilized]``).
 
-Each saved shard carries a checksum over its valid elements; :class:`CheckpointMeta` knows the saved
-shards' ranges (:meth:`CheckpointMeta.saved_shards`), builds the record and verifies against it.
+Each saved shard carries a checksum over its valid elements, and one per storage block of it
+(:mod:`chunkzero.checkpoint.checksums`); :class:`CheckpointMeta` knows the saved shards' ranges
+(:meth:`CheckpointMeta.saved_shards`) and blocks, builds the record and verifies against it.
 """
 
 from __future__ import annotations
@@ -34,8 +35,18 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import numpy_dtype
 from ..errors import CheckpointError, CheckpointFormatError, LayoutFormatError
 from ..layout import ChunkInfo, ChunkLayout
+from .checksums import (
+    CHECKSUM_ALGORITHM,
+    block_checksums,
+    checksum_key,
+    combine_checksums,
+    shard_checksum,
+    storage_block_numel,
+    validate_record,
+)
 
 ArrayPath = tuple[str, ...]
 """Path of one array in the ``state`` tree: ``("params", "chunk_0003")``, ``("optim", "exp_avg", "chunk_0003")``."""
@@ -157,11 +168,13 @@ class CheckpointMeta:
         rng_states: one JSON-able RNG-state dict per saving rank (or ``None``).
         extra: anything else the caller passed (JSON-able).
         checksums: optional integrity record of the ``state`` arrays, written at save by both backends:
-            ``{"algorithm": "sum64+xor64", "arrays": {"params/chunk_0000": [hex per saving rank], ...}}``
+            ``{"algorithm": "sum64+xor64", "arrays": {"params/chunk_0000": [hex per saving rank], ...},
+            "blocks": {"params/chunk_0000": {"block_numel": n, "sums": [[hex per block] per saving rank]}}}``
             — one entry per saved shard (one for a keep-gathered chunk), computed over the shard's
-            valid (unpadded) elements; see :func:`shard_checksum` and :meth:`verify_shard`. Absent
-            (``None``) in checkpoints written without it; readers then skip verification. Serialized
-            only when present.
+            valid (unpadded) elements, and one per storage block of it (``blocks``: optional, absent in
+            checkpoints written before it); see :mod:`chunkzero.checkpoint.checksums`,
+            :meth:`verify_shard` and :meth:`verify_blocks`. Absent (``None``) in checkpoints written
+            without it; readers then skip verification. Serialized only when present.
     """
 
     step: int
@@ -263,7 +276,7 @@ class CheckpointMeta:
             data_position=get("data_position", dict, optional=True),
             rng_states=rng,
             extra=get("extra", dict, optional=True),
-            checksums=_checksums(doc, layout, bad),
+            checksums=validate_record(doc.get("checksums"), _valid_numels(layout), bad),
         )
 
     @classmethod
@@ -327,36 +340,92 @@ class CheckpointMeta:
         starts = [layout.shard_range(chunk, q)[0] for q in range(layout.world_size)]
         return [(q, a, a + layout.valid_length(chunk, q)) for q, a in enumerate(starts)]
 
+    def storage_block_numel(self, path: ArrayPath) -> int:
+        """Elements per storage block of array ``path``: a divisor of the elements each saving rank
+        writes (:func:`~chunkzero.checkpoint.checksums.storage_block_numel`); the unit of its block
+        checksums and of the storage chunks the writer asks Orbax for."""
+        chunk = chunk_index(path[-1])
+        dtype = "float32" if path[0] == OPTIM_KEY else param_array_dtype(self.layout.chunks[chunk])
+        return storage_block_numel(self.layout.shard_numel(chunk), numpy_dtype(dtype).itemsize)
+
     # ------------------------------------------------------------------ checksums
-    def shard_checksums(self, rank: int, shards: Mapping[ArrayPath, Any]) -> dict[str, str]:
-        """This saving rank's part of the record: ``checksum_key(path) -> shard_checksum`` over the valid
-        elements of each of its shards (``path -> 1-D array``: the rank's shard, a keep-gathered chunk whole)."""
-        return {checksum_key(p): shard_checksum(np.asarray(a)[: self.layout.valid_length(chunk_index(p[-1]), rank)])
+    def shard_checksums(self, rank: int, shards: Mapping[ArrayPath, Any]) -> dict[str, list[str]]:
+        """This saving rank's part of the record: ``checksum_key(path) -> block checksums`` of the valid
+        elements of each of its shards (``path -> 1-D array``: the rank's shard, a keep-gathered chunk
+        whole), in blocks of :meth:`storage_block_numel`."""
+        return {checksum_key(p): block_checksums(np.asarray(a)[: self.layout.valid_length(chunk_index(p[-1]), rank)],
+                                                 self.storage_block_numel(p))
                 for p, a in shards.items()}
 
-    def checksums_from_ranks(self, per_rank: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+    def checksums_from_ranks(self, per_rank: Sequence[Mapping[str, list[str]]]) -> dict[str, Any]:
         """The ``checksums`` record from every saving rank's :meth:`shard_checksums`, in rank order
-        (a keep-gathered chunk's entry from rank 0).
+        (a keep-gathered chunk's entry from rank 0): block checksums, and each shard's combined.
 
         Raises:
             CheckpointError: a rank sent no checksum for an array (the ranks disagree on what they save).
         """
-        arrays: dict[str, list[str]] = {}
+        blocks: dict[str, list[list[str]]] = {}
         for path in self.expected_arrays():
             key = checksum_key(path)
             ranks = [0] if self.layout.chunks[chunk_index(path[-1])].keep_gathered else range(len(per_rank))
             for q in ranks:
                 if key not in per_rank[q]:
                     raise CheckpointError(f"rank {q} computed no checksum for array {array_name(path)!r}; the ranks disagree on what they save")
-            arrays[key] = [per_rank[q][key] for q in ranks]
-        return {"algorithm": CHECKSUM_ALGORITHM, "arrays": arrays}
+            blocks[key] = [list(per_rank[q][key]) for q in ranks]
+        return self._record(blocks)
 
     def checksums_of_arrays(self, arrays: Mapping[ArrayPath, Any]) -> dict[str, Any]:
         """The ``checksums`` record of whole arrays (``path -> 1-D host array`` at this layout's world
-        size): each saved shard's checksum over its range."""
+        size): the block checksums of each saved shard's range, and each shard's combined."""
+        return self._record({checksum_key(p): [block_checksums(np.asarray(a)[s:e], self.storage_block_numel(p))
+                                               for _, s, e in self.saved_shards(p)] for p, a in arrays.items()})
+
+    def _record(self, blocks: Mapping[str, list[list[str]]]) -> dict[str, Any]:
+        numel = {checksum_key(p): self.storage_block_numel(p) for p in self.expected_arrays()}
         return {"algorithm": CHECKSUM_ALGORITHM,
-                "arrays": {checksum_key(p): [shard_checksum(np.asarray(a)[s:e]) for _, s, e in self.saved_shards(p)]
-                           for p, a in arrays.items()}}
+                "arrays": {k: [combine_checksums(b) for b in per_shard] for k, per_shard in blocks.items()},
+                "blocks": {k: {"block_numel": numel[k], "sums": [list(b) for b in per_shard]} for k, per_shard in blocks.items()}}
+
+    def verification_unit(self, path: ArrayPath) -> int | None:
+        """The elements one checksum of array ``path`` covers, counted from each saved shard's start:
+        its recorded block (``checksums["blocks"]``), or ``0`` when only whole shards have checksums
+        (checkpoints written before blocks), or ``None`` when the checkpoint has no checksums."""
+        if self.checksums is None:
+            return None
+        entry = (self.checksums.get("blocks") or {}).get(checksum_key(path))
+        return 0 if entry is None else int(entry["block_numel"])
+
+    def verify_blocks(self, path: ArrayPath, rank: int, start: int, data: Any, *, step_dir: str | Path) -> bool:
+        """Check elements ``[start, start + len(data))`` of array ``path``, read back, against the
+        checksums of saved shard ``rank``: the range must be whole verification units of that shard
+        (:meth:`verification_unit`; the last one may end at the shard's valid end), or the whole shard.
+
+        Returns:
+            ``False`` when the checkpoint has no checksums (nothing verified), else ``True``.
+
+        Raises:
+            CheckpointFormatError: the checkpoint has checksums but none for ``path``.
+            CheckpointError: a checksum differs (names the array, the directory, the saving rank and the
+                element range), or the range is not made of whole units (a reader's bug).
+        """
+        unit = self.verification_unit(path)
+        if unit is None:
+            return False
+        _, a, e = self.saved_shards(path)[rank]
+        data = np.asarray(data)
+        stop = start + data.size
+        if unit == 0 and (start, stop) == (a, e):
+            return self.verify_shard(path, rank, data, step_dir=step_dir)
+        if unit == 0 or start < a or stop > e or (start - a) % unit or ((stop - a) % unit and stop != e):
+            raise CheckpointError(f"elements [{start}, {stop}) of {array_name(path)!r} are not whole checksum units "
+                                  f"({unit or 'the whole shard'}) of the shard saved by rank {rank}, [{a}, {e})")
+        sums = self.checksums["blocks"][checksum_key(path)]["sums"][rank]
+        first = (start - a) // unit
+        for k, got in enumerate(block_checksums(data, unit)):
+            if got != sums[first + k]:
+                lo = start + k * unit
+                self._corrupted(path, rank, lo, min(lo + unit, e), got, sums[first + k], step_dir)
+        return True
 
     def verify_shard(self, path: ArrayPath, rank: int, data: Any, *, step_dir: str | Path) -> bool:
         """Check saved shard ``rank`` of array ``path`` against the recorded checksum.
@@ -381,56 +450,20 @@ class CheckpointMeta:
         got = shard_checksum(data)
         if got != sums[rank]:
             _, start, stop = self.saved_shards(path)[rank]
-            raise CheckpointError(
-                f"array {array_name(path)!r} in {str(Path(step_dir) / STATE_ITEM)!r} is corrupted: elements [{start}, {stop}) "
-                f"saved by rank {rank} have checksum {got}, the metadata recorded {sums[rank]}"
-            )
+            self._corrupted(path, rank, start, stop, got, sums[rank], step_dir)
         return True
 
-
-CHECKSUM_ALGORITHM = "sum64+xor64"
-
-
-def shard_checksum(data: Any) -> str:
-    """Checksum of one saved shard's valid elements (any numpy array; its raw little-endian bytes).
-
-    The bytes, zero-padded to a multiple of 8, are read as little-endian uint64 words; the result is
-    the 16-hex-digit wrapping sum of the words followed by the 16-hex-digit XOR of the words. Cheap
-    (one pass at memory speed) and it changes with any single-bit or single-word corruption.
-    """
-    b = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    n8 = b.size - b.size % 8
-    words = b[:n8].view("<u8")
-    total = int(words.sum(dtype=np.uint64)) if words.size else 0
-    xor = int(np.bitwise_xor.reduce(words)) if words.size else 0
-    if n8 < b.size:
-        tail = int.from_bytes(bytes(b[n8:]) + bytes(8 - (b.size - n8)), "little")
-        total, xor = (total + tail) % 2**64, xor ^ tail
-    return f"{total:016x}{xor:016x}"
+    def _corrupted(self, path: ArrayPath, rank: int, start: int, stop: int, got: str, want: str, step_dir) -> None:
+        raise CheckpointError(
+            f"array {array_name(path)!r} in {str(Path(step_dir) / STATE_ITEM)!r} is corrupted: elements [{start}, {stop}) "
+            f"saved by rank {rank} have checksum {got}, the metadata recorded {want}"
+        )
 
 
-def checksum_key(path: ArrayPath) -> str:
-    """Key of array ``path`` in ``checksums["arrays"]``: ``"params/chunk_0000"``."""
-    return "/".join(path)
-
-
-def _checksums(doc: dict, layout: ChunkLayout, bad) -> dict[str, Any] | None:
-    value = doc.get("checksums")
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("algorithm") != CHECKSUM_ALGORITHM or not isinstance(value.get("arrays"), dict):
-        raise bad("checksums", f"expected {{'algorithm': {CHECKSUM_ALGORITHM!r}, 'arrays': {{...}}}}")
-    for key, sums in value["arrays"].items():
-        if not isinstance(sums, list) or not all(isinstance(x, str) and re.fullmatch(r"[0-9a-f]{32}", x) for x in sums):
-            raise bad(f"checksums.arrays.{key}", "expected a list of 32-hex-digit strings")
-        try:
-            c = layout.chunks[chunk_index(key.rsplit("/", 1)[-1])]
-        except (CheckpointFormatError, IndexError):
-            raise bad(f"checksums.arrays.{key}", "does not name a chunk of the layout") from None
-        want = 1 if c.keep_gathered else layout.world_size
-        if len(sums) != want:
-            raise bad(f"checksums.arrays.{key}", f"expected {want} checksums (one per saved shard), got {len(sums)}")
-    return value
+def _valid_numels(layout: ChunkLayout) -> dict[str, tuple[int, ...]]:
+    """``chunk key -> valid numel of each saved shard`` (one for a keep-gathered chunk)."""
+    return {chunk_key(c.index): (c.utilized,) if c.keep_gathered else
+            tuple(layout.valid_length(c.index, q) for q in range(layout.world_size)) for c in layout.chunks}
 
 
 def _tuple(kinds) -> tuple:

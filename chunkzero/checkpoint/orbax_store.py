@@ -27,6 +27,7 @@ import atexit
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -34,10 +35,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import CheckpointError, CheckpointFormatError, ConfigError
 from .meta import META_ITEM, STATE_ITEM, ArrayPath, CheckpointMeta, array_name
 from .steps import list_steps, resolve_step_dir
-from .tree import flat_arrays
+from .tree import flat_arrays, state_tree
 
 logger = logging.getLogger("chunkzero.checkpoint")
 
@@ -64,18 +67,73 @@ class _Managed:
 
 _MANAGERS: dict[str, _Managed] = {}
 _MANAGERS_LOCK = threading.Lock()
+_HANDOVER_LOCK = threading.Lock()
+"""Held while a save is handed over to Orbax (:func:`_barrier_timeout` changes a process-wide value)."""
 _EXIT_HOOK_REGISTERED = False
 
 
-def _manager_options(max_to_keep: int | None, options: Any = None) -> Any:
+DEFAULT_TIMEOUT_S = 300.0
+"""Default bound, in seconds, on every wait of a save for the other processes (Orbax's own default
+for its barriers)."""
+
+
+def check_timeout(timeout_s: Any) -> float:
+    """``timeout_s`` as a float of seconds.
+
+    Raises:
+        ConfigError: it is not a positive finite number.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+        raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _manager_options(max_to_keep: int | None, options: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """The write options of a root: the caller's ``CheckpointManagerOptions`` (default: asynchronous
-    saves) with ``create`` set and ``max_to_keep`` applied. Barrier timeouts belong here
-    (``async_options``, ``multiprocessing_options``)."""
+    saves) with ``max_to_keep`` applied and every barrier bounded by ``timeout_s``.
+
+    Orbax waits for the other processes in two kinds of barrier. The commit of an asynchronous save
+    (``async_write_complete`` / ``async_commit_complete``) waits at most ``AsyncOptions.timeout_secs``,
+    counted from the start of the background write; it is set to ``timeout_s``. The manager's and the
+    checkpointer's own barriers (``save_start``, ``old_steps_to_remove`` …) are a JAX collective
+    without any timeout unless ``active_processes`` is set, and then a barrier of the
+    ``jax.distributed`` coordination service with a deadline (:func:`_barrier_timeout`); with more
+    than one process it is set to all of them. Orbax then refuses to create the root itself
+    (``create=False``): :func:`save_step` creates it.
+    """
     ocp = _ocp()
+    import jax
+
     if options is None:
-        return ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True)
-    options = dataclasses.replace(options, read_only=False, create=True)
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    processes = options.multiprocessing_options
+    if jax.process_count() > 1 and processes.active_processes is None:
+        processes = dataclasses.replace(processes, active_processes=set(range(jax.process_count())))
+    waits = dataclasses.replace(options.async_options or ocp.AsyncOptions(), timeout_secs=max(1, math.ceil(timeout_s)))
+    options = dataclasses.replace(options, read_only=False, create=False, multiprocessing_options=processes,
+                                  async_options=waits)
     return options if max_to_keep is None else dataclasses.replace(options, max_to_keep=max_to_keep)
+
+
+@contextmanager
+def _barrier_timeout(timeout_s: float) -> Iterator[None]:
+    """Bound Orbax's main-thread barriers by ``timeout_s`` while a save is handed over.
+
+    Orbax gives those barriers no per-call timeout: they wait ``multihost.coordination_timeout()``
+    seconds, a module constant (300). It is set for the duration of the hand-over, under the
+    lock of save hand-overs (``_HANDOVER_LOCK``), and restored after.
+    """
+    from orbax.checkpoint._src.multihost import multihost
+
+    previous = getattr(multihost, "_DEFAULT_BARRIER_TIMEOUT", None)
+    if previous is None:  # another Orbax: its own timeouts apply
+        yield
+        return
+    multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(timeout_s))
+    try:
+        yield
+    finally:
+        multihost._DEFAULT_BARRIER_TIMEOUT = previous
 
 
 def _manager(directory: Path, options: Any):
@@ -100,17 +158,26 @@ def _manager(directory: Path, options: Any):
 def wait_until_finished(directory: str | os.PathLike | None = None) -> None:
     """Block until this process's pending asynchronous saves (to the root ``directory``, or all) are committed.
 
-    Called automatically before the next save, before a read of the same root and at exit.
+    Called automatically before the next save, before a read of the same root and at exit. Each
+    wait for the other processes is bounded by the save's ``timeout_s``.
 
     Raises:
-        Whatever the pending save raised (Orbax's error).
+        CheckpointError: a pending save failed or timed out (names the root); its writer is dropped,
+            so the next save to that root starts afresh.
     """
     with _MANAGERS_LOCK:
         items = list(_MANAGERS.items())
     want = None if directory is None else str(Path(directory).resolve())
     for key, m in items:
         if want is None or key == want:
-            m.manager.wait_until_finished()
+            try:
+                m.manager.wait_until_finished()
+            except Exception as e:
+                with _MANAGERS_LOCK:
+                    if _MANAGERS.get(key) is m:
+                        del _MANAGERS[key]
+                timeout_s = m.options.async_options.timeout_secs if m.options.async_options else DEFAULT_TIMEOUT_S
+                raise CheckpointError(f"a pending save under {key!r} failed: {_orbax_failure(e, timeout_s)}") from e
 
 
 def committed_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
@@ -118,7 +185,7 @@ def committed_step_dir(path: str | os.PathLike, step: int | None = None) -> Path
     ``path`` (a root or one step's directory) have committed, so a read sees every step it saved.
 
     Raises:
-        CheckpointError, ConfigError: as ``resolve_step_dir``; whatever a pending save raised.
+        CheckpointError, ConfigError: as ``resolve_step_dir``; a pending save failed (:func:`wait_until_finished`).
     """
     resolved = Path(path).resolve()
     wait_until_finished(resolved)
@@ -182,6 +249,7 @@ def save_step(
     async_save: bool = False,
     max_to_keep: int | None = None,
     options: Any = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Path:
     """Write step ``meta.step`` under ``directory`` (collective over the processes that hold ``state``'s shards).
 
@@ -194,49 +262,76 @@ def save_step(
         async_save: return once Orbax holds the arrays; the commit completes in the background.
         max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: keep all, or as ``options`` says).
         options: ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``multiprocessing_options`` …).
+        timeout_s: the longest, in seconds, that any wait for the other processes may take — each of
+            Orbax's barriers, and the background write plus its commit (:func:`_manager_options`); a
+            process that died or never arrives then ends the save with an error instead of a hang.
 
     Returns:
         ``directory/<step>`` (committed unless ``async_save``).
 
     Raises:
-        ConfigError: bad ``step`` or ``max_to_keep``, or metadata that is not JSON-serializable.
+        ConfigError: bad ``step``, ``max_to_keep`` or ``timeout_s``, or metadata that is not JSON-serializable.
         CheckpointFormatError: the metadata does not validate.
         CheckpointError: the step exists already or is before the latest step (nothing is
-            overwritten), or Orbax failed (names the step and directory).
+            overwritten), Orbax failed or a wait timed out (names the step and directory), or an
+            earlier asynchronous save to ``directory`` failed.
     """
     step = meta.step
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
     if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1):
         raise ConfigError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
+    timeout_s = check_timeout(timeout_s)
     directory = Path(directory).resolve()  # Orbax wants absolute paths
     doc = _document(meta)
     tree = state() if callable(state) else state
 
     ocp = _ocp()
-    manager = _manager(directory, _manager_options(max_to_keep, options))
-    manager.wait_until_finished()
-    existing = list_steps(directory)
-    if sorted(manager.all_steps()) != existing:  # the root changed outside this manager
-        manager.reload()
-    if step in existing:
-        raise CheckpointError(f"step {step} already exists under {str(directory)!r}; refusing to overwrite it")
-    if existing and step < existing[-1]:
-        raise CheckpointError(f"step {step} is before the latest step {existing[-1]} under {str(directory)!r}; "
-                              "steps only grow (write elsewhere to branch)")
-    try:
-        saved = manager.save(
-            step,
-            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave(tree), META_ITEM: ocp.args.JsonSave(doc)}),
-            force=True,
-        )
-        if saved and not async_save:
-            manager.wait_until_finished()
-    except Exception as e:
-        raise CheckpointError(f"saving step {step} to {str(directory)!r} failed: {type(e).__name__}: {e}") from e
+    where = f"step {step} to {str(directory)!r}"
+    with _HANDOVER_LOCK, _barrier_timeout(timeout_s):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)  # by every process: Orbax does not with active_processes
+            wait_until_finished(directory)  # an earlier save's failure surfaces here, before this one starts
+            manager = _manager(directory, _manager_options(max_to_keep, options, timeout_s=timeout_s))
+        except Exception as e:
+            why = e if isinstance(e, CheckpointError) else _orbax_failure(e, timeout_s)  # the manager's barriers
+            raise CheckpointError(f"step {step} was not saved under {str(directory)!r}: {why}") from e
+        existing = list_steps(directory)
+        if sorted(manager.all_steps()) != existing:  # the root changed outside this manager
+            manager.reload()
+        if step in existing:
+            raise CheckpointError(f"step {step} already exists under {str(directory)!r}; refusing to overwrite it")
+        if existing and step < existing[-1]:
+            raise CheckpointError(f"step {step} is before the latest step {existing[-1]} under {str(directory)!r}; "
+                                  "steps only grow (write elsewhere to branch)")
+        try:
+            items = {STATE_ITEM: ocp.args.PyTreeSave(tree, save_args=_save_args(meta, tree)), META_ITEM: ocp.args.JsonSave(doc)}
+            saved = manager.save(step, args=ocp.args.Composite(**items), force=True)
+            if saved and not async_save:
+                manager.wait_until_finished()
+        except Exception as e:
+            raise CheckpointError(f"saving {where} failed: {_orbax_failure(e, timeout_s)}") from e
     if not saved:
         raise CheckpointError(f"Orbax declined to save step {step} under {str(directory)!r}")
     return directory / str(step)
+
+
+def _save_args(meta: CheckpointMeta, tree: Mapping[str, Any]) -> dict[str, Any]:
+    """Orbax ``SaveArgs`` per array: storage chunks of the array's storage block
+    (:meth:`CheckpointMeta.storage_block_numel`, which divides what each process writes, so Orbax's
+    chunk choice — the largest divisor of the write within ``chunk_byte_size`` — is that block)."""
+    ocp = _ocp()
+    return state_tree({p: ocp.SaveArgs(chunk_byte_size=meta.storage_block_numel(p) * np.dtype(a.dtype).itemsize)
+                       for p, a in flat_arrays(tree).items()})
+
+
+def _orbax_failure(e: BaseException, timeout_s: float) -> str:
+    """What went wrong in Orbax, in words: a timed-out wait for the other processes is said so."""
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, TimeoutError) or "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+        return (f"another process did not arrive within timeout_s={timeout_s:g} s (it died, hangs, or saves "
+                f"elsewhere): {text}")
+    return text
 
 
 # ====================================================================== restore (JAX: target shardings)
@@ -244,10 +339,19 @@ def save_step(
 
 @contextmanager
 def _read_manager(root: Path) -> Iterator[Any]:
-    """A read-only manager on ``root`` (``state`` through the PyTree handler, so subsets restore)."""
+    """A read-only manager on ``root`` (``state`` through the PyTree handler, so subsets restore).
+
+    A read waits for no other process: under ``jax.distributed`` (the torch ranks after their first
+    save) the manager's barriers would otherwise make every read a collective of all processes. Its
+    only process is this one, so Orbax skips them.
+    """
+    import jax
+
     ocp = _ocp()
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     # read-only managers never save: save_interval_steps=0 as Orbax would set it, without its warning
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, multiprocessing_options=alone)
     handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(root.absolute(), item_handlers=handlers, options=options) as manager:
         yield manager

@@ -1,19 +1,22 @@
 """Read slices of a step's ``state`` arrays with TensorStore, into numpy (no JAX computation, no torch).
 
 The storage library Orbax writes with, opened through Orbax's own read spec
-(:func:`~chunkzero.checkpoint.orbax_store.array_read_spec`). A load of a model reads by saved shard: each
-saved shard that overlaps the ranges a rank now owns (:func:`~chunkzero.checkpoint.plan.read_plan`) is
-read once — exactly its own shard when nothing changed — its checksum verified
-(:meth:`~chunkzero.checkpoint.meta.CheckpointMeta.verify_shard`), and its pieces placed; a saved shard
-that maps whole onto a writable destination buffer is copied there by TensorStore directly.
+(:func:`~chunkzero.checkpoint.orbax_store.array_read_spec`). A load of a model reads only what the rank
+now owns (:func:`~chunkzero.checkpoint.plan.read_plan`), in whole storage blocks: each saved shard is
+stored in blocks of about 1 MiB, each with its own checksum (:mod:`chunkzero.checkpoint.checksums`), so
+of every saved shard a rank's new ranges overlap it reads only the blocks holding elements it needs —
+exactly its own shard when nothing changed, and at most one partial block too many at each end of a
+range otherwise — verifies each (:meth:`~chunkzero.checkpoint.meta.CheckpointMeta.verify_blocks`) and
+places its pieces; a read that maps whole onto a writable destination buffer is copied there by
+TensorStore directly. (A checkpoint written before storage blocks has one checksum per saved shard:
+its overlapping shards are read whole.)
 
 Why slices rather than a restore with a target sharding over a mesh of the current processes: a
 ``NamedSharding`` can only say "my 1/W of this array", which fits when only the world size changes but
 not when the chunk size changes (a new shard is then pieces of several saved chunks at arbitrary
 offsets, which would need a restore followed by an all-to-all between ranks). Slices express both cases,
-need no ``jax.distributed`` (a load is not a JAX collective), never gather a full chunk, and read no more
-from disk than a sharded restore does: TensorStore decodes whole storage chunks, and Orbax's storage
-chunk is the saving rank's shard.
+need no ``jax.distributed`` (a load is not a JAX collective) and never gather a full chunk. TensorStore
+decodes whole storage chunks, so what a slice costs on disk is the storage blocks it touches.
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ class ChunkReader:
         self._context = None
         self.reads_started = False
         """Whether :meth:`read_into` began reading array data (after every open succeeded)."""
+        self.bytes_read = 0
+        """Bytes of array data :meth:`read_into` asked TensorStore for (whole storage blocks), in total."""
         self._index = orbax_store.array_index(self.item_dir)
         meta.check_saved_arrays(dict.fromkeys(self._index.paths), source=str(self.item_dir / "_METADATA"))
 
@@ -134,10 +139,14 @@ class ChunkReader:
     def read_into(self, needs: list[tuple[ReadPiece, Target]], *, budget_bytes: int = 256 << 20) -> None:
         """Fill each target's elements ``[p.dst_offset, p.dst_offset + p.numel)`` from piece ``p``.
 
-        Reads go by saved shard: every saved shard a piece overlaps is read once (its valid range — the
-        unit TensorStore decodes anyway, so no extra disk traffic), checked against its checksum, and
-        scattered to the pieces; a read that is exactly one whole target becomes that target's buffer
-        (no copy). Reads are issued concurrently, up to ``budget_bytes`` in flight.
+        Reads go by saved shard and checksum unit (:meth:`CheckpointMeta.verification_unit`): of each
+        saved shard a piece overlaps, only the storage blocks that hold elements some piece needs are
+        read — consecutive ones in one read — each verified against its own checksum and scattered to
+        the pieces. A checkpoint with checksums of whole shards only (written before blocks) reads
+        each such shard whole, one without checksums exactly the pieces. A read that is exactly one
+        whole target becomes that target's buffer (no copy), and one that lands whole in a writable
+        destination (``Target(into=...)``) is copied there by TensorStore directly. Reads are issued
+        concurrently, up to ``budget_bytes`` in flight; :attr:`bytes_read` counts what was requested.
 
         Raises:
             CheckpointError: a read failed (truncated or missing data) or a checksum does not match;
@@ -145,54 +154,80 @@ class ChunkReader:
         """
         import tensorstore as ts
 
-        by_shard: dict[tuple[ArrayPath, int], list[tuple[ReadPiece, Target]]] = {}
-        ranges: dict[tuple[ArrayPath, int], tuple[int, int]] = {}
-        for p, out in needs:
-            if p.numel <= 0:
-                continue
-            for q, a, b in self.meta.saved_shards(p.array):
-                if a < p.src_stop and p.src_start < b:
-                    by_shard.setdefault((p.array, q), []).append((p, out))
-                    ranges[(p.array, q)] = (a, b)
-        self.open_all(k[0] for k in by_shard)
+        runs = self._runs(needs)
+        self.open_all(key[0] for key in runs)
         batch: list = []
         in_flight = 0
         self.reads_started = True
 
         def flush():
             nonlocal batch, in_flight
-            for key, a, b, fut, direct in batch:
+            for (path, q, a, b), users, fut, direct in batch:
                 try:
                     data = fut.result()
                 except Exception as e:
-                    raise CheckpointError(f"cannot read elements [{a}, {b}) of {self._where(key[0])}: {e}") from None
-                self.meta.verify_shard(key[0], key[1], data if direct is None else direct, step_dir=self.step_dir)
+                    raise CheckpointError(f"cannot read elements [{a}, {b}) of {self._where(path)}: {e}") from None
+                self.meta.verify_blocks(path, q, a, data if direct is None else direct, step_dir=self.step_dir)
                 if direct is not None:  # already in place
                     continue
-                for p, out in by_shard[key]:
+                for p, out in users:
                     lo, hi = max(a, p.src_start), min(b, p.src_stop)
-                    out.put(p.dst_offset + lo - p.src_start, data[lo - a : hi - a])
+                    if lo < hi:
+                        out.put(p.dst_offset + lo - p.src_start, data[lo - a : hi - a])
                 del data
             batch, in_flight = [], 0
 
-        for key in by_shard:
-            a, b = ranges[key]
-            store = self._stores[key[0]]
+        for (path, q, a, b), users in runs.items():
+            store = self._stores[path]
             nbytes = (b - a) * store.dtype.numpy_dtype.itemsize
             if batch and in_flight + nbytes > budget_bytes:
                 flush()
-            users = by_shard[key]
             p, out = users[0]
             if (len(users) == 1 and out.in_place and p.src_start <= a and b <= p.src_stop
                     and np.dtype(store.dtype.numpy_dtype) == out.dtype):
-                # the whole saved shard lands in one live buffer: TensorStore copies it there directly
+                # the whole read lands in one live buffer: TensorStore copies it there directly
                 d = p.dst_offset + a - p.src_start
                 view = out.array[d : d + b - a]
-                batch.append((key, a, b, ts.array(view).write(store[a:b]), view))
+                batch.append(((path, q, a, b), users, ts.array(view).write(store[a:b]), view))
             else:
-                batch.append((key, a, b, store[a:b].read(), None))
+                batch.append(((path, q, a, b), users, store[a:b].read(), None))
             in_flight += nbytes
+            self.bytes_read += nbytes
         flush()
+
+    def _runs(self, needs: list[tuple[ReadPiece, Target]]) -> dict[tuple[ArrayPath, int, int, int], list[tuple[ReadPiece, Target]]]:
+        """The reads that serve ``needs``: ``(array, saving rank, start, stop) -> the pieces it feeds``.
+
+        Per saved shard ``[a, e)`` that pieces overlap, the checksum units holding a needed element
+        are rounded out to whole units and consecutive ones merged into one read.
+        """
+        wanted: dict[tuple[ArrayPath, int], list[tuple[int, int]]] = {}
+        users: dict[tuple[ArrayPath, int], list[tuple[ReadPiece, Target]]] = {}
+        for p, out in needs:
+            if p.numel <= 0:
+                continue
+            for q, a, e in self.meta.saved_shards(p.array):
+                lo, hi = max(a, p.src_start), min(e, p.src_stop)
+                if lo < hi:
+                    wanted.setdefault((p.array, q), []).append((lo, hi))
+                    users.setdefault((p.array, q), []).append((p, out))
+        runs: dict[tuple[ArrayPath, int, int, int], list[tuple[ReadPiece, Target]]] = {}
+        for (path, q), ranges in wanted.items():
+            _, a, e = self.meta.saved_shards(path)[q]
+            unit = self.meta.verification_unit(path)
+            if unit == 0:  # whole-shard checksums: the shard is read whole
+                ranges = [(a, e)]
+            elif unit is not None:  # whole checksum units
+                ranges = [(a + (lo - a) // unit * unit, min(e, a + -(-(hi - a) // unit) * unit)) for lo, hi in ranges]
+            merged: list[list[int]] = []
+            for lo, hi in sorted(ranges):
+                if merged and lo <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                else:
+                    merged.append([lo, hi])
+            for lo, hi in merged:
+                runs[(path, q, lo, hi)] = [(p, out) for p, out in users[(path, q)] if p.src_start < hi and lo < p.src_stop]
+        return runs
 
     def read(self, path: ArrayPath, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Elements ``[start, stop)`` of saved array ``path`` as numpy (checksums verified)."""

@@ -273,3 +273,16 @@ def test_run_collectives_gather_json_and_mean_on_three_ranks():
         assert r["mean"] == pytest.approx(sum((k + 1) / 3 for k in range(world)) / world, rel=1e-12)
     assert all_gather_json({"a": 1}, None) == [{"a": 1}]
     assert all_mean(2.5, None) == 2.5
+
+
+def test_checkpoint_saves_wait_at_most_timeout(monkeypatch, tmp_path):
+    """``--timeout`` bounds every wait of a training run's checkpoint save for the other ranks."""
+    import torch_backend
+    from chunkzero.train_config import TrainConfig
+    from torch_backend.train import save_step
+
+    calls = []
+    monkeypatch.setattr(torch_backend, "save_checkpoint", lambda *a, **kw: calls.append(kw))
+    sampler = SimpleNamespace(state_dict=lambda: {"position": 3})
+    save_step(5, SimpleNamespace(model=None, optim=None), sampler, TrainConfig(out=str(tmp_path), timeout_s=7.5))
+    assert [(c["step"], c["timeout_s"], c["data_position"]) for c in calls] == [(5, 7.5, {"sampler": {"position": 3}})]

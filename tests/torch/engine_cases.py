@@ -223,6 +223,15 @@ def worker_prefetch_order(rank: int, world: int):
         reference_run(ref, gpt2_loss, data, torch.optim.AdamW, ADAMW)
         assert_state_close(model.state_dict(), ref.state_dict(), **FP32)
         results[prefetch] = after
+        # right after a backward (reductions maybe still in flight) grad_shard is the complete gradient
+        optim.backward(gpt2_loss(model, micro(data[0], rank, world)))
+        shards = [model.grad_shard(c.index) for c in model.chunks]
+        assert all(g is not None for g in shards), (prefetch, [g is None for g in shards])
+        shards = [g.clone() for g in shards]
+        model.finish_gradients()
+        for c, g in zip(model.chunks, shards):
+            assert torch.equal(g, c.master.grad), (prefetch, c.index)
+        optim.zero_grad()
 
     # another order: the blocks run in reverse in step 2; the order is re-recorded and stays exact
     module = Reorderable(gpt2(n_layer=4))

@@ -81,6 +81,20 @@ def assert_optimizer_state_close(got: dict, want: dict, **tol):
                                        msg=lambda m, gi=gi, k=k: f"{gi}.{k}: {m}", **tol)
 
 
+class HalfUnused(nn.Module):
+    """One chunk of two 16-element weights; only ``a`` is used, so at W = 2 (3) the last rank's shard
+    holds only ``b``, which never gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.a(x)
+
+
 class Branchy(nn.Module):
     """``b`` takes part only when asked: a parameter with a gradient in one step and none in the next."""
 
@@ -216,6 +230,23 @@ def worker_schedulers_and_skipping(rank: int, world: int):
             assert_state_close(model.state_dict(), ref.state_dict(), **FP32)
     assert results[False] == (True, False, 0), results[False]
     assert results[True] == (False, True, 2), "the skipping check cannot fail"
+
+    # --- a rank whose shard holds only a never-used tensor has no optimizer state of its own, yet the
+    # state dict (collective) completes on every rank and equals torch's (W=2: rank 1; W=3: rank 2)
+    ref = HalfUnused()
+    model = ZeroDDP(copy.deepcopy(ref), chunk_size=32, find_unused_parameters=True)
+    optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(6))
+    for _ in range(2):
+        optim.backward(model(micro(x, rank, world)).square().mean())
+        assert optim.step()
+        optim.zero_grad()
+    reference_steps(ref, lambda m, b: m(b).square().mean(), [x, x], ropt)
+    got, want = optim.state_dict(), ropt.state_dict()
+    assert list(got["state"]) == ["a.weight"] and list(want["state"]) == [0], (list(got["state"]), list(want["state"]))
+    for k, v in want["state"][0].items():
+        torch.testing.assert_close(got["state"]["a.weight"][k].float(), v.float(), **FP32)
 
     # --- zero_grad(set_to_none=False): b had a gradient in step 1, none in step 2 -> torch still steps it
     xs = [torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(s)) for s in (3, 4, 5)]

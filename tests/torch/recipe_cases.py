@@ -230,6 +230,93 @@ def worker_no_silent_noops(rank: int, world: int):
     return True
 
 
+class _RaiseOnce(torch.autograd.Function):
+    """Identity whose backward raises while ``armed`` (an error inside the autograd engine)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _RaiseOnce.armed:
+            _RaiseOnce.armed = False
+            raise RuntimeError("raised inside backward")
+        return grad
+
+
+class RaisesInBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 1)
+
+    raise_in_forward = False
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for i, block in enumerate(self.blocks):
+            if i == 2 and self.raise_in_forward:
+                raise RuntimeError("raised inside forward")
+            x = torch.tanh(block(_RaiseOnce.apply(x) if i == 2 else x))
+        return self.head(x).squeeze(-1)
+
+
+def worker_error_in_backward(rank: int, world: int):
+    """A backward that raises inside the autograd engine (on every rank) leaves the engine usable:
+    whether the next call is ``zero_grad`` or a forward, training then equals the reference and no
+    chunk stays gathered. So does a forward that raises (after a complete step, so that the backward's
+    first chunks would be gathered ahead), whether chunks are resharded after forward or not."""
+    from torch_backend import ZeroDDP, ZeroOptimizer
+
+    data = _data("mse", 3, 2 * world)
+    for reshard in (True, False):
+        module = RaisesInBackward()
+        model = ZeroDDP(module, chunk_size=300, prefetch=1, reshard_after_forward=reshard)
+        optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
+        optim.backward(mse_loss(model, micro(data[0], rank, world)))
+        optim.step()
+        optim.zero_grad()
+        module.raise_in_forward = True
+        try:
+            mse_loss(model, micro(data[1], rank, world))
+        except RuntimeError as e:
+            assert "raised inside forward" in str(e), str(e)
+        else:
+            raise AssertionError("the forward did not raise")
+        module.raise_in_forward = False
+        assert model.gathered_chunks() == [], (reshard, model.gathered_chunks())
+        optim.backward(mse_loss(model, micro(data[1], rank, world)))
+        assert optim.step()
+
+    for recover_with in ("zero_grad", "forward"):
+        module = RaisesInBackward()
+        ref = copy.deepcopy(module)
+        model = ZeroDDP(module, chunk_size=300, prefetch=1)
+        assert len(model.chunks) >= 3
+        optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
+        _RaiseOnce.armed = True
+        try:
+            optim.backward(mse_loss(model, micro(data[0], rank, world)))
+        except RuntimeError as e:
+            assert "raised inside backward" in str(e), str(e)
+        else:
+            raise AssertionError("the backward did not raise")
+        if recover_with == "zero_grad":
+            optim.zero_grad()
+        else:
+            with torch.no_grad():
+                model(micro(data[0], rank, world)[0])
+            optim.zero_grad()
+        assert model.gathered_chunks() == [], (recover_with, model.gathered_chunks())
+        _train_both(model, optim, ref, torch.optim.AdamW(ref.parameters(), **ADAMW), mse_loss, data, rank, world)
+    return True
+
+
 class Blocks(nn.Module):
     def __init__(self):
         super().__init__()

@@ -5,6 +5,7 @@ is needed and the arrays can be big enough for a kill to land mid-write."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,10 @@ from torch_backend.checkpoint import (
     write_shards,
 )
 
+DEAD_RANK_TIMEOUT_S = 20
+"""timeout_s of the save whose other rank is killed: long enough for a healthy write of these arrays
+on a loaded machine, short enough for the test."""
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WRITER = textwrap.dedent(
@@ -33,20 +38,47 @@ WRITER = textwrap.dedent(
     from chunkzero.checkpoint import CheckpointMeta
     from chunkzero.layout import ChunkLayout, TensorSpec
     from torch_backend.checkpoint import checkpoint_steps, wait_until_finished, write_shards
+    from chunkzero.checkpoint.orbax_store import read_array_metadata
+    from torch_backend.parallel_write import process_mesh
 
     rank, world, coordinator, root, step, numel, kill = sys.argv[1:8]
     rank, world, step, numel, kill = int(rank), int(world), int(step), int(numel), kill == "1"
+    timeout_s = float(os.environ.get("TIMEOUT_S", "300"))
     layout = ChunkLayout.build([TensorSpec(f"w{i}", (numel,)) for i in range(4)], numel, world)
     shards = {c.index: np.full(layout.shard_numel(c.index), 10 * step + rank, np.float32) for c in layout.chunks}
     t0 = time.perf_counter()
-    write_shards(root, CheckpointMeta(step=step, layout=layout), rank, shards, coordinator=coordinator, async_save=True)
+
+    def failed(e):
+        print(f"{type(e).__name__} after {time.perf_counter() - t0:.0f} s: {e}", flush=True)
+
+    if os.environ.get("IDLE_S"):  # this rank joins JAX's group, then never comes to the save
+        process_mesh(rank, world, coordinator=coordinator, timeout_s=timeout_s)
+        print("joined", flush=True)
+        time.sleep(float(os.environ["IDLE_S"]))
+        sys.exit(0)
+    try:
+        write_shards(root, CheckpointMeta(step=step, layout=layout), rank, shards, coordinator=coordinator,
+                     async_save=True, timeout_s=timeout_s)
+    except Exception as e:
+        failed(e)
+        sys.exit(0)
     returned = time.perf_counter() - t0
     print(f"handed over in {returned:.3f} s; committed already: {step in checkpoint_steps(root)}", flush=True)
     if kill:
         os.kill(os.getpid(), signal.SIGKILL)  # mid-write: the shards are still being written
     if os.environ.get("WAIT") == "1":
-        wait_until_finished()
-        print("committed", flush=True)
+        try:
+            wait_until_finished()
+            print("committed", flush=True)
+        except Exception as e:
+            failed(e)
+    if os.environ.get("THEN_READ") == "1":  # rank 0 reads the step's array metadata alone; the others stay away
+        if rank == 0:
+            t1 = time.perf_counter()
+            read_array_metadata(root)
+            print(f"read alone in {time.perf_counter() - t1:.1f} s", flush=True)
+        else:
+            time.sleep(60)
     # else: exit at once; the pending save completes in the atexit handler
     """
 )
@@ -58,9 +90,13 @@ def _env():
     return env
 
 
-def _start(rank, world, port, root, step, numel, kill=False, wait=True):
+def _start(rank, world, port, root, step, numel, kill=False, wait=True, timeout_s=300, idle_s=None, then_read=False):
     env = _env()
     env["WAIT"] = "1" if wait else "0"
+    env["THEN_READ"] = "1" if then_read else "0"
+    env["TIMEOUT_S"] = str(timeout_s)
+    if idle_s is not None:
+        env["IDLE_S"] = str(idle_s)
     return subprocess.Popen(
         [sys.executable, "-c", WRITER, str(rank), str(world), f"127.0.0.1:{port}", str(root), str(step), str(numel), "1" if kill else "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -92,15 +128,16 @@ def test_kill9_of_one_rank_mid_save_keeps_previous_step(tmp_path):
     assert checkpoint_steps(root) == [1]
 
     port = _free_port()
-    ranks = [_start(0, 2, port, root, 2, numel), _start(1, 2, port, root, 2, numel, kill=True)]
+    ranks = [_start(0, 2, port, root, 2, numel, timeout_s=DEAD_RANK_TIMEOUT_S),
+             _start(1, 2, port, root, 2, numel, kill=True, timeout_s=DEAD_RANK_TIMEOUT_S)]
     ranks[1].wait(timeout=240)
     assert ranks[1].returncode == -signal.SIGKILL
-    try:  # rank 0 can never commit without rank 1; the launcher would now stop it
-        out0 = ranks[0].communicate(timeout=5)[0]
-    except subprocess.TimeoutExpired:
-        ranks[0].kill()
-        out0 = ranks[0].communicate()[0]
-    assert "committed" not in out0.splitlines()[-1:], out0
+    # rank 0 can never commit without rank 1: its wait ends with an error after timeout_s, and the
+    # process ends (JAX's shutdown barrier at exit is bounded by timeout_s too)
+    out0 = ranks[0].communicate(timeout=240)[0]
+    assert "committed" not in out0.splitlines(), out0
+    assert re.search(rf"CheckpointError after \d+ s: a pending save under '{re.escape(str(root.resolve()))}' failed: another "
+                     rf"process did not arrive within timeout_s={DEAD_RANK_TIMEOUT_S} s", out0), out0
 
     assert checkpoint_steps(root) == [1] and latest_step(root) == 1
     assert not (root / "2").exists()
@@ -113,6 +150,45 @@ def test_kill9_of_one_rank_mid_save_keeps_previous_step(tmp_path):
     meta = _tiny_meta(2)
     write_shards(root, meta, 0, _shards(meta, 2.0))
     assert checkpoint_steps(root) == [1, 2]
+
+
+def test_a_rank_that_never_comes_to_the_save_ends_it_with_an_error(tmp_path):
+    """Rank 1 joins JAX's group but never saves: rank 0 waits in Orbax's first barrier (the manager's,
+    on the main thread, which Orbax bounds by a module constant of 300 s) only ``timeout_s``, then
+    raises; nothing of the step is committed."""
+    root = tmp_path / "ckpt"
+    port = _free_port()
+    idle_s = 240  # outlives the bound below: a save that waited for this rank would fail the test
+    ranks = [_start(0, 2, port, root, 1, 1000, timeout_s=DEAD_RANK_TIMEOUT_S),
+             _start(1, 2, port, root, 1, 1000, timeout_s=DEAD_RANK_TIMEOUT_S, idle_s=idle_s)]
+    try:
+        out0 = ranks[0].communicate(timeout=idle_s - 30)[0]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    found = re.search(rf"CheckpointError after (\d+) s: step 1 was not saved under '{re.escape(str(root.resolve()))}': "
+                      rf"another process did not arrive within timeout_s={DEAD_RANK_TIMEOUT_S} s", out0)
+    assert found, out0
+    assert int(found[1]) < DEAD_RANK_TIMEOUT_S + 60, out0  # its bound, plus the start of JAX on a loaded machine
+    assert checkpoint_steps(root) == []
+
+
+def test_a_read_under_jax_distributed_waits_for_no_other_process(tmp_path):
+    """After a save the ranks are JAX processes; Orbax's read-only manager would make each read a
+    collective of all of them. Rank 0 reads alone while rank 1 stays away."""
+    root = tmp_path / "ckpt"
+    port = _free_port()
+    ranks = [_start(r, 2, port, root, 1, 1000, timeout_s=DEAD_RANK_TIMEOUT_S, then_read=True) for r in range(2)]
+    try:
+        out0 = ranks[0].communicate(timeout=200)[0]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.communicate()
+    found = re.search(r"read alone in ([0-9.]+) s", out0)
+    assert "committed" in out0.splitlines() and found, out0
+    assert float(found[1]) < DEAD_RANK_TIMEOUT_S, out0
 
 
 def test_async_save_returns_before_commit_and_exit_waits(tmp_path):

@@ -97,6 +97,18 @@ def test_add_param_group_moves_default_parameters_and_equals_torch():
     zero_cases.assert_state_close(model.state_dict(), ref.state_dict(), rtol=1e-6, atol=1e-7)
 
 
+def test_add_param_group_of_no_parameters_without_a_default_group():
+    """As torch, an empty group may be added, also when every parameter already has a group."""
+    module = zero_cases.Odd()
+    model = ZeroDDP(module, chunk_size=100)
+    optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=[{"params": [p for p in module.parameters() if p.requires_grad]}], **ADAMW)
+    optim.add_param_group({"params": [], "lr": 0.5})
+    assert [len(g["params"]) for g in optim.param_groups][1:] == [0] and optim.group_names[1] == []
+    optim.backward(zero_cases.odd_loss(model, zero_cases.batches("odd", 1, 2)[0]))
+    assert optim.step()
+    optim.load_state_dict(optim.state_dict())
+
+
 def test_step_and_state_dict_hooks_run():
     model = ZeroDDP(zero_cases.Odd(), chunk_size=100)
     optim = ZeroOptimizer(model, torch.optim.Adam, **ADAMW)

@@ -134,6 +134,7 @@ def test_default_budget_and_bad_arguments():
                          (dict(placement="auto", offload_optim_frac=0.5), "offload_optim_frac"),
                          (dict(placement="auto", offload_param_frac=0.5), "offload_param_frac"),
                          (dict(device_memory_bytes=10**9), "device_memory_bytes"),
+                         (dict(steady_device_cap_ratio=0.5), "steady_device_cap_ratio"),
                          (dict(placement="auto", device_memory_bytes=0), "device_memory_bytes"),
                          (dict(placement="auto", device_memory_bytes=2.5e9), "device_memory_bytes"),
                          (dict(placement="auto", steady_device_cap_ratio=0.0), "steady_device_cap_ratio"),

@@ -28,6 +28,11 @@ def test_plain_optimizer_or_clip_over_parameters_raises(world):
     run_distributed(recipe_cases.worker_no_silent_noops, world, timeout=600)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_error_raised_in_forward_or_backward_leaves_the_engine_usable(world):
+    run_distributed(recipe_cases.worker_error_in_backward, world, timeout=600)
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_torch_compile(world):
     run_distributed(recipe_cases.worker_compile, world, timeout=900)

@@ -28,3 +28,7 @@ def test_mixed_precision(world):
     """bf16 updates within 5% of a bf16-compute reference; fp16 overflow skipped with hysteresis backoff."""
     results = run_distributed(zero_cases.worker_mixed_precision, world, timeout=400)
     assert results[0]["fp16_scales_h1"] == [2.0**10, 2.0**9, 2.0**8]
+
+
+def test_agreement_group_of_a_subgroup_needs_only_its_ranks():
+    assert run_distributed(zero_cases.worker_agreement_subgroup, 3, timeout=60) == [(2, 3), (2, 3), (0, 3)]

@@ -95,6 +95,10 @@ def test_bad_inputs():
     frozen = next(c.index for c in model.chunks if not c.requires_grad)
     with pytest.raises(ConfigError, match="frozen"):
         optim.shard_state(frozen)
+    # a loss of several elements is refused as loss.backward() refuses it (not silently summed)
+    idx, _ = zero_cases.batches("odd", 1, 2)[0]
+    with pytest.raises(ShapeMismatchError, match="scalar loss"):
+        optim.backward(model(idx))
 
 
 def test_loss_scaler_hysteresis_and_growth():

@@ -217,7 +217,7 @@ def worker_features(rank: int, world: int):
 
     build, loss_fn, kg, cs = CASES["gpt2"]
 
-    # --- no_sync: 4 micro-batches accumulated, then one synced step == one big batch
+    # --- no_sync: 3 micro-batches accumulated under no_sync, a fourth synced, then one step == one big batch
     module = build()
     ref = copy.deepcopy(module)
     model = ZeroDDP(module, chunk_size=cs, keep_gathered=kg)
@@ -423,3 +423,28 @@ def worker_mixed_precision(rank: int, world: int):
         assert optim.skipped_steps == 2 and optim.step_count == 2
         results[f"fp16_scales_h{hysteresis}"] = scales
     return results
+
+
+def worker_agreement_subgroup(rank: int, world: int):
+    """The agreement group of a non-gloo data-parallel subgroup is created by that subgroup's ranks
+    alone: the last rank (outside it) never calls in, the votes sum over ranks 0..W-2, and a group
+    every rank creates afterwards still matches up (torch names groups by a per-process count)."""
+    from torch_backend import collectives
+
+    sub = dist.new_group(list(range(world - 1)))  # every rank creates it, as torch requires
+    out = 0
+    if rank < world - 1:
+        real = dist.get_backend
+        collectives.dist.get_backend = lambda g=None: "nccl" if g is sub else real(g)  # as if sub were NCCL
+        try:
+            group = collectives.agreement_group(sub)
+        finally:
+            collectives.dist.get_backend = real
+        assert group is not sub
+        votes = torch.ones(3, dtype=torch.int32)
+        collectives.agree(votes, group)
+        out = int(votes[0])
+    everyone = dist.new_group(list(range(world)))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=everyone)
+    return out, int(t)
