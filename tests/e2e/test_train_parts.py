@@ -284,5 +284,8 @@ def test_checkpoint_saves_wait_at_most_timeout(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(torch_backend, "save_checkpoint", lambda *a, **kw: calls.append(kw))
     sampler = SimpleNamespace(state_dict=lambda: {"position": 3})
-    save_step(5, SimpleNamespace(model=None, optim=None), sampler, TrainConfig(out=str(tmp_path), timeout_s=7.5))
+    counters = {"tokens": 2048, "train_time_s": 1.5}
+    cfg = TrainConfig(out=str(tmp_path), timeout_s=7.5)
+    save_step(5, SimpleNamespace(model=None, optim=None), sampler, cfg, counters)
     assert [(c["step"], c["timeout_s"], c["data_position"]) for c in calls] == [(5, 7.5, {"sampler": {"position": 3}})]
+    assert calls[0]["extra"]["counters"] == counters
