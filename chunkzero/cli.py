@@ -92,7 +92,7 @@ def add_config_options(parser: argparse.ArgumentParser) -> None:
 
 TRAIN_EPILOG = """\
 examples:
-  chunkzero train                                   # the default run: stdlib source, gpt-tiny, 2 CPU workers
+  chunkzero train                                   # the default run: stdlib source, gpt-mini, 2 CPU workers
   chunkzero train --data notes/ --steps 2000 --out runs/notes
   chunkzero train --model gpt-small --mixed-precision bf16 --nproc 8   # one worker per GPU
   chunkzero train --data train.bin --model ./my-hf-model               # nanoGPT tokens, a local HF model
@@ -100,11 +100,15 @@ examples:
   torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST --master-port 29500 \\
       -m chunkzero.cli train --model gpt2                              # (and --node-rank 1 on the other)
 
-workers: one per GPU with NCCL, else 2 CPU processes with gloo (--nproc: at most one per GPU, or one per
-available CPU core but at least 2). Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) the command runs as
-that worker and --nproc is ignored.
+defaults by device: --model, --mixed-precision and --lr default to one set of values on CPU and another on a
+GPU (see each option above; both sets are chunkzero.train_config.CPU_DEFAULTS and GPU_DEFAULTS).
+workers: one per GPU with NCCL, else 2 CPU processes with gloo (--nproc: at most one per GPU; on CPU more
+workers than cores run oversubscribed with a warning, each with max(1, cores // workers) threads, up to 8
+per core). Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) the command runs as that worker and --nproc is
+ignored.
 outputs in --out: metrics.jsonl, loss.png, sample.txt, summary.txt/.json, config.json, train.log.
-exit codes: 0 done, 1 a worker failed (the message names the rank), 2 bad input, 130 interrupted.
+exit codes: 0 done, 1 a worker failed (the message names the rank) or the run cannot make progress
+(--max-skipped-steps), 2 bad input, 130 interrupted.
 """
 
 
@@ -112,8 +116,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser(
         "train", help="train a model with chunk ZeRO-3 data parallelism (the main job)",
         description="Train a causal language model with chunk-based ZeRO-3 data parallelism on real text:\n"
-                    "by default the byte-level gpt-tiny on the Python standard library's source, with 2 CPU\n"
-                    "workers (or one per GPU). Every option is a field of chunkzero.train_config.TrainConfig.",
+                    "by default a byte-level GPT on the Python standard library's source, with 2 CPU workers\n"
+                    "(or one per GPU). Every option is a field of chunkzero.train_config.TrainConfig.",
         epilog=TRAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_options(p)
@@ -129,8 +133,9 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
 
     prog = "chunkzero train"
     from torch_backend import launch as launcher  # lazily: imports torch
+    from torch_backend.process_exit import exit_without_finalization_at_exit
     from torch_backend.resolve import validate
-    from torch_backend.worker import worker_main
+    from torch_backend.worker import launched_worker, worker_main
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()})
     hooks = tuple(on_step_end)
@@ -139,11 +144,11 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
         import os
 
         result = worker_main(cfg, hooks)
-        if result["status"] == "error":
-            if os.environ.get("RANK") == "0":
-                fail(prog, result["message"])
-            return EXIT_BAD_INPUT
-        return EXIT_OK
+        code = {"error": EXIT_BAD_INPUT, "failed": EXIT_FAILED}.get(result["status"], EXIT_OK)
+        if code != EXIT_OK and os.environ.get("RANK") == "0":
+            fail(prog, result["message"])
+        exit_without_finalization_at_exit(code)  # gloo's threads may still run: no finalization under them
+        return code
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     log = logging.getLogger("chunkzero.cli")
@@ -155,7 +160,7 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     del corpus
     log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, cfg.out)
     try:
-        results = launcher.launch(worker_main, (cfg, hooks), cfg.nproc)
+        results = launcher.launch(launched_worker, (cfg, hooks), cfg.nproc)
     except launcher.WorkerFailure as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_FAILED
@@ -170,6 +175,10 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     errors = [r["message"] for r in results.values() if r.get("status") == "error"]
     if errors:
         return fail(prog, errors[0])
+    failures = [r["message"] for r in results.values() if r.get("status") == "failed"]
+    if failures:
+        fail(prog, failures[0])
+        return EXIT_FAILED
     log.info("chunkzero train: done in %.1f s (including start-up); outputs in %s",
              time.perf_counter() - t0, cfg.out)
     return EXIT_OK

@@ -204,6 +204,7 @@ class GPTConfig:
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(block_size=128, n_layer=2, n_head=2, n_embd=64),
+    "gpt-mini": GPTConfig(block_size=256, n_layer=2, n_head=4, n_embd=256),
     "gpt-small": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
     "gpt2": GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),

@@ -70,6 +70,15 @@ class UnusedParameterError(ChunkZeroError, RuntimeError):
     """A parameter received no gradient in a step (and ``find_unused_parameters`` is off)."""
 
 
+class LossScaleError(ChunkZeroError, RuntimeError):
+    """Training cannot make progress: ``skipped`` optimizer steps in a row were skipped for non-finite
+    gradients at the minimum loss scale ``scale``, the last at step ``step`` (1-based ``step()`` calls)."""
+
+    def __init__(self, message: str, *, step: int, scale: float, skipped: int):
+        self.step, self.scale, self.skipped = step, scale, skipped
+        super().__init__(message)
+
+
 class CheckpointError(ChunkZeroError):
     """A checkpoint cannot be saved, found, read or matched to the model; the message names the file or tensor."""
 

@@ -13,6 +13,10 @@ offered, a number below its bound, two settings that exclude each other); the ch
 machine (devices, model, data) are the backend's. :func:`lr_at` is the learning-rate schedule, and
 :func:`warn_schedule_change` what ``--resume`` says when it changes mid-run.
 
+Defaults by device, in one place: ``--model``, ``--mixed-precision`` and ``--lr`` are ``None`` until the
+run's device is known; :data:`CPU_DEFAULTS` and :data:`GPU_DEFAULTS` give their values and
+:func:`with_device_defaults` fills them in (``torch_backend.resolve.validate`` calls it).
+
 Imports the standard library only.
 """
 
@@ -30,6 +34,16 @@ from .errors import ConfigError
 PRECISIONS = ("fp32", "bf16", "fp16")
 ENGINES = ("zero", "ddp")
 DEVICES = ("auto", "cpu", "cuda")
+
+CPU_DEFAULTS = {"model": "gpt-mini", "mixed_precision": "fp32", "lr": 3e-3}
+"""What ``--model``, ``--mixed-precision`` and ``--lr`` default to on a machine without a GPU: a byte-level
+GPT of 1.7 M parameters (2 layers, width 256) that spans 8 chunks at the searched chunk size on 2 workers
+(9 on 3), in fp32. Shallow and wide trains furthest in the default run's few minutes on 2 cores."""
+GPU_DEFAULTS = {"model": "gpt2", "mixed_precision": "bf16", "lr": 6e-4}
+"""... and with ``--device cuda`` (or ``auto`` on a machine with a GPU): the byte-level GPT-2 124M shape
+(12 layers, width 768; 86 M parameters with the 256-token vocabulary) in bf16, at GPT-2's learning rate."""
+DEVICE_DEFAULT_FIELDS = tuple(CPU_DEFAULTS)
+"""The :class:`TrainConfig` fields whose default depends on the device (``None`` until resolved)."""
 
 GROUPS = ("data", "model", "optimization", "workers", "reporting", "checkpoints")
 """The option groups of ``chunkzero train --help``, in order."""
@@ -100,13 +114,16 @@ class TrainConfig:
     val_fraction: float = option(
         0.05, "fraction of files (by a hash of their path) held out for validation", "data", metavar="F")
     # model
-    model: str = option(
-        "gpt-tiny", "byte-level GPT size (gpt-tiny, gpt-small, gpt2, gpt2-medium) or a local Hugging Face "
-                    "causal-LM directory (config.json + safetensors; its tokenizer is used if present)",
-        "model", metavar="NAME|DIR")
-    mixed_precision: str = option(
-        "fp32", "parameter/compute precision; bf16 and fp16 keep fp32 master chunks, fp16 adds dynamic loss "
-                "scaling", "model", choices=PRECISIONS)
+    model: str | None = option(
+        None, "byte-level GPT size (gpt-tiny, gpt-mini, gpt-small, gpt2, gpt2-medium) or a local Hugging Face "
+              "causal-LM directory (config.json + safetensors; its tokenizer is used if present)",
+        "model", metavar="NAME|DIR", default_help=f"{CPU_DEFAULTS['model']} on CPU, {GPU_DEFAULTS['model']} (the "
+                                                  "GPT-2 124M shape) on a GPU")
+    mixed_precision: str | None = option(
+        None, "parameter/compute precision; bf16 and fp16 keep fp32 master chunks, fp16 adds dynamic loss "
+              "scaling", "model", choices=PRECISIONS,
+        default_help=f"{CPU_DEFAULTS['mixed_precision']} on CPU, {GPU_DEFAULTS['mixed_precision']} on a GPU "
+                     "(fp16 on one older than compute capability 8.0)")
     chunk_size: int | None = option(
         None, "chunk size in elements", "model", metavar="NUMEL", minimum=1,
         default_help="searched to minimise padding")
@@ -114,17 +131,22 @@ class TrainConfig:
         "zero", "zero: chunk ZeRO-3 (ZeroDDP + ZeroOptimizer); ddp: plain PyTorch DDP + AdamW in fp32, a "
                 "baseline for comparison", "model", choices=ENGINES)
     # optimization
-    steps: int = option(600, "optimizer steps", "optimization", metavar="N", minimum=1)
+    steps: int = option(500, "optimizer steps", "optimization", metavar="N", minimum=1)
     batch_size: int = option(16, "sequences per worker per micro-batch", "optimization", metavar="N", minimum=1)
     seq_len: int = option(128, "tokens per sequence, at most the model's block size", "optimization",
                           metavar="N", minimum=1)
     grad_accum: int = option(1, "micro-batches per optimizer step", "optimization", metavar="N", minimum=1)
-    lr: float = option(3e-3, "peak learning rate of AdamW", "optimization", metavar="F", above=0)
-    warmup: int = option(50, "linear warm-up steps, then cosine decay to lr × --min-lr-ratio", "optimization",
+    lr: float | None = option(None, "peak learning rate of AdamW", "optimization", metavar="F", above=0,
+                              default_help=f"{CPU_DEFAULTS['lr']:g} on CPU, {GPU_DEFAULTS['lr']:g} on a GPU")
+    warmup: int = option(30, "linear warm-up steps, then cosine decay to lr × --min-lr-ratio", "optimization",
                          metavar="N", minimum=0)
     min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr", "optimization", metavar="F")
     weight_decay: float = option(0.1, "AdamW weight decay", "optimization", metavar="F")
     max_norm: float = option(1.0, "gradient clipping by global norm; 0 disables", "optimization", metavar="F")
+    max_skipped_steps: int = option(
+        10, "stop the run with an error after this many steps in a row skipped for non-finite gradients at the "
+            "minimum loss scale (fp16 that cannot make progress; bf16 and fp32 always run at scale 1, their "
+            "minimum); 0 never stops", "optimization", metavar="N", minimum=0)
     seed: int = option(1337, "seed of the initialisation and the data stream; the same seed and world size give "
                              "the same loss sequence", "optimization", metavar="N")
     # workers
@@ -178,7 +200,7 @@ class TrainConfig:
             why = opt.problem(value)
             if why is not None:
                 raise ConfigError(f"{flag_of(f)} {why}")
-        if self.engine == "ddp" and self.mixed_precision != "fp32":
+        if self.engine == "ddp" and self.mixed_precision not in (None, "fp32"):
             raise ConfigError("--engine ddp (the plain-PyTorch baseline) trains in fp32 only")
         if self.engine == "ddp" and (self.save_interval or self.resume):
             raise ConfigError("--save-interval and --resume need --engine zero (chunk checkpoints of ZeroDDP)")
@@ -221,6 +243,26 @@ def default_text(f: dataclasses.Field) -> str | None:
     if isinstance(f.default, str) and f.default != f.default.strip():
         return repr(f.default)  # the space of "def " must show
     return str(f.default)
+
+
+# ================================================================================ defaults by device
+
+def device_defaults(device: str, *, bf16_supported: bool = True) -> dict[str, Any]:
+    """The values of :data:`DEVICE_DEFAULT_FIELDS` on ``device`` (``"cpu"`` or ``"cuda"``): :data:`CPU_DEFAULTS`,
+    or :data:`GPU_DEFAULTS` with fp16 instead of bf16 where the GPU has no bf16 (``bf16_supported=False``)."""
+    if device != "cuda":
+        return dict(CPU_DEFAULTS)
+    return {**GPU_DEFAULTS, **({} if bf16_supported else {"mixed_precision": "fp16"})}
+
+
+def with_device_defaults(cfg: TrainConfig, device: str, *, bf16_supported: bool = True) -> TrainConfig:
+    """``cfg`` with every device-dependent field the user left unset (``None``) filled in for ``device``
+    (:func:`device_defaults`); ``--engine ddp`` (fp32 only) defaults to fp32 everywhere. A copy; the
+    fields already set are kept."""
+    defaults = device_defaults(device, bf16_supported=bf16_supported)
+    if cfg.engine == "ddp":
+        defaults["mixed_precision"] = "fp32"
+    return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
 # ================================================================================ learning-rate schedule

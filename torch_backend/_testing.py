@@ -8,25 +8,24 @@ dicts, lists and tuples of tensors, numpy arrays, numbers, strings and ``None``.
 ``timeout`` seconds is killed and raises :class:`TimeoutError`, so a hung collective never hangs
 the test suite.
 
-A rank that succeeded ends without interpreter finalization (:func:`_exit_rank`): gloo's worker
-threads outlive ``destroy_process_group()`` and abort a process that finalizes under them.
+A rank that succeeded ends without interpreter finalization
+(:func:`torch_backend.process_exit.exit_without_finalization`): gloo's worker threads outlive
+``destroy_process_group()`` and abort a process that finalizes under them.
 """
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
 import torch.multiprocessing as mp
+
+from .process_exit import exit_without_finalization
 
 __all__ = ["run_distributed"]
 
@@ -55,33 +54,7 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
     finally:
         dist.destroy_process_group()
     torch.save(_encode(result), os.path.join(out_dir, f"{rank}.pt"))
-    _exit_rank()
-
-
-def _exit_rank() -> None:
-    """End this rank with status 0: the exit hooks of a normal exit, then ``os._exit`` (no finalization).
-
-    ``destroy_process_group()`` does not stop gloo's worker threads; only the process group's C++
-    destructor joins them, once the last Python reference to the group is gone (a model keeps one
-    until the garbage collector of interpreter finalization frees it). A worker that completes the
-    last collective (the barrier above) wakes this thread and only then drops its work object. A
-    barrier's work holds the collectives queued before it, so dropping it can free Python tensors
-    they gathered into. On a loaded machine the worker can wait for a CPU until this thread is
-    in ``Py_FinalizeEx``; freeing a Python object then takes the GIL, Python ends the thread
-    (``pthread_exit``), and the unwinding through ``~AsyncWork`` (noexcept) calls
-    ``std::terminate``: SIGABRT, "terminate called without an active exception".
-
-    So the rank runs what ``Py_FinalizeEx`` runs while the interpreter is still whole (``threading``'s
-    exit hooks and non-daemon threads, e.g. pending checkpoint saves; then ``atexit``, e.g.
-    ``jax.distributed`` and logging shutdown), flushes its output and leaves with ``os._exit``, as a
-    forked ``multiprocessing`` child does.
-    """
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            stream.flush()
-    os._exit(0)
+    exit_without_finalization(0)
 
 
 def _encode(obj: Any) -> Any:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from chunkzero.errors import ConfigError
-from chunkzero.train_config import TrainConfig
+from chunkzero.train_config import TrainConfig, with_device_defaults
 
 
 def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -34,6 +34,7 @@ class Engine:
     """
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, device: torch.device):
+        cfg = with_device_defaults(cfg, device.type)  # a no-op for a validated config
         self.cfg = cfg
         self.kind = cfg.engine
         betas = (0.9, 0.95)
@@ -44,7 +45,8 @@ class Engine:
                 raise ConfigError(f"--engine zero: torch_backend.ZeroDDP is not available ({e})") from None
             self.model = ZeroDDP(module.to(device), mixed_precision=cfg.mixed_precision, chunk_size=cfg.chunk_size)
             self.optim = ZeroOptimizer(self.model, torch.optim.AdamW, param_groups=decay_groups(module, cfg.weight_decay),
-                                       lr=cfg.lr, max_norm=cfg.max_norm or None, betas=betas)
+                                       lr=cfg.lr, max_norm=cfg.max_norm or None, betas=betas,
+                                       max_skipped_at_min_scale=cfg.max_skipped_steps or None)
         else:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -97,15 +99,33 @@ class Engine:
             s = s()
         return 1.0 if s is None else float(s)
 
-    def memory_report(self) -> Any:
-        report = getattr(self.optim, "memory_report", None)
-        if report is None:
+    def memory_report(self) -> dict | None:
+        """This rank's :meth:`ZeroDDP.memory_report` as plain data (``None`` for ``--engine ddp``):
+        ``{"bytes": {device: {kind: bytes}}, "offload_optim_chunks", "offload_param_chunks",
+        "peak_gathered_chunks"}``."""
+        if self.kind != "zero":
             return None
-        r = report()
-        if hasattr(r, "bytes"):  # torch_backend.ddp.MemoryReport
-            return {"bytes": r.bytes, "offload_optim_chunks": list(r.offload_optim_chunks),
-                    "offload_param_chunks": list(r.offload_param_chunks)}
-        return r if isinstance(r, (dict, str, int, float, list)) or r is None else str(r)
+        r = self.optim.memory_report()
+        return {"bytes": r.bytes, "offload_optim_chunks": list(r.offload_optim_chunks),
+                "offload_param_chunks": list(r.offload_param_chunks), "peak_gathered_chunks": r.peak_gathered_chunks}
+
+    def chunk_report(self, rank: int) -> dict | None:
+        """What chunk ZeRO-3 does on ``rank`` (``None`` for ``--engine ddp``): ``chunks`` (count),
+        ``chunk_size`` (elements, searched unless ``--chunk-size``), ``sharded_chunks`` (those split over
+        the ranks; the others are kept whole on every rank), ``shard_bytes`` (the compute-dtype
+        parameter shards this rank holds, ``layout.shard_bytes(rank)``), ``param_bytes`` (all chunks
+        whole, in the same dtype), ``model_state_bytes`` (this rank's parameters, gradients, fp32
+        masters and optimizer state, gathered buffers excluded) and ``peak_gathered_chunks`` (the most
+        sharded chunks gathered at once so far)."""
+        if self.kind != "zero":
+            return None
+        layout = self.model.layout
+        r = self.optim.memory_report()
+        return {"chunks": len(layout.chunks), "chunk_size": int(layout.chunk_size),
+                "sharded_chunks": sum(not c.keep_gathered for c in layout.chunks),
+                "shard_bytes": int(layout.shard_bytes(rank)),
+                "param_bytes": sum(c.size_bytes for c in layout.chunks),
+                "model_state_bytes": int(r.model_state_bytes()), "peak_gathered_chunks": int(r.peak_gathered_chunks)}
 
     def describe(self) -> str:
         """One line about the wrapping: chunks and chunk size for ZeroDDP."""

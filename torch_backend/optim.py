@@ -12,7 +12,8 @@ step hooks and ``state_dict`` work as with any torch optimizer. ``step()``:
    once, on rank 0) and all-reduces them: one collective gives the global norm and the overflow flag
    (an inf/nan anywhere makes the sum non-finite on every rank);
 2. on overflow skips the update (parameters and optimizer state untouched), drops the gradients
-   and backs the loss scale off per hysteresis;
+   and backs the loss scale off per hysteresis; the ``max_skipped_at_min_scale``-th skip in a row at
+   the minimum scale raises :class:`~chunkzero.errors.LossScaleError` (no progress is possible);
 3. else unscales by the scale *the backward used* (recorded by :meth:`ZeroOptimizer.backward`) and
    clips like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model, gives each piece of a tensor
    that received a gradient its gradient (the others keep ``grad=None`` and are skipped, as torch
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from chunkzero.errors import CheckpointError, ConfigError
+from chunkzero.errors import CheckpointError, ConfigError, LossScaleError
 
 from . import collectives, optim_state_dict
 from .ddp import ZeroDDP
@@ -63,6 +64,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         max_norm: clip gradients to this global L2 norm (unscaled), like ``clip_grad_norm_``.
         initial_scale, growth_interval, hysteresis, min_scale: dynamic loss scaling, used in fp16
             only (bf16/fp32 use scale 1 and still skip non-finite steps).
+        max_skipped_at_min_scale: after this many steps in a row skipped for non-finite gradients
+            at the minimum loss scale, ``step()`` raises :class:`~chunkzero.errors.LossScaleError`
+            (the scale cannot fall further, so training cannot make progress; DeepSpeed's
+            ``raise_error_at_min_scale`` with a patience). bf16/fp32 run at scale 1, their minimum, so
+            there it counts every skipped step. ``None`` never raises. The count restarts at an
+            applied step and is not checkpointed.
         **defaults: the optimizer's defaults (``lr``, ``betas``, ``weight_decay`` …), for every group.
             Adam and AdamW use torch's fused kernel unless ``fused`` or ``foreach`` is given (on the CPU,
             where offloaded chunks step, it is about 6× torch's default one: benchmarks/bench_cpu_adam.py).
@@ -85,11 +92,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: ZeroDDP, optimizer_class=torch.optim.AdamW, *, param_groups=None,
                  max_norm: float | None = None, initial_scale: float = 2.0**16, growth_interval: int = 1000,
-                 hysteresis: int = 2, min_scale: float = 1.0, **defaults):
+                 hysteresis: int = 2, min_scale: float = 1.0, max_skipped_at_min_scale: int | None = 10, **defaults):
         if not isinstance(model, ZeroDDP):
             raise ConfigError(f"ZeroOptimizer needs a ZeroDDP model, got {type(model).__name__}")
         if max_norm is not None and not (isinstance(max_norm, (int, float)) and max_norm > 0):
             raise ConfigError(f"max_norm must be a positive number or None, got {max_norm!r}")
+        if max_skipped_at_min_scale is not None and (isinstance(max_skipped_at_min_scale, bool) or not isinstance(
+                max_skipped_at_min_scale, int) or max_skipped_at_min_scale < 1):
+            raise ConfigError(f"max_skipped_at_min_scale must be a positive int (steps) or None, got {max_skipped_at_min_scale!r}")
         if getattr(optimizer_class, "__name__", "") in NOT_ELEMENTWISE:
             raise ConfigError(f"{optimizer_class.__name__} is not elementwise (its update depends on whole tensors); "
                               "ZeroOptimizer steps flat shards of tensors: use an elementwise optimizer (AdamW, Adam, SGD …)")
@@ -130,6 +140,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.step_count = 0
         """Applied (non-skipped) steps."""
         self.skipped_steps = 0
+        self.max_skipped_at_min_scale = max_skipped_at_min_scale
+        self.skipped_in_row_at_min_scale = 0
+        """Steps skipped in a row at the minimum loss scale, up to now (see ``max_skipped_at_min_scale``)."""
         self.last_grad_norm: float | None = None
         """Global unscaled gradient L2 norm before clipping, from the last ``step()`` (``inf``/``nan`` on overflow)."""
         self._grad_scale = 1.0
@@ -270,6 +283,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Raises:
             ConfigError: a closure was passed; in fp16, a backward ran without :meth:`backward`.
             UnusedParameterError: the last backward left a parameter without a gradient.
+            LossScaleError: this skip is the ``max_skipped_at_min_scale``-th in a row at the minimum
+                loss scale (the step is skipped, the gradients dropped, as for any skip).
         """
         if closure is not None:
             raise ConfigError("ZeroOptimizer.step does not take a closure: run optim.backward(loss), then optim.step()")
@@ -283,6 +298,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             self._drop_gradients()
             self.scaler.update(True)
+            self._count_skip_at_min_scale(scale)
             return False
         norm = math.sqrt(sq) / scale
         self.last_grad_norm = norm
@@ -316,9 +332,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for c in self._chunks:
             c.refresh_from_master()
         self.step_count += 1
+        self.skipped_in_row_at_min_scale = 0
         if self.fp16:
             self.scaler.update(False)
         return True
+
+    def _count_skip_at_min_scale(self, scale: float) -> None:
+        """Count a skipped step whose backward ran at ``scale``; raise when the skips in a row at the
+        minimum scale reach ``max_skipped_at_min_scale``."""
+        self.skipped_in_row_at_min_scale = self.skipped_in_row_at_min_scale + 1 if scale <= self.scaler.min_scale else 0
+        n, limit = self.skipped_in_row_at_min_scale, self.max_skipped_at_min_scale
+        if limit is None or n < limit:
+            return
+        step = self.step_count + self.skipped_steps
+        raise LossScaleError(
+            f"step {step}: {n} steps in a row were skipped for non-finite gradients (inf/nan) at the minimum loss scale "
+            f"{scale:g}, so training cannot make progress; lower the learning rate or look for inf/nan in the data "
+            f"and the model", step=step, scale=scale, skipped=n)
 
     # ------------------------------------------------------------------ shard-level state
     def _chunk(self, chunk: int):

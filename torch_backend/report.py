@@ -3,7 +3,8 @@
 
 ``metrics.jsonl`` holds one JSON line per step ``{"kind": "train", "step", "loss", "lr", "loss_scale",
 "grad_norm", "skipped", "tokens", "tokens_per_s", "time_s"}`` and per evaluation ``{"kind": "val",
-"step", "val_loss"}``; a resumed run rewrites it with the earlier session's records up to its
+"step", "val_loss"}``; ``tokens`` and ``time_s`` (training seconds) count the whole run, every session
+at its own world size. A resumed run rewrites it with the earlier session's records up to its
 checkpoint first, so it holds the whole run once per step. :class:`Report` is the loop's one handle on
 all of it; ranks other than 0 keep the same counters and write nothing.
 """
@@ -30,8 +31,9 @@ log = logging.getLogger("chunkzero.train")
 
 
 class Report:
-    """One run's reporting, on every rank (rank 0 writes). Counts the run's tokens (including the steps
-    before a resume), this session's tokens and training time (for tokens/s), and skipped steps.
+    """One run's reporting, on every rank (rank 0 writes). Counts the run's tokens and training time
+    (cumulative over every session of the run, whatever the world size of each), this session's tokens
+    and training time (for tokens/s), and skipped steps.
 
     Args:
         cfg: the resolved config (``out`` set).
@@ -39,21 +41,34 @@ class Report:
         backend: the process group's backend (``"gloo"``, ``"nccl"``, ``"none"``).
         start: the first step this session trains (1, or the step after a resumed checkpoint).
         tokens_per_step: ``world_size · grad_accum · batch_size · seq_len``.
+        counters: a resumed run's :meth:`counters` at its checkpoint. Without them (a checkpoint
+            written before they were saved) the earlier session's last ``metrics.jsonl`` record up to
+            the checkpoint gives them on rank 0, else ``(start - 1) · tokens_per_step``.
     """
 
     def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device, backend: str,
-                 start: int, tokens_per_step: int):
+                 start: int, tokens_per_step: int, counters: dict | None = None):
         self.cfg, self.rank, self.world_size, self.device, self.backend = cfg, rank, world_size, device, backend
         self.is_main = rank == 0
         self.start, self.tokens_per_step = start, tokens_per_step
         path = Path(cfg.out) / "metrics.jsonl"
         history = read_metrics_history(path, start - 1) if self.is_main and cfg.resume else None
         self.metrics = Metrics(path if self.is_main else None, history)
-        self.tokens = (start - 1) * tokens_per_step
+        if counters is None:
+            last = next((r for r in reversed(history or []) if r.get("kind") == "train" and r["step"] == start - 1), {})
+            counters = {"tokens": last.get("tokens", (start - 1) * tokens_per_step),
+                        "train_time_s": last.get("time_s", 0.0)}
+        self.tokens = int(counters.get("tokens", 0))
+        self.run_train_time_s = float(counters.get("train_time_s", 0.0))
         self.session_tokens = 0
         self.train_time_s = 0.0
         self.skipped = 0
         self.pbar = None
+
+    def counters(self) -> dict:
+        """The run's cumulative counters after the last recorded step: ``{"tokens", "train_time_s"}``
+        (saved with each checkpoint, so a resumed run continues them)."""
+        return {"tokens": self.tokens, "train_time_s": round(self.run_train_time_s, 4)}
 
     def begin(self, params: int, corpus: data_mod.Corpus, engine: Engine) -> None:
         """Log the run's set-up (rank 0)."""
@@ -82,13 +97,14 @@ class Report:
         """Record optimizer step ``step``: its loss (the mean over ranks), learning rate, whether the update
         was ``applied`` (not skipped for non-finite gradients) and its time ``dt_s`` in seconds."""
         self.train_time_s += dt_s
+        self.run_train_time_s += dt_s
         self.tokens += self.tokens_per_step
         self.session_tokens += self.tokens_per_step
         self.skipped += not applied
         scale = engine.loss_scale
         self.metrics.write({"kind": "train", "step": step, "loss": loss, "lr": lr, "loss_scale": scale,
                             "grad_norm": engine.last_grad_norm, "skipped": not applied, "tokens": self.tokens,
-                            "tokens_per_s": self.tokens_per_step / dt_s, "time_s": round(self.train_time_s, 4)})
+                            "tokens_per_s": self.tokens_per_step / dt_s, "time_s": round(self.run_train_time_s, 4)})
         if self.pbar is not None:
             self.pbar.set_postfix_str(f"loss {loss:.4f} | {self.session_tokens / self.train_time_s:,.0f} tok/s | "
                                       f"lr {lr:.2e} | scale {scale:g}", refresh=False)
@@ -107,10 +123,11 @@ class Report:
             self.pbar.close()
 
     def summary(self, *, params: int, corpus: data_mod.Corpus, engine: Engine, val_loss: float, memory: list[dict],
-                prompt: str, sample: str, wall_time_s: float) -> dict:
+                chunks: list[dict | None], prompt: str, sample: str, wall_time_s: float) -> dict:
         """The run's ``summary.json``: first and last losses of the whole run (all sessions, from
         ``metrics.jsonl``; on ranks other than 0, of this session) with their steps, tokens, times, peak
-        ``memory`` per rank and the ``sample``. ``val_loss``: the last evaluation's."""
+        ``memory`` and ``chunks`` (:meth:`Engine.chunk_report`) per rank and the ``sample``.
+        ``val_loss``: the last evaluation's."""
         cfg, nan = self.cfg, float("nan")
         m = self.metrics
         (t0_step, first), (t1_step, last) = (m.train[0], m.train[-1]) if m.train \
@@ -119,8 +136,10 @@ class Report:
             else ((self.start - 1, nan), (cfg.steps, val_loss))
         return {
             "model": cfg.model, "params": params, "mixed_precision": cfg.mixed_precision, "engine": cfg.engine,
+            "chunk_size_searched": cfg.chunk_size is None,
             "world_size": self.world_size, "device": self.device.type, "backend": self.backend,
-            "data": corpus.summary(), "steps": cfg.steps, "skipped_steps": self.skipped,
+            "data": corpus.summary(), "steps": cfg.steps,
+            "skipped_steps": int(getattr(engine.optim, "skipped_steps", self.skipped)),
             "tokens_per_step": self.tokens_per_step, "tokens": self.tokens,
             "train_loss_first": first, "train_loss_last": last,
             "train_loss_first_step": t0_step, "train_loss_last_step": t1_step,
@@ -128,7 +147,7 @@ class Report:
             "val_loss_first_step": v0_step, "val_loss_final_step": v1_step,
             "wall_time_s": wall_time_s, "train_time_s": self.train_time_s,
             "tokens_per_s": self.session_tokens / self.train_time_s if self.train_time_s else 0.0,
-            "peak_memory": memory, "memory_report": engine.memory_report(),
+            "peak_memory": memory, "memory_report": engine.memory_report(), "chunks": chunks,
             "out": str(cfg.out), "sample": {"prompt": prompt, "text": sample},
         }
 
@@ -276,6 +295,38 @@ def _fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def _fmt_mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _per_rank(values: list, fmt) -> str:
+    """``fmt(v)`` once when every rank has the same value, else ``rank r: fmt(v)`` for each."""
+    shown = [fmt(v) for v in values]
+    if len(set(shown)) == 1:
+        return shown[0]
+    return ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
+
+
+def chunk_rows(s: dict) -> list[tuple[str, str]]:
+    """The summary rows of chunk ZeRO-3 (none for ``--engine ddp``): the chunk count and size, the
+    parameter shard each rank holds against the whole model, its model state and the peak number of
+    chunks gathered at once."""
+    chunks = [c for c in s.get("chunks") or [] if c]
+    if not chunks:
+        return []
+    c, w = chunks[0], s["world_size"]
+    how = "searched" if s.get("chunk_size_searched", True) else "--chunk-size"
+    shard = _per_rank([x["shard_bytes"] for x in chunks], _fmt_mib)
+    state = _per_rank([x["model_state_bytes"] for x in chunks], _fmt_mib)
+    peak = _per_rank([x["peak_gathered_chunks"] for x in chunks], str)
+    return [
+        ("chunks", f"{c['chunks']} × {c['chunk_size']:,} elements ({how}), {c['sharded_chunks']} sharded over {w} rank(s)"),
+        ("shard per rank", f"{shard} of the {_fmt_mib(c['param_bytes'])} {s['mixed_precision']} parameters; "
+                           f"model state {state} (with gradients, fp32 masters, optimizer state)"),
+        ("peak gathered", f"{peak} of {c['sharded_chunks']} sharded chunks at once"),
+    ]
+
+
 def summary_table(s: dict) -> str:
     mem = "; ".join(
         f"rank {r}: " + ", ".join(f"{v:,.0f} MiB {k.replace('peak_', '').replace('_mib', '').replace('_', ' ')}"
@@ -295,6 +346,7 @@ def summary_table(s: dict) -> str:
                      f"{v1:.4f} (step {s.get('val_loss_final_step', s['steps'])}), ratio {v1 / v0:.3f}"),
         ("wall time", f"{_fmt_time(s['wall_time_s'])} (training {_fmt_time(s['train_time_s'])})"),
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
+        *chunk_rows(s),
         ("peak memory", mem),
         ("outputs", f"{s['out']}/ (metrics.jsonl, loss.png, sample.txt, summary.txt, train.log)"),
     ]

@@ -2,7 +2,9 @@
 
 :func:`validate` is the launcher's (and, under ``torchrun``, every worker's) check of every user input:
 first :meth:`chunkzero.train_config.TrainConfig.check` (what is wrong on any machine), then what needs
-this one — a CUDA device for ``--device cuda``, ``--nproc`` within the devices or cores, a model that
+this one — a CUDA device for ``--device cuda``, ``--nproc`` within the devices (or 8 per CPU core: beyond
+the cores the workers run oversubscribed, with a warning), the defaults of the device
+(:func:`chunkzero.train_config.with_device_defaults`), a model that
 exists with a block size that holds ``--seq-len``, kernels for ``--mixed-precision``, a usable
 ``--out`` and a corpus of at least one sequence. It returns the config with its resolved fields
 (``device``, ``nproc``/``world_size``, ``out``, ``model_kind``, ``block_size``) and the corpus.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from chunkzero.errors import ConfigError
 from chunkzero.run_dir import check_out_dir, fresh_run_dir
-from chunkzero.train_config import TrainConfig
+from chunkzero.train_config import TrainConfig, with_device_defaults
 
 from . import data as data_mod
 from .models import load_run_corpus, model_block_size
@@ -36,9 +38,18 @@ def available_cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+MAX_WORKERS_PER_CORE = 8
+"""CPU workers beyond the cores run oversubscribed (each with one thread), up to this many per core."""
+
+
 def max_cpu_workers() -> int:
-    """CPU workers allowed: one per available core, but at least 2 (the default run's two)."""
-    return max(2, available_cpu_cores())
+    """CPU workers allowed: :data:`MAX_WORKERS_PER_CORE` per available core."""
+    return MAX_WORKERS_PER_CORE * available_cpu_cores()
+
+
+def threads_per_worker(local_workers: int) -> int:
+    """Intra-op threads of each of ``local_workers`` CPU workers on this machine: ``max(1, cores // workers)``."""
+    return max(1, available_cpu_cores() // max(1, local_workers))
 
 
 def resolve_device(device: str) -> str:
@@ -108,8 +119,12 @@ def resolve_workers(cfg: TrainConfig) -> int:
     nproc = cfg.nproc if cfg.nproc is not None else (limit if cfg.device == "cuda" else 2)
     if nproc > limit:
         what = (f"{limit} CUDA device(s) visible" if cfg.device == "cuda"
-                else f"at most {limit} CPU workers allowed (one per available core, at least 2)")
+                else f"at most {limit} CPU workers allowed ({MAX_WORKERS_PER_CORE} per available core)")
         raise ConfigError(f"--nproc {nproc} is more than this machine allows: {what}")
+    cores = available_cpu_cores()
+    if cfg.device == "cpu" and nproc > cores:
+        log.warning("warning: --nproc %d on %d CPU core(s): the workers run oversubscribed, %d thread each, "
+                    "and share the cores (slower per step, same results)", nproc, cores, threads_per_worker(nproc))
     return nproc
 
 
@@ -126,6 +141,8 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
     cfg = dataclasses.replace(cfg)
     cfg.check()
     cfg.device = resolve_device(cfg.device)
+    bf16_supported = cfg.device != "cuda" or precision_unsupported("bf16", "cuda") is None
+    cfg = with_device_defaults(cfg, cfg.device, bf16_supported=bf16_supported)
     cfg.world_size = resolve_workers(cfg)
     if "WORLD_SIZE" not in os.environ:
         cfg.nproc = cfg.world_size

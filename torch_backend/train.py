@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from chunkzero.errors import LossScaleError
 from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
 
@@ -67,37 +68,41 @@ def evaluate(engine: Engine, batches, device: torch.device, group) -> float:
     return all_mean(total / len(batches), group)
 
 
-def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig) -> None:
+def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, counters: dict) -> None:
     """An asynchronous Orbax checkpoint of step ``step`` in ``<out>/checkpoints/<step>`` (the newest
-    ``CHECKPOINTS_KEPT`` are kept), with the data position, so ``--resume`` continues exactly here.
-    Every wait of the save for the other ranks is bounded by ``--timeout`` (``cfg.timeout_s``)."""
+    ``CHECKPOINTS_KEPT`` are kept), with the data position and the run's cumulative ``counters``
+    (:meth:`Report.counters`), so ``--resume`` continues exactly here, at any world size. Every wait of
+    the save for the other ranks is bounded by ``--timeout`` (``cfg.timeout_s``)."""
     from torch_backend import save_checkpoint
 
     save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim, step=step, async_save=True,
                     max_to_keep=CHECKPOINTS_KEPT, timeout_s=cfg.timeout_s, data_position={"sampler": sampler.state_dict()},
                     extra={"model": cfg.model, "seed": cfg.seed, "world_size": cfg.world_size,
                            "steps": cfg.steps, "warmup": cfg.warmup, "lr": cfg.lr,
-                           "min_lr_ratio": cfg.min_lr_ratio})
+                           "min_lr_ratio": cfg.min_lr_ratio, "counters": counters})
 
 
 def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, rank: int,
-           previous_config: dict | None = None) -> int:
+           previous_config: dict | None = None) -> tuple[int, dict | None]:
     """``--resume``: load the latest checkpoint of ``<out>/checkpoints`` into the engine (parameters,
-    optimizer, loss scaler, RNG states) and the sampler's position; returns the next step to run.
-    ``previous_config``: the earlier run's ``config.json``, for checkpoints without the schedule in their
-    ``extra`` (rank 0 warns when the LR schedule changes, see :func:`warn_schedule_change`)."""
+    optimizer, loss scaler, RNG states) and the sampler's position. Returns the next step to run and
+    the run's counters at the checkpoint (``{"tokens", "train_time_s"}``; ``None`` from a checkpoint
+    that has none). ``previous_config``: the earlier run's ``config.json``, for checkpoints without the
+    schedule in their ``extra`` (rank 0 warns when the LR schedule changes, see
+    :func:`warn_schedule_change`)."""
     from torch_backend import load_checkpoint
 
     meta = load_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim)
     sampler.load_state_dict((meta.data_position or {}).get("sampler", {}))
     log.info("resumed from step %d (%s/%s/%d)", meta.step, cfg.out, CHECKPOINT_DIR, meta.step)
+    extra = dict(meta.extra or {})
     if rank == 0:
-        extra = dict(meta.extra or {})
         if "steps" in extra:
             warn_schedule_change(extra, f"checkpoint {meta.step}", cfg, meta.step)
         else:
             warn_schedule_change(previous_config, f"{cfg.out}/config.json", cfg, meta.step)
-    return meta.step + 1
+    counters = extra.get("counters")
+    return meta.step + 1, (counters if isinstance(counters, dict) else None)
 
 
 def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, device: torch.device,
@@ -116,11 +121,11 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     torch.manual_seed(cfg.seed + 1 + rank)
     sampler = data_mod.BatchSampler(corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
                                     world_size=world, seed=cfg.seed)
-    start = resume(engine, sampler, cfg, rank, previous_config) if cfg.resume else 1  # the saved RNGs win
+    start, counters = resume(engine, sampler, cfg, rank, previous_config) if cfg.resume else (1, None)  # saved RNGs win
     val = data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
                                world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
     report = Report(cfg, rank=rank, world_size=world, device=device, backend=backend, start=start,
-                    tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len)
+                    tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
     report.begin(params, corpus, engine)
 
     # The evaluation at the start step, unless the earlier session logged it (before the checkpoint was
@@ -142,12 +147,17 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
             loss = lm_loss(engine.model(x), y)
             engine.backward(loss / cfg.grad_accum, sync=micro == cfg.grad_accum - 1)
             loss_sum += loss.detach()
-        applied = engine.step()
+        try:
+            applied = engine.step()
+        except LossScaleError as e:  # every rank at the same step: the overflow flag is all-reduced
+            report.close_progress()
+            raise LossScaleError(f"{e}; the run stops here (--max-skipped-steps {cfg.max_skipped_steps}; 0 never stops)",
+                                 step=step, scale=e.scale, skipped=e.skipped) from None
         engine.zero_grad()
         loss = all_mean(loss_sum / cfg.grad_accum, group)  # also a sync point, so the timing is honest
         report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
         if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
-            save_step(step, engine, sampler, cfg)
+            save_step(step, engine, sampler, cfg, report.counters())
         if step % cfg.eval_interval == 0 or step == cfg.steps:
             val_loss = evaluate(engine, val, device, group)
             report.val(step, val_loss, train_loss=loss)
@@ -156,8 +166,9 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     report.close_progress()
 
     prompt, sample = sample_text(engine, corpus, cfg, device) if cfg.sample_tokens else ("", "")
-    memory = all_gather_json(peak_memory_mib(device), group)
-    summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=memory,
-                             prompt=prompt, sample=sample, wall_time_s=time.perf_counter() - t_start)
+    memory, chunks = zip(*all_gather_json([peak_memory_mib(device), engine.chunk_report(rank)], group))
+    summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=list(memory),
+                             chunks=list(chunks), prompt=prompt, sample=sample,
+                             wall_time_s=time.perf_counter() - t_start)
     report.finish(summary)
     return summary

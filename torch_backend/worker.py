@@ -5,6 +5,10 @@ Started by :func:`torch_backend.launch.launch` (``nproc`` local processes) or ru
 are in the environment. The worker joins the process group (:func:`init_distributed`), checks its
 inputs with the others (all train or all stop with one message), prepares ``--out`` (rank 0), writes
 ``pids/rank<r>.pid`` and runs :func:`torch_backend.train.train`.
+
+A worker ends without interpreter finalization, where gloo's threads could abort it
+(:mod:`torch_backend.process_exit`): :func:`launched_worker` is the entry point the launcher starts,
+and under ``torchrun`` the CLI arranges the same exit (:func:`exit_without_finalization_at_exit`).
 """
 
 from __future__ import annotations
@@ -21,15 +25,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chunkzero.errors import ChunkZeroError
+from chunkzero.errors import ChunkZeroError, LossScaleError
 from chunkzero.run_dir import prepare_out_dir
 from chunkzero.train_config import TrainConfig
 
 from .collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
 from .models import load_run_corpus
+from .process_exit import exit_without_finalization_at_exit
 from .report import setup_logging
-from .resolve import available_cpu_cores, resolve_device, validate
+from .resolve import resolve_device, threads_per_worker, validate
 from .train import StepHook, train
 
 log = logging.getLogger("chunkzero.train")
@@ -52,7 +57,7 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, available_cpu_cores() // max(1, local_world)))
+        torch.set_num_threads(threads_per_worker(local_world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -92,8 +97,10 @@ def _check_together(cfg: TrainConfig, rank: int, group):
 
 
 def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
-    """What one worker runs. Returns ``{"status": "ok", "summary": ...}`` or ``{"status": "error",
-    "message": ...}`` for bad input (the CLI prints it once and exits 2); exits with
+    """What one worker runs. Returns ``{"status": "ok", "summary": ...}``, ``{"status": "error",
+    "message": ...}`` for bad input (the CLI prints it once and exits 2) or ``{"status": "failed",
+    "message": ...}`` for a run that cannot make progress (fp16 skipping every step: the CLI prints it
+    once and exits 1); exits with
     :data:`torch_backend.launch.EXIT_PEER_LOST` when another worker vanished mid-run.
     ``on_step_end``: hooks for :func:`torch_backend.train.train`."""
     rank = int(os.environ.get("RANK", 0))
@@ -122,6 +129,8 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
         (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
         summary = train(cfg, corpus, rank, world, device, previous_config, on_step_end=on_step_end)
         return {"status": "ok", "summary": summary}
+    except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
+        return {"status": "failed", "message": str(e)}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:
@@ -139,3 +148,12 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
                 dist.destroy_process_group()
             except Exception:  # pragma: no cover - best effort at exit
                 pass
+
+
+def launched_worker(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
+    """:func:`worker_main` as started by :func:`torch_backend.launch.launch`: returns its result (which the
+    launcher collects after this returns) and makes the process then exit with status 0 without
+    interpreter finalization (:func:`torch_backend.process_exit.exit_without_finalization_at_exit`)."""
+    result = worker_main(cfg, on_step_end)
+    exit_without_finalization_at_exit(0)
+    return result

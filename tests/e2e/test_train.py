@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from .exit_probe import clean_exits, markers
 from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, make_corpus, read_metrics, run_train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-KILL_WORKER = Path(__file__).with_name("kill_worker.py")
+HOOKED_TRAIN = Path(__file__).with_name("hooked_train.py")
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +128,115 @@ def test_hugging_face_model_directory(corpus, tmp_path):
     _check_run(out, steps=16, world_size=2)
 
 
+def _chunks_logged(stderr: str) -> int:
+    m = re.search(r"engine zero: (\d+) chunk\(s\) of", stderr)
+    assert m, stderr[-3000:]
+    return int(m.group(1))
+
+
+def test_default_run_shows_chunked_zero3(tmp_path):
+    """The default model at the searched chunk size spans at least 4 chunks on the default 2 workers; the
+    summary gives the chunk count, each rank's shard (half of the parameters) and the peak gathered."""
+    out = tmp_path / "run"
+    proc = run_train("--steps", "2", "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    assert _chunks_logged(proc.stderr) >= 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "gpt-mini" and summary["mixed_precision"] == "fp32" and summary["world_size"] == 2
+    chunks = summary["chunks"]
+    assert len(chunks) == 2 and chunks[0]["chunks"] == _chunks_logged(proc.stderr)
+    assert sum(c["shard_bytes"] for c in chunks) == chunks[0]["param_bytes"]  # each rank holds half
+    assert chunks[0]["param_bytes"] >= 4 * summary["params"]  # fp32, every parameter in a chunk
+    assert all(1 <= c["peak_gathered_chunks"] < c["sharded_chunks"] for c in chunks)
+    table = (out / "summary.txt").read_text()
+    assert f"{chunks[0]['chunks']} × {chunks[0]['chunk_size']:,} elements (searched)" in table
+    assert "shard per rank" in table and "peak gathered" in table
+
+
+def test_more_workers_than_cores_run_oversubscribed(tmp_path):
+    """``--nproc 3`` on 2 cores (the child is pinned to 2 of this machine's cores): a one-line warning,
+    then 3 workers of 1 thread each train the default model."""
+    out = tmp_path / "run"
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    python, *cli = chunkzero_cmd("train", "--nproc", "3", "--steps", "2", "--sample-tokens", "0", "--out", str(out))
+    pin = f"import os, sys; os.sched_setaffinity(0, {cores!r}); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    proc = subprocess.run([python, "-c", pin, *cli], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          timeout=600, check=False)  # pinned by exec, not preexec_fn: no fork of a threaded pytest
+    assert proc.returncode == 0, describe(proc)
+    warnings = [ln for ln in proc.stderr.splitlines() if "oversubscribed" in ln]
+    assert len(warnings) == 1 and f"--nproc 3 on {len(cores)} CPU core(s)" in warnings[0], proc.stderr[-3000:]
+    assert "1 thread each" in warnings[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 3 and len(summary["peak_memory"]) == 3
+
+
+def test_fp16_that_cannot_make_progress_stops_the_run(corpus, tmp_path):
+    """A model whose fp16 forward overflows (embeddings of 1e6 > the fp16 maximum): every step is skipped,
+    the loss scale halves from 2**16 to its minimum 1 by step 17, and the 10th skip at scale 1 (step 27)
+    stops the run with one line naming the step and the scale, exit code 1."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        model.transformer.wte.weight.fill_(1e6)  # finite in fp32, inf once cast to fp16
+    model.save_pretrained(tmp_path / "overflow")
+    out = tmp_path / "run"
+    proc = run_train("--data", str(corpus), *SMALL, "--model", str(tmp_path / "overflow"), "--mixed-precision",
+                     "fp16", "--steps", "200", "--eval-interval", "1000", "--sample-tokens", "0", "--out", str(out),
+                     cwd=tmp_path)
+    assert proc.returncode == 1, describe(proc)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("chunkzero train: error: step 27: 10 steps in a row were skipped"), proc.stderr[-3000:]
+    assert "minimum loss scale 1," in last and "--max-skipped-steps 10" in last
+    train, _ = read_metrics(out)
+    assert [r["step"] for r in train] == list(range(1, 27)) and all(r["skipped"] for r in train)
+    assert [r["loss_scale"] for r in train][15:18] == [2.0, 1.0, 1.0]
+
+
+def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus, tmp_path):
+    """Steps 1-2 on 2 workers, a resume from step 2 on 1 worker (steps 3-4), then from step 4 on 2 workers
+    (steps 5-6): ``tokens`` adds each session's own tokens per step, ``time_s`` keeps growing."""
+    import shutil
+
+    out = tmp_path / "run"
+    args = ["--data", str(corpus), *SMALL, "--steps", "6", "--eval-interval", "6", "--sample-tokens", "0",
+            "--save-interval", "2", "--out", str(out)]
+    per_worker = 4 * 32  # --batch-size 4 × --seq-len 32, one micro-batch
+    for nproc, resume, dropped in (("2", (), ("4", "6")), ("1", ("--resume",), ("6",)), ("2", ("--resume",), ())):
+        proc = run_train(*args, "--nproc", nproc, *resume, cwd=tmp_path)
+        assert proc.returncode == 0, describe(proc)
+        for step in dropped:  # as if the session had died after the checkpoint before
+            shutil.rmtree(out / "checkpoints" / step)
+    train, _ = read_metrics(out)
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    workers = [2, 2, 1, 1, 2, 2]
+    assert [r["tokens"] for r in train] == [per_worker * sum(workers[:i + 1]) for i in range(6)]
+    times = [r["time_s"] for r in train]
+    assert times == sorted(set(times)), times  # strictly increasing
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens"] == train[-1]["tokens"] and summary["world_size"] == 2
+
+
+@pytest.mark.parametrize("launcher", ["chunkzero", "torchrun"])
+def test_workers_end_without_interpreter_finalization(launcher, corpus, tmp_path):
+    """Each worker runs its exit hooks (``threading``'s, ``atexit``'s) and then leaves without finalizing the
+    interpreter, where gloo's threads could abort it (``torch_backend.process_exit``): launched by
+    ``chunkzero train`` and under torchrun alike. The probe is installed by an ``on_step_end`` hook."""
+    probe = tmp_path / "markers"
+    probe.mkdir()
+    script = [str(HOOKED_TRAIN), f"exit-probe:{probe}", "train", "--data", str(corpus), *SMALL, "--steps", "2",
+              "--eval-interval", "100", "--sample-tokens", "0", "--out", str(tmp_path / "run")]
+    if launcher == "torchrun":
+        script = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
+    proc = subprocess.run([chunkzero_cmd()[0], *script], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, describe(proc)
+    assert markers(probe) == clean_exits(["0", "1"])
+
+
 # ------------------------------------------------------------------------------------------ a dying worker
 
 def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
@@ -162,10 +272,10 @@ def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
 
 def test_killed_worker_under_torchrun(corpus, tmp_path):
     """Under torchrun the same death ends the run (torchrun's agent reports the rank), within the bound.
-    Rank 1 kills itself after step 3 through an ``on_step_end`` hook (``kill_worker.py``)."""
+    Rank 1 kills itself after step 3 through an ``on_step_end`` hook (``hooked_train.py``)."""
     out = tmp_path / "run"
     cmd = [chunkzero_cmd()[0], "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(KILL_WORKER), "1:3", "train", "--data", str(corpus), *SMALL, "--steps", "100000",
+           str(HOOKED_TRAIN), "kill:1:3", "train", "--data", str(corpus), *SMALL, "--steps", "100000",
            "--eval-interval", "100000", "--sample-tokens", "0", "--out", str(out)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
@@ -183,11 +293,11 @@ BAD_INPUTS = {
     "missing path": (["--data", "{tmp}/nope"], "does not exist: {tmp}/nope"),
     "empty directory": (["--data", "{tmp}/empty"], "holds no text files: {tmp}/empty"),
     "corpus shorter than one sequence": (["--data", "{tmp}/short.txt"], "shorter than one sequence"),
-    "too many workers": (["--nproc", "4096"], "--nproc 4096 is more than this machine allows"),
+    "too many workers": (["--nproc", "4096"], "--nproc 4096 is more than this machine allows: at most"),
     "unknown model": (["--model", "gpt-enormous"], "unknown model 'gpt-enormous'"),
     "fp16 where it cannot run": (["--mixed-precision", "fp16"], "--mixed-precision fp16 cannot run on cpu"),
     "out holds another run": (["--out", "{tmp}/earlier"], "holds another run (metrics.jsonl)"),
-    "seq len beyond block size": (["--seq-len", "4096"], "--seq-len 4096 exceeds the block size 128"),
+    "seq len beyond block size": (["--seq-len", "4096"], "--seq-len 4096 exceeds the block size 256 of model gpt-mini"),
     "bad number": (["--steps", "0"], "--steps: must be >= 1"),
     "missing model directory": (["--model", "./no-such-model"], "--model directory ./no-such-model does not exist"),
     "bin ids beyond vocabulary": (["--data", "{tmp}/wide.bin"], "token id 300 is not below"),

@@ -113,6 +113,38 @@ def test_lr_schedule_warmup_then_cosine():
     assert lrs[-1] == pytest.approx(1e-4)
 
 
+def test_defaults_follow_the_device(monkeypatch, tmp_path):
+    """Left unset, --model, --mixed-precision and --lr take the device's defaults: gpt-mini in fp32 on CPU,
+    the GPT-2 124M shape in bf16 on a GPU (fp16 before compute capability 8.0, fp32 for --engine ddp);
+    values the user gives are kept. ``validate`` on a (pretend) GPU machine picks them by itself."""
+    import torch
+
+    from chunkzero.train_config import TrainConfig, with_device_defaults
+    from torch_backend import resolve
+
+    from .helpers import make_corpus
+
+    def picked(cfg):
+        return cfg.model, cfg.mixed_precision, cfg.lr
+
+    assert picked(TrainConfig()) == (None, None, None)
+    assert picked(with_device_defaults(TrainConfig(), "cpu")) == ("gpt-mini", "fp32", 3e-3)
+    assert picked(with_device_defaults(TrainConfig(), "cuda")) == ("gpt2", "bf16", 6e-4)
+    assert picked(with_device_defaults(TrainConfig(), "cuda", bf16_supported=False)) == ("gpt2", "fp16", 6e-4)
+    assert with_device_defaults(TrainConfig(engine="ddp"), "cuda").mixed_precision == "fp32"
+    given = TrainConfig(model="gpt-tiny", mixed_precision="fp16", lr=1e-3)
+    assert picked(with_device_defaults(given, "cuda")) == ("gpt-tiny", "fp16", 1e-3)
+
+    corpus = make_corpus(tmp_path / "corpus")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for capability, precision in (((9, 0), "bf16"), ((7, 0), "fp16")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=0, c=capability: c)
+        cfg, _ = resolve.validate(TrainConfig(data=[str(corpus)], out=str(tmp_path / "run")))
+        assert (cfg.device, cfg.world_size, *picked(cfg)) == ("cuda", 1, "gpt2", precision, 6e-4)
+        assert cfg.block_size == 1024
+
+
 # ------------------------------------------------------------------------------------------ data
 
 def _write(tmp_path, files: dict[str, bytes]):
@@ -252,5 +284,8 @@ def test_checkpoint_saves_wait_at_most_timeout(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(torch_backend, "save_checkpoint", lambda *a, **kw: calls.append(kw))
     sampler = SimpleNamespace(state_dict=lambda: {"position": 3})
-    save_step(5, SimpleNamespace(model=None, optim=None), sampler, TrainConfig(out=str(tmp_path), timeout_s=7.5))
+    counters = {"tokens": 2048, "train_time_s": 1.5}
+    cfg = TrainConfig(out=str(tmp_path), timeout_s=7.5)
+    save_step(5, SimpleNamespace(model=None, optim=None), sampler, cfg, counters)
     assert [(c["step"], c["timeout_s"], c["data_position"]) for c in calls] == [(5, 7.5, {"sampler": {"position": 3}})]
+    assert calls[0]["extra"]["counters"] == counters

@@ -223,3 +223,40 @@ def test_pieces_follow_a_replaced_master():
             optim.zero_grad()
         runs.append(model.state_dict())
     zero_cases.assert_state_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_skips_in_a_row_at_the_minimum_loss_scale_raise(precision):
+    """Gradients that are always inf: the fp16 scale backs off 4 → 2 → 1 (hysteresis 1), then the third
+    skip at scale 1 raises ``LossScaleError`` naming the step and the scale (bf16 runs at scale 1, its
+    minimum, from the start). A finite step in between restarts the count; ``None`` never raises."""
+    from chunkzero.errors import LossScaleError
+
+    (batch,) = zero_cases.batches("odd", 1, 2)
+
+    def run(pattern: str, limit):
+        model = ZeroDDP(zero_cases.Odd(), chunk_size=100, mixed_precision=precision)
+        optim = ZeroOptimizer(model, torch.optim.AdamW, initial_scale=4.0, hysteresis=1,
+                              max_skipped_at_min_scale=limit, **ADAMW)
+        for i, kind in enumerate(pattern, 1):  # "x": an inf loss, ".": a finite one
+            loss = zero_cases.odd_loss(model, batch) * (float("inf") if kind == "x" else 1.0)
+            optim.backward(loss)
+            try:
+                applied = optim.step()
+            except LossScaleError as e:
+                return i, e, optim
+            assert applied == (kind == "."), (i, kind)
+            optim.zero_grad()
+        return None, None, optim
+
+    first_at_min = 3 if precision == "fp16" else 1  # the first step whose backward ran at scale 1
+    step, err, optim = run("x" * 10, 3)
+    assert step == first_at_min + 2 and (err.step, err.scale, err.skipped) == (step, 1.0, 3)
+    assert f"step {step}: 3 steps in a row" in str(err) and "minimum loss scale 1" in str(err)
+    assert optim.skipped_steps == step and optim.loss_scale == 1.0
+    # a finite step (applied) restarts the count
+    step, err, _ = run("x" * (first_at_min + 1) + "." + "xxx", 3)
+    assert step == first_at_min + 5 and err.skipped == 3
+    assert run("x" * 30, None)[0] is None
+    with pytest.raises(ConfigError, match="max_skipped_at_min_scale"):
+        ZeroOptimizer(ZeroDDP(zero_cases.Odd(), chunk_size=100), max_skipped_at_min_scale=0)
