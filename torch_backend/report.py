@@ -320,7 +320,8 @@ def chunk_rows(s: dict) -> list[tuple[str, str]]:
     state = _per_rank([x["model_state_bytes"] for x in chunks], _fmt_mib)
     peak = _per_rank([x["peak_gathered_chunks"] for x in chunks], str)
     return [
-        ("chunks", f"{c['chunks']} × {c['chunk_size']:,} elements ({how}), {c['sharded_chunks']} sharded over {w} rank(s)"),
+        ("chunks", f"{c['chunks']}, chunk size {c['chunk_size']:,} elements ({how}; a larger tensor gets a chunk of its own), "
+                   f"{c['sharded_chunks']} sharded over {w} rank(s)"),
         ("shard per rank", f"{shard} of the {_fmt_mib(c['param_bytes'])} {s['mixed_precision']} parameters; "
                            f"model state {state} (with gradients, fp32 masters, optimizer state)"),
         ("peak gathered", f"{peak} of {c['sharded_chunks']} sharded chunks at once"),

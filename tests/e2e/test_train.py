@@ -149,7 +149,7 @@ def test_default_run_shows_chunked_zero3(tmp_path):
     assert chunks[0]["param_bytes"] >= 4 * summary["params"]  # fp32, every parameter in a chunk
     assert all(1 <= c["peak_gathered_chunks"] < c["sharded_chunks"] for c in chunks)
     table = (out / "summary.txt").read_text()
-    assert f"{chunks[0]['chunks']} × {chunks[0]['chunk_size']:,} elements (searched)" in table
+    assert f"{chunks[0]['chunks']}, chunk size {chunks[0]['chunk_size']:,} elements (searched" in table
     assert "shard per rank" in table and "peak gathered" in table
 
 
@@ -353,7 +353,7 @@ def test_bad_input_from_the_command_line(tmp_path, held_run):
     proc = run_train("--out", str(held_run), "--steps", "2", cwd=tmp_path)
     assert proc.returncode == 2, describe(proc)
     assert proc.stderr.strip() == (f"chunkzero train: error: --out {held_run} holds another run (metrics.jsonl); "
-                                   "choose another --out or pass --overwrite")
+                                   "choose another --out, pass --resume to continue it, or --overwrite to replace it")
     assert proc.stdout == ""
     assert {p.name: p.read_bytes() for p in held_run.iterdir()} == before
 
