@@ -59,7 +59,8 @@ def check_out_dir(cfg: TrainConfig) -> None:
     if out.is_dir() and not cfg.overwrite:
         held = [m for m in RUN_MARKERS if (out / m).exists()]
         if held:
-            raise ConfigError(f"--out {out} holds another run ({held[0]}); choose another --out, pass --resume to continue it, or --overwrite to replace it")
+            raise ConfigError(f"--out {out} holds another run ({held[0]}); choose another --out, pass --resume "
+                              "to continue it, or --overwrite to replace it")
 
 
 def prepare_out_dir(cfg: TrainConfig) -> Path:
