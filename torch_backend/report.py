@@ -339,7 +339,8 @@ def summary_table(s: dict) -> str:
         ("workers", f"{s['world_size']} × {s['device']} ({s['backend']})"),
         ("data", f"{s['data']['source']}: {_fmt_count(s['data']['train_tokens'])} train / "
                  f"{_fmt_count(s['data']['val_tokens'])} val tokens"),
-        ("steps", f"{s['steps']} × {s['tokens_per_step']:,} tokens"),
+        ("steps", f"{s['steps']} × {s['tokens_per_step']:,} tokens" if s["tokens"] == s["steps"] * s["tokens_per_step"]
+                  else f"{s['steps']} ({s['tokens_per_step']:,} tokens per step at this run's world size)"),
         ("tokens", f"{s['tokens']:,}"),
         ("train loss", f"{s['train_loss_first']:.4f} (step {s.get('train_loss_first_step', 1)}) → "
                        f"{s['train_loss_last']:.4f} (step {s.get('train_loss_last_step', s['steps'])})"),

@@ -218,6 +218,9 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
     assert times == sorted(set(times)), times  # strictly increasing
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens"] == train[-1]["tokens"] and summary["world_size"] == 2
+    steps_row = next(line for line in (out / "summary.txt").read_text().splitlines() if line.startswith("steps"))
+    assert steps_row.split()[1:] == ["6", f"({2 * per_worker:,}", "tokens", "per", "step", "at", "this", "run's",
+                                     "world", "size)"], steps_row  # not 6 × 256: the sessions' sizes differed
 
 
 @pytest.mark.parametrize("launcher", ["chunkzero", "torchrun"])
