@@ -316,11 +316,20 @@ def save_step(
     return directory / str(step)
 
 
+def _without_small_chunk_warning(record: logging.LogRecord) -> bool:
+    """Drop Orbax's "target_byte_size too small" warning: the small storage blocks are chosen on purpose
+    (a resume reads only the blocks it owns)."""
+    return "target_byte_size too small" not in record.getMessage()
+
+
 def _save_args(meta: CheckpointMeta, tree: Mapping[str, Any]) -> dict[str, Any]:
     """Orbax ``SaveArgs`` per array: storage chunks of the array's storage block
     (:meth:`CheckpointMeta.storage_block_numel`, which divides what each process writes, so Orbax's
     chunk choice — the largest divisor of the write within ``chunk_byte_size`` — is that block)."""
     ocp = _ocp()
+    absl = logging.getLogger("absl")
+    if _without_small_chunk_warning not in absl.filters:
+        absl.addFilter(_without_small_chunk_warning)
     return state_tree({p: ocp.SaveArgs(chunk_byte_size=meta.storage_block_numel(p) * np.dtype(a.dtype).itemsize)
                        for p, a in flat_arrays(tree).items()})
 
