@@ -132,13 +132,16 @@ def scale_by_param_groups(layout: ChunkLayout, groups: list[dict[str, Any]]) -> 
             ``OptimizerMeta.param_groups``); tensors in none of them count as group 0.
 
     Raises:
-        ConfigError: a group names a tensor the layout does not have.
+        ConfigError: a group names a tensor the layout does not have; group 0's lr is 0 and another's is not.
     """
     runs = _group_runs(layout, groups)
     dtype = jnp.uint8 if len(groups) <= 255 else jnp.int32
     decay = jnp.asarray([float(g.get("weight_decay", TORCH_ADAMW_DEFAULTS["weight_decay"])) for g in groups], jnp.float32)
-    lr0 = float(groups[0]["lr"])
-    lr_scale = jnp.asarray([float(g["lr"]) / lr0 for g in groups], jnp.float32)
+    lrs = [float(g.get("lr", TORCH_ADAMW_DEFAULTS["lr"])) for g in groups]
+    if lrs[0] == 0 and any(lrs):
+        raise ConfigError(f"param group 0 has lr 0 and others do not ({lrs}): the other groups' lr is kept as a ratio "
+                          "to group 0's, which is undefined here")
+    lr_scale = jnp.asarray([lr / lrs[0] if lrs[0] else 1.0 for lr in lrs], jnp.float32)
 
     def index_of(path, p):
         starts, ids = runs[path[-1].key]
