@@ -5,7 +5,8 @@ Chunks are flat 1-D buffers, so the only collectives needed are the flat ones:
 - :func:`all_gather_flat` — gather a chunk from its shards (``all_gather_single`` on torch ≥ 2.13,
   ``all_gather_into_tensor`` before; the old name warns on 2.13, so the choice is made once here).
 - :func:`reduce_scatter_avg` — reduce a chunk's gradient and keep this rank's shard
-  (``reduce_scatter_single`` / ``reduce_scatter_tensor``), averaged over the world size.
+  (``reduce_scatter_single`` / ``reduce_scatter_tensor``; on gloo an all-to-all and a local sum),
+  averaged over the world size.
 - :func:`all_reduce_avg` — the same for keep-gathered chunks (plain data parallelism).
 - :func:`agree` — the engine's small vote all-reduce that keeps every rank's collectives in the same
   order (see :mod:`torch_backend.schedule`), on :func:`agreement_group`.
@@ -190,6 +191,8 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
         full.div_(world)
     epilogue = None if divide_first else (lambda: output.div_(world))
     backend = dist.get_backend(group)
+    if backend == "gloo" and full.device.type == "cpu":
+        return _exchange_and_sum(output, full, group, world, epilogue, async_op)
     if backend not in _NO_FLAT_REDUCE_SCATTER:
         try:
             with _issue_context(output, async_op):
@@ -210,6 +213,23 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
     with _issue_context(output, async_op):
         work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, copy_out, (output, full), async_op)
+
+
+def _exchange_and_sum(output, full, group, world: int, epilogue, async_op: bool) -> Pending:
+    """gloo's reduce-scatter: an all-to-all (rank ``r`` receives every rank's slice ``r``) and a local
+    sum in rank order. gloo implements the flat reduce-scatter as a whole all-reduce, which moves twice
+    the bytes and sums the whole chunk on its own threads; this moves ``(W-1)/W`` of the chunk and sums
+    only this rank's slice (half the CPU time of the all-reduce on 2 ranks:
+    ``benchmarks/bench_engine.py``)."""
+    received = torch.empty_like(full)
+    work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
+
+    def sum_slices():
+        torch.sum(received.view(world, -1), dim=0, out=output)
+        if epilogue is not None:
+            epilogue()
+
+    return _finish(work, sum_slices, (output, full, received), async_op)
 
 
 def all_reduce_avg(tensor: torch.Tensor, group, *, divide_first: bool = False, async_op: bool = False) -> Pending:
