@@ -307,7 +307,16 @@ class Chunk:
         return self.grad_buffer is not None
 
     def add_grad(self, name: str, placement: TensorPlacement, grad: torch.Tensor) -> None:
-        """Accumulate ``grad`` (full shape of the tensor) into the chunk's gradient buffer."""
+        """Accumulate ``grad`` (full shape of the tensor) into the chunk's gradient buffer.
+
+        A chunk that is exactly one tensor (no padding) adopts ``grad`` as its buffer, without a copy
+        (the caller hands it over: autograd's ``param.grad``, cleared by the engine).
+        """
+        if (self.grad_buffer is None and placement.offset == 0 and placement.end == self.size
+                and grad.is_contiguous() and grad.dtype == self.dtype and grad.device == self.device):
+            self.grad_buffer = grad.detach().view(-1)
+            self._grad_written = {name}
+            return
         buf = self._grad_buffer()[placement.offset : placement.end]
         g = grad.reshape(-1)
         if name in self._grad_written:
