@@ -535,11 +535,11 @@ class ZeroDDP(nn.Module):
     @property
     def collective_stats(self) -> dict[str, int]:
         """``rounds`` (vote all-reduces), ``gathers`` (all-gathers issued), ``misses`` (uses of a chunk not
-        gathered ahead), ``peak_gathered_chunks`` and ``order_recordings`` (how often the prefetch order
-        was recorded) so far."""
+        gathered ahead), ``late_gathers`` (prefetched gathers issued only at the chunk's use),
+        ``peak_gathered_chunks`` and ``order_recordings`` (how often the prefetch order was recorded) so far."""
         s = self._runtime.sched
-        return {"rounds": s.rounds, "gathers": s.gathers, "misses": s.misses, "peak_gathered_chunks": s.peak_gathered,
-                "order_recordings": sum(o.recordings for o in s.orders.values())}
+        return {"rounds": s.rounds, "gathers": s.gathers, "misses": s.misses, "late_gathers": s.late_gathers,
+                "peak_gathered_chunks": s.peak_gathered, "order_recordings": sum(o.recordings for o in s.orders.values())}
 
     def extra_repr(self) -> str:
         return (

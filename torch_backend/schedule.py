@@ -28,7 +28,10 @@ order), re-recorded whenever the order changes; a chunk used out of that order i
 With ``prefetch > 0`` all-gathers and reduce-scatters are issued asynchronously (gloo work handles;
 CUDA: a communication stream, see :mod:`torch_backend.collectives`) so the prefetched gathers and
 the reductions of finished chunks overlap the computation; at most ``max(1, prefetch)`` reductions
-are in flight (the oldest is completed first), which bounds the gradient memory.
+are in flight (the oldest is completed first), which bounds the gradient memory. The prefetch votes
+are asynchronous too: a vote cast at chunk ``k``'s first use is decided at the next chunk's, so it
+asks for the chunks up to ``prefetch + 1`` ahead, and the gathers it decides are issued a chunk ahead
+of their use (``late_gathers`` counts those issued only at their use).
 """
 
 from __future__ import annotations
@@ -138,6 +141,8 @@ class Scheduler:
         """All-gathers issued so far (prefetched or on demand)."""
         self.misses = 0
         """Uses of a chunk that was neither gathered nor being gathered (an on-demand gather)."""
+        self.late_gathers = 0
+        """Prefetched gathers issued only at the chunk's use (voted for ahead, decided too late to overlap)."""
         self.peak_gathered = 0
         """The most sharded chunks gathered or being gathered at once."""
         self.listener = None
@@ -165,8 +170,8 @@ class Scheduler:
         self.orders[phase].end()
         if self.listener is not None:
             self.listener.phase_ended(phase)
-        want = [] if prefetch_next is None else [
-            i for i in self.orders[prefetch_next].first(self.prefetch) if not self._present(self.chunks[i])]
+        first = [] if prefetch_next is None else self.orders[prefetch_next].first(self.prefetch + 1)
+        want = [i for i in first[: self.prefetch] if not self._present(self.chunks[i])]
         if self.world_size == 1:
             self._round(want=want)
             return used
@@ -174,7 +179,13 @@ class Scheduler:
             votes = self._round(want=want, done=True, used=used)
             want = ()
             if int(votes[3 * self.n]) == self.world_size:
-                return None if used is None else votes[3 * self.n + 1 :]
+                break
+        # the next phase's first vote is decided only at its second chunk: vote for the chunk after
+        # the prefetched ones now, so that its gather is issued at the first chunk's use
+        later = [i for i in first[self.prefetch :] if not self._present(self.chunks[i])]
+        if self.async_op and later:
+            self._round(want=later, wait=False)
+        return None if used is None else votes[3 * self.n + 1 :]
 
     def last_use(self, phase: str, index: int) -> bool:
         """Whether the recorded order of ``phase`` expects no further use of chunk ``index`` (``False``
@@ -199,16 +210,30 @@ class Scheduler:
         if self.listener is not None:
             self.listener.accessed(phase, chunk)
         if self._voted(chunk.index):
-            self._resolve()  # its gather was voted for ahead of use: issue it now
-        upcoming = [i for i in order.upcoming(self.prefetch, exclude=chunk.index)
-                    if not self._present(self.chunks[i]) and not self._voted(i)]
-        if not self._present(chunk):
+            self.late_gathers += 1
+            self._resolve()  # its gather was voted for ahead of use but not issued yet: issue it now
+        miss = not self._present(chunk)
+        if miss:
             self.misses += 1
-            self._round(want=[chunk.index, *upcoming])
-        elif upcoming:
-            self._round(want=upcoming, wait=not self.async_op)
+            self._round(want=[chunk.index, *self._upcoming(order, chunk, self.prefetch)])
+        if self.async_op:
+            # the vote is decided at the next chunk's first use, where its gathers are issued: so it
+            # asks one chunk further ahead, and the window of gathers in flight stays ``prefetch``
+            self._resolve()
+            upcoming = self._upcoming(order, chunk, self.prefetch + 1)
+            if upcoming:
+                self._round(want=upcoming, wait=False)
+        elif not miss:
+            upcoming = self._upcoming(order, chunk, self.prefetch)
+            if upcoming:
+                self._round(want=upcoming)
         if chunk.gather_in_flight:
             chunk.finish_gather()
+
+    def _upcoming(self, order: AccessOrder, chunk: Chunk, count: int) -> list[int]:
+        """Up to ``count`` chunks expected after ``chunk`` that are neither gathered nor voted for."""
+        return [i for i in order.upcoming(count, exclude=chunk.index)
+                if not self._present(self.chunks[i]) and not self._voted(i)]
 
     @staticmethod
     def _present(c: Chunk) -> bool:

@@ -218,6 +218,8 @@ def worker_prefetch_order(rank: int, world: int):
         misses = after["misses"] - before["misses"]
         if prefetch > 0 and world > 1:  # only the forward's first chunk: nothing runs before it
             assert misses == 1, (prefetch, before, after)
+            # and every other gather was issued before the chunk's use, so it overlapped computation
+            assert after["late_gathers"] == before["late_gathers"], (prefetch, before, after)
         else:
             assert misses == after["gathers"] - before["gathers"], (before, after)  # every gather on demand
         reference_run(ref, gpt2_loss, data, torch.optim.AdamW, ADAMW)
