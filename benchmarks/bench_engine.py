@@ -31,8 +31,10 @@ step is its slowest rank's. Reported per system: min / median / max over all tim
 phase (forward, backward, optimizer), peak RSS per rank (``ru_maxrss``, the whole process: torch
 included; ``base`` = after importing torch and joining the group), model-state bytes per rank
 (parameters, gradients, fp32 masters and optimizer states held right after ``step()``), and for
-ZeroDDP the collectives per step (vote rounds, all-gathers, misses = gathers on demand) and the peak
-number of gathered chunks. The ZeRO bound per rank is ``16 Ψ / W`` bytes: fp32 = 4 (parameter = master)
+ZeroDDP the collectives per step (vote rounds, all-gathers, misses = gathers on demand, late gathers =
+prefetched gathers issued only at their use) and the peak number of gathered chunks. CPU seconds per
+step, on the busiest rank: the training loop's thread (``time.thread_time``) and every other thread of
+the process (``process_time`` minus it: gloo's threads, which move and sum the collectives' data). The ZeRO bound per rank is ``16 Ψ / W`` bytes: fp32 = 4 (parameter = master)
 + 4 (gradient) + 8 (Adam ``exp_avg``, ``exp_avg_sq``); bf16 mixed precision = 2 + 2 + 12 (fp32
 master + Adam states) in ZeRO's accounting (ZeroDDP keeps an fp32 gradient shard and casts the master
 at gather time instead of a bf16 shard: 4 + 4 + 8, the same 16); plus the prefetch window, ``(1 +
@@ -176,7 +178,11 @@ def oracle_votes(world: int) -> None:
     same shapes, same order). The step time without the cost of agreeing; wrong if ranks diverge."""
     from torch_backend import collectives
 
-    collectives.agree = lambda votes, group: votes.mul_(world)
+    def agree(votes, group, *, async_op=False):
+        votes.mul_(world)
+        return collectives.Pending()
+
+    collectives.agree = agree
 
 
 class System:
@@ -320,13 +326,13 @@ class EngineProfile:
     """
 
     def __init__(self):
-        from torch_backend import access, chunks, collectives, ddp
+        from torch_backend import access, chunks, collectives, runtime
 
         self.totals: dict[str, list[float]] = {}
         targets = {"vote_rounds": (collectives, "agree"), "gather_issue": (chunks.Chunk, "begin_gather"),
                    "gather_wait": (chunks.Chunk, "finish_gather"), "reduce_issue": (chunks.Chunk, "begin_reduce"),
-                   "reduce_wait": (chunks.Chunk, "finish_reduces"), "grad_hooks": (ddp.ZeroDDP, "_on_grad"),
-                   "finalize": (ddp.ZeroDDP, "_finalize_backward")}
+                   "reduce_wait": (chunks.Chunk, "finish_reduces"), "grad_hooks": (runtime.ChunkRuntime, "_on_grad"),
+                   "finalize": (runtime.ChunkRuntime, "_finalize_backward")}
         for key, (owner, attr) in targets.items():
             setattr(owner, attr, self._timed(key, getattr(owner, attr)))
         mode = access.ParamAccessMode
@@ -397,8 +403,10 @@ def rank_main(conn, spec: str, precision: str, rank: int, world: int, init_file:
                     stats_before = system.zero_stats()
                     if profile is not None:
                         profile.reset()
+                process_s, thread_s = time.process_time(), time.thread_time()
                 steps = [system.step(measure_state=msg.get("measure_state", False) and i == 0) for i in range(msg["steps"])]
-                _send(conn, {"steps": steps})
+                thread_s = time.thread_time() - thread_s  # the training loop's thread; the rest: torch's own
+                _send(conn, {"steps": steps, "cpu_s": [thread_s, time.process_time() - process_s - thread_s]})
             elif msg["op"] == "report":
                 peak_cuda = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
                 _send(conn, {"peak_rss_mib": _maxrss_mib(), "state_bytes": system.state_bytes, "peak_cuda_mib": peak_cuda,
@@ -508,6 +516,9 @@ def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, load
                     replies = ask(g, {"op": "run", "steps": cfg["steps"], "timed": True})
                     for i in range(cfg["steps"] if replies else 0):  # per step and phase: the slowest rank
                         results[g.spec]["steps"].append([max(r["steps"][i][j] for r in replies) for j in range(4)])
+                    if replies:  # CPU seconds per step of the main thread and of the others, the busiest rank
+                        results[g.spec].setdefault("cpu", []).append(
+                            [max(r["cpu_s"][j] for r in replies) / cfg["steps"] for j in range(2)])
                 print(f"# {precision} repeat {rep + 1}/{cfg['repeats']} done, load {os.getloadavg()[0]:.2f}",
                       file=sys.stderr, flush=True)
             for g in list(live):  # noqa: PERF101 - as above
@@ -536,6 +547,7 @@ def summarize(precision: str, spec: str, res: dict, cfg: dict) -> dict:
         "state_mib": max(r["state_bytes"] for r in rep) / 2**20,
         "zero_bound_mib": BYTES_PER_PARAM_ZERO * n_params / cfg["world_size"] / 2**20,
         "peak_cuda_mib": rep[0]["peak_cuda_mib"],
+        "cpu_main_s": statistics.median(c[0] for c in res["cpu"]), "cpu_other_s": statistics.median(c[1] for c in res["cpu"]),
     }
     after, before = rep[0]["zero_after"], rep[0]["zero_before"]
     n = max(1, len(steps))
@@ -543,7 +555,7 @@ def summarize(precision: str, spec: str, res: dict, cfg: dict) -> dict:
         row["zero"] = {
             **{k: after[k] for k in ("chunks", "chunk_size", "chunk_bytes", "prefetch")},
             "peak_gathered_chunks": max(r["zero_after"]["peak_gathered_chunks"] for r in rep),
-            **{f"{k}_per_step": (after[k] - before[k]) / n for k in ("rounds", "gathers", "misses")},
+            **{f"{k}_per_step": (after[k] - before[k]) / n for k in ("rounds", "gathers", "misses", "late_gathers")},
             "window_mib": (1 + after["prefetch"]) * after["chunk_bytes"] / 2**20,
         }
     if rep[0].get("profile"):  # per step, the rank that spent the most
@@ -567,25 +579,26 @@ def print_tables(rows: list[dict], cfg: dict) -> None:
         floor, fsdp2 = ref.get(base), ref.get("fsdp2")
         print(f"\n**{precision}**\n")
         print(f"| system | min s | median s | max s | × {base} | × FSDP2 | fwd / bwd / opt s | tokens/s | peak RSS/rank MiB "
-              "(base) | model state/rank MiB | ZeRO bound 16Ψ/W MiB |" + (" peak CUDA MiB | MFU |" if cuda else ""))
-        print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else ""))
+              "(base) | model state/rank MiB | ZeRO bound 16Ψ/W MiB | CPU s/step main / other threads |"
+              + (" peak CUDA MiB | MFU |" if cuda else ""))
+        print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|" + ("---:|---:|" if cuda else ""))
         for r in block:
             ratio = functools.partial(_ratio, r["median_s"])
             extra = f" {r['peak_cuda_mib']:.0f} | {100 * r.get('mfu', 0):.1f}% |" if cuda else ""
             print(f"| {label(r['system'])} | {r['min_s']:.3f} | {r['median_s']:.3f} | {r['max_s']:.3f} | {ratio(floor)} | "
                   f"{ratio(fsdp2)} | {r['forward_s']:.3f} / {r['backward_s']:.3f} / {r['optimizer_s']:.3f} | "
                   f"{r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} ({r['base_rss_mib']:.0f}) | {r['state_mib']:.1f} | "
-                  f"{r['zero_bound_mib']:.1f} |{extra}")
+                  f"{r['zero_bound_mib']:.1f} | {r['cpu_main_s']:.3f} / {r['cpu_other_s']:.3f} |{extra}")
         zero = [r for r in block if "zero" in r]
         if zero:
             print("\n| ZeroDDP | chunks × size | peak gathered chunks | bound + window (1+prefetch chunks) MiB | "
-                  "vote rounds / step | all-gathers / step | misses / step |")
-            print("|---|---|---:|---:|---:|---:|---:|")
+                  "vote rounds / step | all-gathers / step | misses / step | late gathers / step |")
+            print("|---|---|---:|---:|---:|---:|---:|---:|")
             for r in zero:
                 z = r["zero"]
                 print(f"| {label(r['system'])} | {z['chunks']} × {z['chunk_size']:,} | {z['peak_gathered_chunks']} | "
                       f"{r['zero_bound_mib'] + z['window_mib']:.1f} | {z['rounds_per_step']:.1f} | "
-                      f"{z['gathers_per_step']:.1f} | {z['misses_per_step']:.1f} |")
+                      f"{z['gathers_per_step']:.1f} | {z['misses_per_step']:.1f} | {z['late_gathers_per_step']:.1f} |")
 
 
 def print_profile(rows: list[dict]) -> None:
