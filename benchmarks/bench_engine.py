@@ -34,11 +34,12 @@ included; ``base`` = after importing torch and joining the group), model-state b
 ZeroDDP the collectives per step (vote rounds, all-gathers, misses = gathers on demand, late gathers =
 prefetched gathers issued only at their use) and the peak number of gathered chunks. CPU seconds per
 step, on the busiest rank: the training loop's thread (``time.thread_time``) and every other thread of
-the process (``process_time`` minus it: gloo's threads, which move and sum the collectives' data). The ZeRO bound per rank is ``16 Ψ / W`` bytes: fp32 = 4 (parameter = master)
-+ 4 (gradient) + 8 (Adam ``exp_avg``, ``exp_avg_sq``); bf16 mixed precision = 2 + 2 + 12 (fp32
-master + Adam states) in ZeRO's accounting (ZeroDDP keeps an fp32 gradient shard and casts the master
-at gather time instead of a bf16 shard: 4 + 4 + 8, the same 16); plus the prefetch window, ``(1 +
-prefetch)`` gathered chunks. The machine's load average is printed before and after the run.
+the process (``process_time`` minus it: gloo's threads, which move and sum the collectives' data).
+The ZeRO bound per rank is ``16 Ψ / W`` bytes: fp32 = 4 (parameter = master) + 4 (gradient) + 8 (Adam
+``exp_avg``, ``exp_avg_sq``); bf16 mixed precision = 2 + 2 + 12 (fp32 master + Adam states) in ZeRO's
+accounting (ZeroDDP keeps an fp32 gradient shard and casts the master at gather time instead of a bf16
+shard: 4 + 4 + 8, the same 16); plus the gathered chunks, counted as the peak number gathered at once
+times the largest chunk's bytes. The machine's load average is printed before and after the run.
 
     .venv/bin/python benchmarks/bench_engine.py --repeats 5                     # the issue-11 table (CPU, ~15 min)
     .venv/bin/python benchmarks/bench_engine.py --repeats 1 --warmup 1 --steps 1 --n-layer 1 --n-embd 64 \
@@ -292,7 +293,7 @@ class System:
             return None
         s = dict(self.zero.collective_stats)
         s.update(chunks=len(self.zero.chunks), chunk_size=self.zero.layout.chunk_size,
-                 chunk_bytes=self.zero.layout.chunk_size * self.zero.chunks[0].buffer.element_size(),
+                 chunk_bytes=max(c.size for c in self.zero.chunks) * self.zero.chunks[0].buffer.element_size(),
                  prefetch=self.zero.prefetch)
         return s
 
@@ -556,7 +557,7 @@ def summarize(precision: str, spec: str, res: dict, cfg: dict) -> dict:
             **{k: after[k] for k in ("chunks", "chunk_size", "chunk_bytes", "prefetch")},
             "peak_gathered_chunks": max(r["zero_after"]["peak_gathered_chunks"] for r in rep),
             **{f"{k}_per_step": (after[k] - before[k]) / n for k in ("rounds", "gathers", "misses", "late_gathers")},
-            "window_mib": (1 + after["prefetch"]) * after["chunk_bytes"] / 2**20,
+            "window_mib": max(r["zero_after"]["peak_gathered_chunks"] for r in rep) * after["chunk_bytes"] / 2**20,
         }
     if rep[0].get("profile"):  # per step, the rank that spent the most
         row["profile"] = {k: {"s": max(r["profile"][k][0] for r in rep) / n, "calls": rep[0]["profile"][k][1] / n}
@@ -591,7 +592,7 @@ def print_tables(rows: list[dict], cfg: dict) -> None:
                   f"{r['zero_bound_mib']:.1f} | {r['cpu_main_s']:.3f} / {r['cpu_other_s']:.3f} |{extra}")
         zero = [r for r in block if "zero" in r]
         if zero:
-            print("\n| ZeroDDP | chunks × size | peak gathered chunks | bound + window (1+prefetch chunks) MiB | "
+            print("\n| ZeroDDP | chunks × size | peak gathered chunks | bound + peak gathered (largest chunks) MiB | "
                   "vote rounds / step | all-gathers / step | misses / step | late gathers / step |")
             print("|---|---|---:|---:|---:|---:|---:|---:|")
             for r in zero:
