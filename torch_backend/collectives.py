@@ -219,8 +219,8 @@ def _exchange_and_sum(output, full, group, world: int, epilogue, async_op: bool)
     """gloo's reduce-scatter: an all-to-all (rank ``r`` receives every rank's slice ``r``) and a local
     sum in rank order. gloo implements the flat reduce-scatter as a whole all-reduce, which moves twice
     the bytes and sums the whole chunk on its own threads; this moves ``(W-1)/W`` of the chunk and sums
-    only this rank's slice (half the CPU time of the all-reduce on 2 ranks:
-    ``benchmarks/bench_engine.py``)."""
+    only this rank's slice (half the CPU time of gloo's reduce-scatter on 2 ranks:
+    ``benchmarks/bench_collectives.py``)."""
     received = torch.empty_like(full)
     work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
 
