@@ -33,8 +33,10 @@ included; ``base`` = after importing torch and joining the group), model-state b
 (parameters, gradients, fp32 masters and optimizer states held right after ``step()``), and for
 ZeroDDP the collectives per step (vote rounds, all-gathers, misses = gathers on demand, late gathers =
 prefetched gathers issued only at their use) and the peak number of gathered chunks. CPU seconds per
-step, on the busiest rank: the training loop's thread (``time.thread_time``) and every other thread of
-the process (``process_time`` minus it: gloo's threads, which move and sum the collectives' data).
+step, each the largest over the ranks: the training loop's thread (``time.thread_time``, which does
+not count the time it sleeps in a wait) and every other thread of the process (``process_time`` minus
+it: gloo's threads, which move and sum the collectives' data). ``(base)`` after the peak RSS is the RSS
+once torch is imported and the process group joined, before the model is built.
 The ZeRO bound per rank is ``16 Ψ / W`` bytes: fp32 = 4 (parameter = master) + 4 (gradient) + 8 (Adam
 ``exp_avg``, ``exp_avg_sq``); bf16 mixed precision = 2 + 2 + 12 (fp32 master + Adam states) in ZeRO's
 accounting (ZeroDDP keeps an fp32 gradient shard and casts the master at gather time instead of a bf16
@@ -618,8 +620,10 @@ def print_profile(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", default="floor,ddp,fsdp2,zero:prefetch=0,zero:prefetch=1")
-    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--systems", default="floor,ddp,fsdp2,zero:prefetch=0,zero:prefetch=1",
+                    help="comma-separated: floor, ddp, fsdp2, autocast, zero[:key=value...] (ZeroDDP keyword "
+                         "arguments, e.g. zero:prefetch=2:chunk_size=3200000); default: %(default)s")
+    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16; default: %(default)s")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats after warm-up (all systems each)")
