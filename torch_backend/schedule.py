@@ -210,16 +210,16 @@ class Scheduler:
         if self.listener is not None:
             self.listener.accessed(phase, chunk)
         if self._voted(chunk.index):
-            self.late_gathers += 1
-            self._resolve()  # its gather was voted for ahead of use but not issued yet: issue it now
+            self.late_gathers += 1  # voted for ahead of use, but its gather is issued only now
+        # issue what the previous (async) vote decided: the gathers for the chunks after this one
+        self._resolve()
         miss = not self._present(chunk)
         if miss:
             self.misses += 1
             self._round(want=[chunk.index, *self._upcoming(order, chunk, self.prefetch)])
         if self.async_op:
-            # the vote is decided at the next chunk's first use, where its gathers are issued: so it
+            # this vote is decided at the next chunk's first use, where its gathers are issued: so it
             # asks one chunk further ahead, and the window of gathers in flight stays ``prefetch``
-            self._resolve()
             upcoming = self._upcoming(order, chunk, self.prefetch + 1)
             if upcoming:
                 self._round(want=upcoming, wait=False)
