@@ -30,6 +30,16 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _outcome(results: list[dict]) -> tuple[int, str | None]:
+    """The exit code and message of the workers' results (``torch_backend.worker.worker_main``): bad
+    input (``"error"``, exit 2) first, then a run that could not go on (``"failed"``, exit 1)."""
+    for status, code in (("error", EXIT_BAD_INPUT), ("failed", EXIT_FAILED)):
+        for r in results:
+            if r.get("status") == status:
+                return code, r["message"]
+    return EXIT_OK, None
+
+
 def fail(prog: str, message: str) -> int:
     """Print ``<prog>: error: <message>`` as one line on stderr; return exit code 2."""
     print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
@@ -143,10 +153,9 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     if launcher.running_under_torchrun():
         import os
 
-        result = worker_main(cfg, hooks)
-        code = {"error": EXIT_BAD_INPUT, "failed": EXIT_FAILED}.get(result["status"], EXIT_OK)
+        code, message = _outcome([worker_main(cfg, hooks)])
         if code != EXIT_OK and os.environ.get("RANK") == "0":
-            fail(prog, result["message"])
+            fail(prog, message)
         exit_without_finalization_at_exit(code)  # gloo's threads may still run: no finalization under them
         return code
 
@@ -172,13 +181,10 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
             print(f"{prog}: stopped by a signal ({e})", file=sys.stderr)
             return EXIT_INTERRUPTED
         raise
-    errors = [r["message"] for r in results.values() if r.get("status") == "error"]
-    if errors:
-        return fail(prog, errors[0])
-    failures = [r["message"] for r in results.values() if r.get("status") == "failed"]
-    if failures:
-        fail(prog, failures[0])
-        return EXIT_FAILED
+    code, message = _outcome(list(results.values()))
+    if code != EXIT_OK:
+        fail(prog, message)
+        return code
     log.info("chunkzero train: done in %.1f s (including start-up); outputs in %s",
              time.perf_counter() - t0, cfg.out)
     return EXIT_OK

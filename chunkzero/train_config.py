@@ -38,13 +38,10 @@ DEVICES = ("auto", "cpu", "cuda")
 CPU_DEFAULTS = {"model": "gpt-mini", "mixed_precision": "fp32", "lr": 3e-3}
 """What ``--model``, ``--mixed-precision`` and ``--lr`` default to on a machine without a GPU: a byte-level
 GPT of 1.7 M parameters (2 layers, width 256) that spans 8 chunks at the searched chunk size on 2 workers
-(9 on 3), in fp32. Shallow and wide trains furthest in the default run's few minutes on 2 cores."""
+(9 on 3), in fp32."""
 GPU_DEFAULTS = {"model": "gpt2", "mixed_precision": "bf16", "lr": 6e-4}
 """... and with ``--device cuda`` (or ``auto`` on a machine with a GPU): the byte-level GPT-2 124M shape
 (12 layers, width 768; 86 M parameters with the 256-token vocabulary) in bf16, at GPT-2's learning rate."""
-DEVICE_DEFAULT_FIELDS = tuple(CPU_DEFAULTS)
-"""The :class:`TrainConfig` fields whose default depends on the device (``None`` until resolved)."""
-
 GROUPS = ("data", "model", "optimization", "workers", "reporting", "checkpoints")
 """The option groups of ``chunkzero train --help``, in order."""
 
@@ -248,8 +245,9 @@ def default_text(f: dataclasses.Field) -> str | None:
 # ================================================================================ defaults by device
 
 def device_defaults(device: str, *, bf16_supported: bool = True) -> dict[str, Any]:
-    """The values of :data:`DEVICE_DEFAULT_FIELDS` on ``device`` (``"cpu"`` or ``"cuda"``): :data:`CPU_DEFAULTS`,
-    or :data:`GPU_DEFAULTS` with fp16 instead of bf16 where the GPU has no bf16 (``bf16_supported=False``)."""
+    """The device-dependent fields (the keys of :data:`CPU_DEFAULTS`) on ``device`` (``"cpu"`` or
+    ``"cuda"``): :data:`CPU_DEFAULTS`, or :data:`GPU_DEFAULTS` with fp16 instead of bf16 where the GPU
+    has no bf16 (``bf16_supported=False``)."""
     if device != "cuda":
         return dict(CPU_DEFAULTS)
     return {**GPU_DEFAULTS, **({} if bf16_supported else {"mixed_precision": "fp16"})}

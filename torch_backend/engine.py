@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from chunkzero.errors import ConfigError
-from chunkzero.train_config import TrainConfig, with_device_defaults
+from chunkzero.train_config import TrainConfig
 
 
 def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -34,7 +34,6 @@ class Engine:
     """
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, device: torch.device):
-        cfg = with_device_defaults(cfg, device.type)  # a no-op for a validated config
         self.cfg = cfg
         self.kind = cfg.engine
         betas = (0.9, 0.95)
@@ -88,6 +87,12 @@ class Engine:
         return applied is not False
 
     last_grad_norm: float | None = None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients so far (ZeroOptimizer's count, resumes included; DDP
+        never skips)."""
+        return int(getattr(self.optim, "skipped_steps", 0))
 
     def zero_grad(self) -> None:
         self.optim.zero_grad(set_to_none=True) if self.kind == "ddp" else self.optim.zero_grad()

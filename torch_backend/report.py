@@ -62,7 +62,6 @@ class Report:
         self.run_train_time_s = float(counters.get("train_time_s", 0.0))
         self.session_tokens = 0
         self.train_time_s = 0.0
-        self.skipped = 0
         self.pbar = None
 
     def counters(self) -> dict:
@@ -100,7 +99,6 @@ class Report:
         self.run_train_time_s += dt_s
         self.tokens += self.tokens_per_step
         self.session_tokens += self.tokens_per_step
-        self.skipped += not applied
         scale = engine.loss_scale
         self.metrics.write({"kind": "train", "step": step, "loss": loss, "lr": lr, "loss_scale": scale,
                             "grad_norm": engine.last_grad_norm, "skipped": not applied, "tokens": self.tokens,
@@ -139,7 +137,7 @@ class Report:
             "chunk_size_searched": cfg.chunk_size is None,
             "world_size": self.world_size, "device": self.device.type, "backend": self.backend,
             "data": corpus.summary(), "steps": cfg.steps,
-            "skipped_steps": int(getattr(engine.optim, "skipped_steps", self.skipped)),
+            "skipped_steps": engine.skipped_steps,
             "tokens_per_step": self.tokens_per_step, "tokens": self.tokens,
             "train_loss_first": first, "train_loss_last": last,
             "train_loss_first_step": t0_step, "train_loss_last_step": t1_step,

@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chunkzero.errors import LossScaleError
 from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
 
@@ -136,34 +135,31 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
         report.val(start - 1, val_loss)
 
     report.open_progress()
-    for step in range(start, cfg.steps + 1):
-        t0 = time.perf_counter()
-        lr = lr_at(step - 1, cfg)
-        engine.set_lr(lr)
-        loss_sum = 0.0
-        for micro in range(cfg.grad_accum):  # gradients are reduced at the last micro-batch only
-            x, y = sampler.next()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = lm_loss(engine.model(x), y)
-            engine.backward(loss / cfg.grad_accum, sync=micro == cfg.grad_accum - 1)
-            loss_sum += loss.detach()
-        try:
-            applied = engine.step()
-        except LossScaleError as e:  # every rank at the same step: the overflow flag is all-reduced
-            report.close_progress()
-            raise LossScaleError(f"{e}; the run stops here (--max-skipped-steps {cfg.max_skipped_steps}; 0 never stops)",
-                                 step=step, scale=e.scale, skipped=e.skipped) from None
-        engine.zero_grad()
-        loss = all_mean(loss_sum / cfg.grad_accum, group)  # also a sync point, so the timing is honest
-        report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
-        if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
-            save_step(step, engine, sampler, cfg, report.counters())
-        if step % cfg.eval_interval == 0 or step == cfg.steps:
-            val_loss = evaluate(engine, val, device, group)
-            report.val(step, val_loss, train_loss=loss)
-        for hook in on_step_end:
-            hook(StepEnd(step=step, rank=rank, world_size=world, loss=loss, engine=engine))
-    report.close_progress()
+    try:
+        for step in range(start, cfg.steps + 1):
+            t0 = time.perf_counter()
+            lr = lr_at(step - 1, cfg)
+            engine.set_lr(lr)
+            loss_sum = 0.0
+            for micro in range(cfg.grad_accum):  # gradients are reduced at the last micro-batch only
+                x, y = sampler.next()
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss = lm_loss(engine.model(x), y)
+                engine.backward(loss / cfg.grad_accum, sync=micro == cfg.grad_accum - 1)
+                loss_sum += loss.detach()
+            applied = engine.step()  # a LossScaleError comes on every rank at the same step
+            engine.zero_grad()
+            loss = all_mean(loss_sum / cfg.grad_accum, group)  # also a sync point, so the timing is honest
+            report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
+            if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
+                save_step(step, engine, sampler, cfg, report.counters())
+            if step % cfg.eval_interval == 0 or step == cfg.steps:
+                val_loss = evaluate(engine, val, device, group)
+                report.val(step, val_loss, train_loss=loss)
+            for hook in on_step_end:
+                hook(StepEnd(step=step, rank=rank, world_size=world, loss=loss, engine=engine))
+    finally:
+        report.close_progress()
 
     prompt, sample = sample_text(engine, corpus, cfg, device) if cfg.sample_tokens else ("", "")
     memory, chunks = zip(*all_gather_json([peak_memory_mib(device), engine.chunk_report(rank)], group))

@@ -130,7 +130,8 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
         summary = train(cfg, corpus, rank, world, device, previous_config, on_step_end=on_step_end)
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
-        return {"status": "failed", "message": str(e)}
+        return {"status": "failed",
+                "message": f"{e}; the run stops here (--max-skipped-steps {cfg.max_skipped_steps}; 0 never stops)"}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:
