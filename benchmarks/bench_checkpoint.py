@@ -7,7 +7,9 @@ writes parameters + optimizer state ≈ 1.2 GB. Each of ``--world`` gloo ranks h
 
 - **orbax (chunkzero)**: ``save_checkpoint`` (synchronous: until committed) / ``load_checkpoint``. Every
   rank writes only its shards (jax.distributed on CPU, one process per rank); the load reads each rank's
-  own ranges with TensorStore. Includes the checksums and the RNG-state gather.
+  own ranges with TensorStore. Includes the checksums and the RNG-state gather. Two loads: the default
+  staged one (read into new buffers, agreed across ranks, then copied in) and ``staged=False``
+  (straight into the live shards).
 - **DCP**: ``dcp.save`` / ``dcp.load`` of each chunk's master and optimizer shards as ``DTensor`` s
   (``Shard(0)`` over a 1-D device mesh) — the DCP way to save sharded state (default
   ``FileSystemWriter``).
@@ -94,7 +96,8 @@ def _worker(rank, world, args, root):
     # ---- chunkzero / Orbax
     for i in range(args.repeats):
         record("orbax save", _timed(lambda i=i: save_checkpoint(root / "orbax", model, optim, step=i + 1)))
-        record("orbax load", _timed(lambda: load_checkpoint(root / "orbax", model, optim)))
+        record("orbax load", _timed(lambda: load_checkpoint(root / "orbax", model, optim)))  # staged (the default)
+        record("orbax in place load", _timed(lambda: load_checkpoint(root / "orbax", model, optim, staged=False)))
 
     # ---- DCP with DTensors of each chunk's shards
     mesh = init_device_mesh("cpu", (world,))
@@ -140,14 +143,6 @@ def _worker(rank, world, args, root):
     return {"times": results, "sizes": sizes, "params": n_params}
 
 
-def _file_bytes_read() -> int:
-    """TensorStore's own count of bytes read from files by this process (array data and OCDBT metadata)."""
-    import tensorstore as ts
-
-    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    return int(found[0]["values"][0]["value"]) if found else 0
-
-
 def _resume_save(rank, world, args, root):
     from torch_backend.checkpoint import save_checkpoint
 
@@ -157,15 +152,16 @@ def _resume_save(rank, world, args, root):
 
 def _resume_load(rank, world, args, root):
     """Load the checkpoint saved at another world size; this rank's owned and read bytes."""
+    from chunkzero.checkpoint.reader import file_bytes_read
     from torch_backend.checkpoint import load_checkpoint
 
     model, optim = _model(rank, args)
     layout = model.layout
     owned = sum(layout.valid_length(c.index, rank) for c in layout.chunks) * 4 * 3  # fp32 params + 2 AdamW states
-    before = _file_bytes_read()
+    before = file_bytes_read()
     t0 = time.perf_counter()
     load_checkpoint(root, model, optim)
-    return {"owned": owned, "read": _file_bytes_read() - before, "seconds": time.perf_counter() - t0}
+    return {"owned": owned, "read": file_bytes_read() - before, "seconds": time.perf_counter() - t0}
 
 
 def resume_bytes(args, base: Path) -> str:
@@ -230,14 +226,14 @@ def main(argv=None) -> str:
     r0 = results[0]
     state_bytes = r0["params"] * 4 * 3
     rows = []
-    for method in ("orbax", "dcp", "torch.save rank 0"):
-        key = "orbax" if method == "orbax" else method
-        save = statistics.median(r0["times"][f"{key} save"])
-        load = statistics.median(r0["times"][f"{key} load"])
-        name = {"orbax": "chunkzero Orbax (sharded)", "dcp": "torch DCP (DTensor shards)",
-                "torch.save rank 0": "rank-0 torch.save (gathered)"}[method]
+    names = {"orbax": "chunkzero Orbax (sharded), staged load", "orbax in place": "chunkzero Orbax, load staged=False",
+             "dcp": "torch DCP (DTensor shards)", "torch.save rank 0": "rank-0 torch.save (gathered)"}
+    for method, name in names.items():
+        save_key = "orbax" if method.startswith("orbax") else method
+        save = statistics.median(r0["times"][f"{save_key} save"])
+        load = statistics.median(r0["times"][f"{method} load"])
         rows.append(f"| {name} | {save:.2f} | {state_bytes / save / 1e6:.0f} | {load:.2f} | {state_bytes / load / 1e6:.0f} | "
-                    f"{r0['sizes'][method] / 1e6:.0f} |")
+                    f"{r0['sizes'][save_key] / 1e6:.0f} |")
     cpu = platform.processor() or platform.machine()
     table = "\n".join([
         f"Model: {args.layers} × Linear({args.dim}, {args.dim}) = {r0['params'] / 1e6:.1f}M fp32 parameters + AdamW "

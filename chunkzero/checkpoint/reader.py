@@ -238,6 +238,15 @@ class ChunkReader:
         return out.array
 
 
+def file_bytes_read() -> int:
+    """Bytes this process has read from files through TensorStore so far (its
+    ``/tensorstore/kvstore/file/bytes_read`` counter: array data and OCDBT metadata, page cache or not)."""
+    import tensorstore as ts
+
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return int(found[0]["values"][0]["value"]) if found else 0
+
+
 def read_shards(
     step_dir: str | os.PathLike,
     meta: CheckpointMeta,

@@ -10,11 +10,10 @@ import json
 
 import numpy as np
 import pytest
-import tensorstore as ts
 
 import jax_backend as jb
 from chunkzero.checkpoint import STORAGE_BLOCK_BYTES, CheckpointMeta, OptimizerMeta, chunk_index, chunk_key, read_meta
-from chunkzero.checkpoint.reader import ChunkReader, read_shards
+from chunkzero.checkpoint.reader import ChunkReader, file_bytes_read, read_shards
 from chunkzero.errors import CheckpointError
 from chunkzero.layout import ChunkLayout, TensorSpec
 
@@ -23,11 +22,6 @@ SPECS = [TensorSpec("a", (8 * BLOCK - 1,)), TensorSpec("b", (3 * BLOCK, 2)), Ten
 """Two sharded chunks of several blocks per shard at world size 2 (4 MiB and 3 MiB) and a keep-gathered one."""
 METADATA_SLACK_BYTES = 64 << 10
 """File bytes a read may add to the array data: OCDBT manifest and B-tree nodes."""
-
-
-def _file_bytes_read() -> int:
-    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    return int(found[0]["values"][0]["value"]) if found else 0
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +50,9 @@ def _expected_shard(arrays, target: ChunkLayout, kind, chunk: int, rank: int) ->
 
 def _read(step_dir, meta, target, rank):
     reader = ChunkReader(step_dir, meta)
-    before = _file_bytes_read()
+    before = file_bytes_read()
     params, optim = read_shards(step_dir, meta, target, rank, reader=reader)
-    return params, optim, reader.bytes_read, _file_bytes_read() - before
+    return params, optim, reader.bytes_read, file_bytes_read() - before
 
 
 def test_storage_chunks_are_the_blocks(saved):
