@@ -45,7 +45,6 @@ __all__ = [
     "all_gather_flat",
     "all_gather_json",
     "all_mean",
-    "all_ranks_ok",
     "all_reduce_avg",
     "all_reduce_sum",
     "barrier",
@@ -312,15 +311,6 @@ def broadcast_int(value: int, group) -> int:
     t = torch.tensor([int(value)], dtype=torch.int64, device=_control_device(group))
     broadcast_from_first(t, group)
     return int(t.item())
-
-
-def all_ranks_ok(ok: bool, group) -> bool:
-    """Whether every rank of the group reports ``ok`` (one all-reduce of a failure flag)."""
-    if _world(group) == 1:
-        return bool(ok)
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=_control_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item()) == 0
 
 
 def all_gather_json(obj, group) -> list:

@@ -77,9 +77,8 @@ def optimizer_shards(model, optimizer) -> tuple[OptimizerMeta, dict[str, dict[in
                     f"optimizer state {key!r} of chunk {c.index} (shape {tuple(value.shape)}) is neither a per-element "
                     f"shard of {layout.shard_numel(c.index)} elements nor the step count; the chunkzero format cannot hold it"
                 )
-    if getattr(model, "world_size", 1) > 1:
-        # a rank whose pieces never had a gradient holds no state, yet saves the same arrays as the others
-        keys = list(dict.fromkeys(k for part in all_gather_json(keys, model.process_group) for k in part))
+    # a rank whose pieces never had a gradient holds no state, yet saves the same arrays as the others
+    keys = list(dict.fromkeys(k for part in all_gather_json(keys, model.process_group) for k in part))
     optim: dict[str, dict[int, np.ndarray]] = {k: {} for k in keys}
     for i, state in per_chunk.items():
         for k in keys:

@@ -40,8 +40,7 @@ def save_target(directory: str | os.PathLike, step: int, layout: ChunkLayout, *,
             "layout_sha256": layout_digest(layout)}
 
 
-_FIELD_WORDS = {"directory": "directory", "step": "step", "max_to_keep": "max_to_keep", "layout_sha256": "chunk layout (SHA-256)",
-                "step_dir": "step directory"}
+_FIELD_WORDS = {"layout_sha256": "chunk layout (SHA-256)", "step_dir": "step directory"}
 
 
 def check_agreement(records: Sequence[Mapping[str, Any]], what: str) -> None:

@@ -148,6 +148,7 @@ def _manager(directory: Path, options: Any):
             m.manager.wait_until_finished()
             m.manager.close()
         _register_exit_hook()
+        logging.getLogger("absl").addFilter(_without_small_chunk_warning)  # (kept once however often added)
         # ``state`` through the PyTree handler: the on-disk format of ``StandardSave``, and subsets restore
         handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS), META_ITEM: ocp.JsonCheckpointHandler()}
         manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
@@ -327,9 +328,6 @@ def _save_args(meta: CheckpointMeta, tree: Mapping[str, Any]) -> dict[str, Any]:
     (:meth:`CheckpointMeta.storage_block_numel`, which divides what each process writes, so Orbax's
     chunk choice — the largest divisor of the write within ``chunk_byte_size`` — is that block)."""
     ocp = _ocp()
-    absl = logging.getLogger("absl")
-    if _without_small_chunk_warning not in absl.filters:
-        absl.addFilter(_without_small_chunk_warning)
     return state_tree({p: ocp.SaveArgs(chunk_byte_size=meta.storage_block_numel(p) * np.dtype(a.dtype).itemsize)
                        for p, a in flat_arrays(tree).items()})
 
