@@ -20,7 +20,6 @@ which hosts the coordination service, aborts every rank still running when it ex
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import threading
@@ -145,10 +144,10 @@ def process_mesh(rank: int, world_size: int, process_group=None, *, coordinator:
                     num_processes=world_size,
                     process_id=rank,
                     local_device_ids=None,
-                    initialization_timeout=max(1, math.ceil(timeout_s)),
-                    shutdown_timeout_seconds=max(1, math.ceil(timeout_s)),
+                    initialization_timeout=orbax_store.whole_seconds(timeout_s),
+                    shutdown_timeout_seconds=orbax_store.whole_seconds(timeout_s),
                     # JAX ends every process once a peer misses heartbeats this long: after our own timeouts
-                    heartbeat_timeout_seconds=max(100, 2 * math.ceil(timeout_s)),
+                    heartbeat_timeout_seconds=max(100, 2 * orbax_store.whole_seconds(timeout_s)),
                 )
             except Exception as e:  # RuntimeError, or JaxRuntimeError once the deadline passes
                 raise CheckpointError(

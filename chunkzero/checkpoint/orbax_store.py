@@ -88,6 +88,11 @@ def check_timeout(timeout_s: Any) -> float:
     return float(timeout_s)
 
 
+def whole_seconds(timeout_s: float) -> int:
+    """``timeout_s`` rounded up to whole seconds, at least 1 (Orbax's and JAX's timeouts are ints)."""
+    return max(1, math.ceil(timeout_s))
+
+
 def _manager_options(max_to_keep: int | None, options: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """The write options of a root: the caller's ``CheckpointManagerOptions`` (default: asynchronous
     saves) with ``max_to_keep`` applied and every barrier bounded by ``timeout_s``.
@@ -109,7 +114,7 @@ def _manager_options(max_to_keep: int | None, options: Any = None, *, timeout_s:
     processes = options.multiprocessing_options
     if jax.process_count() > 1 and processes.active_processes is None:
         processes = dataclasses.replace(processes, active_processes=set(range(jax.process_count())))
-    waits = dataclasses.replace(options.async_options or ocp.AsyncOptions(), timeout_secs=max(1, math.ceil(timeout_s)))
+    waits = dataclasses.replace(options.async_options or ocp.AsyncOptions(), timeout_secs=whole_seconds(timeout_s))
     options = dataclasses.replace(options, read_only=False, create=False, multiprocessing_options=processes,
                                   async_options=waits)
     return options if max_to_keep is None else dataclasses.replace(options, max_to_keep=max_to_keep)
@@ -129,7 +134,7 @@ def _barrier_timeout(timeout_s: float) -> Iterator[None]:
     if previous is None:  # another Orbax: its own timeouts apply
         yield
         return
-    multihost._DEFAULT_BARRIER_TIMEOUT = max(1, math.ceil(timeout_s))
+    multihost._DEFAULT_BARRIER_TIMEOUT = whole_seconds(timeout_s)
     try:
         yield
     finally:
