@@ -15,39 +15,44 @@ from .errors import IllegalTransitionError
 
 
 class TensorState(enum.Enum):
-    """Lifecycle state of one tensor inside a chunk."""
+    """Lifecycle state of one tensor inside a chunk.
+
+    Gemini's table has a fifth state, ``HOLD_AFTER_BWD`` (a gradient produced, the tensor possibly
+    used again in the same backward), because its hooks fire at every use of a parameter in
+    backward. chunkzero's gradient hook is torch's post-accumulate-grad hook, which fires once per
+    backward, after autograd has summed every use of the leaf: the gradient it sees is final, so
+    a tensor goes straight to READY_FOR_REDUCE and that state is never needed.
+    """
 
     FREE = 0
-    """No gathered payload is needed; only the shard is kept."""
+    """No gathered payload: only the shard is kept (the chunk is released)."""
     COMPUTE = 1
-    """In use by forward or backward: its chunk must be gathered."""
+    """In use by a computation, in forward or backward: its chunk must stay gathered."""
     HOLD = 2
-    """Payload valid and kept, not in use (e.g. between forward and backward without resharding)."""
-    HOLD_AFTER_BWD = 3
-    """Its gradient for this backward has been produced; may still be used again (a shared layer)."""
+    """Payload gathered and kept, not in use (prefetched, between uses, or resident)."""
     READY_FOR_REDUCE = 4
-    """Gradient final for this step; the chunk can be reduced once all its tensors are here."""
+    """Gradient final for this backward; the chunk is reduced once all its tensors are here."""
 
 
 S = TensorState
 
 LEGAL_TRANSITIONS: frozenset[tuple[TensorState, TensorState]] = frozenset(
     {
-        (S.FREE, S.HOLD),  # chunk gathered (or initialized) without use
-        (S.FREE, S.COMPUTE),  # gathered for a computation
-        (S.HOLD, S.COMPUTE),  # used again while still gathered
-        (S.HOLD, S.FREE),  # released
-        (S.HOLD, S.READY_FOR_REDUCE),  # unused parameter given a zero gradient
-        (S.COMPUTE, S.HOLD),  # forward of its module finished
-        (S.COMPUTE, S.COMPUTE),  # nested / repeated use of the same parameter
-        (S.COMPUTE, S.HOLD_AFTER_BWD),  # its gradient was produced in backward
-        (S.HOLD_AFTER_BWD, S.COMPUTE),  # used again in the same backward (called several times)
-        (S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE),  # backward pass over: gradient final
-        (S.READY_FOR_REDUCE, S.HOLD),  # chunk reduced; payload still gathered
-        (S.READY_FOR_REDUCE, S.FREE),  # chunk reduced and released at once
+        (S.FREE, S.HOLD),  # chunk gathered (prefetched or on demand)
+        (S.HOLD, S.COMPUTE),  # used by a torch call, or unpacked by a backward node
+        (S.COMPUTE, S.COMPUTE),  # used again while in use (a second saved reference unpacked)
+        (S.COMPUTE, S.HOLD),  # the call, or the node's last saved reference, is over
+        (S.HOLD, S.FREE),  # chunk released
+        (S.FREE, S.READY_FOR_REDUCE),  # final gradient, its chunk already released (no saved tensor needed it)
+        (S.HOLD, S.READY_FOR_REDUCE),  # final gradient while gathered and not in use
+        (S.COMPUTE, S.READY_FOR_REDUCE),  # final gradient while a node still uses the tensor
+        (S.READY_FOR_REDUCE, S.HOLD),  # backward over, chunk still gathered (handed to the reduction)
+        (S.READY_FOR_REDUCE, S.FREE),  # backward over and the chunk released
     }
 )
-"""The legal ``(from, to)`` pairs. Anything else raises :class:`IllegalTransitionError`."""
+"""The legal ``(from, to)`` pairs. Anything else raises :class:`IllegalTransitionError`: notably
+FREE → COMPUTE (a tensor is used only once its chunk is gathered), COMPUTE → FREE (a chunk in use
+is never released) and READY_FOR_REDUCE → COMPUTE (a final gradient is not reopened)."""
 
 
 def is_legal(from_state: TensorState, to_state: TensorState) -> bool:
@@ -112,8 +117,8 @@ class ChunkStates:
 
     @property
     def can_release(self) -> bool:
-        """No tensor is in use: every tensor is FREE or HOLD."""
-        return self._counts[S.FREE] + self._counts[S.HOLD] == self.num_tensors
+        """No tensor is in use (none is COMPUTE)."""
+        return self._counts[S.COMPUTE] == 0
 
     @property
     def can_reduce(self) -> bool:

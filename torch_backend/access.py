@@ -96,13 +96,11 @@ class SavedParam:
 
     def __init__(self, runtime: ChunkRuntime, entry):
         self.runtime, self.entry = runtime, entry
-        entry.saved_refs += 1
-        entry.chunk.saved_refs += 1
+        entry.chunk.add_saved_ref(entry.name)
 
     def __del__(self):
         try:
-            self.entry.saved_refs -= 1
-            self.runtime.saved_released(self.entry.chunk, self.entry)
+            self.runtime.saved_released(self.entry.chunk, self.entry.name)
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
             pass
 
@@ -115,7 +113,7 @@ class SavedView:
 
     def __init__(self, runtime: ChunkRuntime, chunk, tensor):
         self.runtime, self.chunk, self.tensor = runtime, chunk, tensor
-        chunk.saved_refs += 1
+        chunk.add_saved_ref()
 
     def __del__(self):
         try:

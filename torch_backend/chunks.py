@@ -31,6 +31,8 @@ All sizes are in elements; ``*_bytes`` are bytes.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
@@ -38,6 +40,18 @@ from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
 from . import collectives
 
 S = TensorState
+
+class Pin(enum.Enum):
+    """Why a chunk stays gathered in backward regardless of its saved references."""
+
+    RECOMPUTE = "recompute"
+    """A recomputation (activation checkpointing) used it: kept until its gradients are final (a
+    frozen chunk: until the backward ends), since the recomputed graph needs it."""
+    GRAPH = "graph"
+    """A ``create_graph`` backward's new graph references it raw: kept until the next backward ends."""
+    GRAPH_HELD = "graph-held"
+    """:attr:`GRAPH` carried over into the following backward, at whose end it goes."""
+
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,15 +163,11 @@ class Chunk:
         self._to_host: list[tuple[torch.Tensor, object, torch.Tensor]] = []
         self._gather: collectives.Pending | None = None
 
-        self.accessed = self.resident
-        """Whether the chunk has been used since it was last gathered (the scheduler records first uses)."""
-        self.saved_refs = 0
-        """Tensors autograd saved for backward that need this chunk's gathered data (references alive)."""
-        self.pinned: str | None = None
-        """Why the chunk stays gathered in backward regardless of saved references: ``"recompute"``
-        (a recomputation used it: until its gradients are final, or the backward's end for a frozen
-        chunk), ``"graph"`` / ``"graph-held"`` (a ``create_graph`` backward's new graph references it
-        raw: until the end of the next backward)."""
+        # the chunk's life between gathers (module docstring): first use, saved references, pin
+        self._used_since_gather = self.resident
+        self._saved_refs = 0
+        self._saved_refs_by_tensor: dict[str, int] = {}
+        self._pin: Pin | None = None
 
         # The gathered buffer: one tensor for the chunk's lifetime whose storage is resized to zero
         # on release and back on gather (FSDP2's trick), so the parameters stay views of it with
@@ -232,9 +242,114 @@ class Chunk:
         self.states.transition_all(S.FREE)
         self.buffer.untyped_storage().resize_(0)
         self._gathered = False
-        self.accessed = False
-        self.pinned = None
+        self._used_since_gather = False
+        self._pin = None
         return True
+
+    # ------------------------------------------------------------------ life between gathers
+    # Every tensor-state change of the chunk goes through these methods (the core table,
+    # chunkzero.states, raises on anything else); the runtime calls them from torch's events.
+    def record_use(self) -> bool:
+        """Note a use of the chunk; returns whether it is the first since it was gathered (or since
+        :meth:`forget_uses`), which the scheduler records in the access order."""
+        first = not self._used_since_gather
+        self._used_since_gather = True
+        return first
+
+    def forget_uses(self) -> None:
+        """A new phase begins: a chunk still gathered counts as not yet used in it (sharded chunks)."""
+        if not self.resident:
+            self._used_since_gather = False
+
+    def use(self, name: str) -> None:
+        """Tensor ``name`` is in use by a computation (HOLD/COMPUTE → COMPUTE). A tensor whose
+        gradient is already final stays READY_FOR_REDUCE (a node that saved it may read it after
+        the gradient was accumulated).
+
+        Raises:
+            IllegalTransitionError: the chunk is not gathered (FREE → COMPUTE: nothing to compute with).
+        """
+        if self.states.state(name) is not S.READY_FOR_REDUCE:
+            self.states.transition(name, S.COMPUTE)
+
+    def done_using(self, name: str) -> None:
+        """The computation that used ``name`` is over (COMPUTE → HOLD; any other state stays)."""
+        if self.states.state(name) is S.COMPUTE:
+            self.states.transition(name, S.HOLD)
+
+    def add_saved_ref(self, name: str | None = None) -> None:
+        """Autograd saved a reference that needs the gathered data (``name``: the tensor itself was
+        saved; ``None``: a view of the buffer)."""
+        self._saved_refs += 1
+        if name is not None:
+            self._saved_refs_by_tensor[name] = self._saved_refs_by_tensor.get(name, 0) + 1
+
+    def drop_saved_ref(self, name: str | None = None) -> None:
+        """Autograd freed a saved reference; a tensor in use for its saved references (unpacked in
+        backward) leaves COMPUTE once none of its own is left."""
+        self._saved_refs -= 1
+        if name is not None:
+            left = self._saved_refs_by_tensor.pop(name) - 1
+            if left:
+                self._saved_refs_by_tensor[name] = left
+            else:
+                self.done_using(name)
+
+    @property
+    def has_saved_refs(self) -> bool:
+        """Whether some tensor autograd saved still needs this chunk's gathered data."""
+        return self._saved_refs > 0
+
+    def pin(self, reason: Pin) -> None:
+        """Keep the chunk gathered in backward whatever its saved references (:class:`Pin`); a
+        stronger reason already set is kept."""
+        if self._pin is None or reason is Pin.GRAPH:
+            self._pin = reason
+
+    @property
+    def pin_reason(self) -> Pin | None:
+        """Why the chunk stays gathered in backward (``None``: it follows its saved references)."""
+        return self._pin
+
+    def grad_ready(self, name: str) -> bool:
+        """The final gradient of ``name`` for this backward arrived (→ READY_FOR_REDUCE). Returns
+        whether this made every tensor of the chunk ready (the chunk can be reduced); ``False``
+        for a tensor already ready (a second backward accumulates into the same buffer)."""
+        if self.states.state(name) is S.READY_FOR_REDUCE:
+            return False
+        self.states.transition(name, S.READY_FOR_REDUCE)
+        return self.states.can_reduce
+
+    @property
+    def idle(self) -> bool:
+        """Gathered, sharded, and no tensor in use: it may be released."""
+        return self._gathered and not self.resident and self.states.can_release
+
+    def release_if_idle(self) -> None:
+        """Release the chunk if it is :attr:`idle` (a backward's release point)."""
+        if self.idle:
+            self.release()
+
+    def end_backward(self) -> None:
+        """A backward is over: a ``create_graph`` backward's pin holds through the next backward
+        (:attr:`Pin.GRAPH_HELD`); every other pin ends."""
+        self._pin = Pin.GRAPH_HELD if self._pin is Pin.GRAPH else None
+
+    def rest(self, *, release: bool) -> None:
+        """Bring every tensor to its resting state (HOLD if gathered, else FREE: a gradient still
+        READY_FOR_REDUCE was handed to the scheduler, a tensor still COMPUTE is no longer used) and,
+        with ``release``, release the chunk unless pinned (also a gather still in flight:
+        prefetched, then not used)."""
+        target = S.HOLD if self._gathered else S.FREE
+        for t in self.placements:
+            state = self.states.state(t.name)
+            if state is S.COMPUTE and target is S.FREE:
+                self.states.transition(t.name, S.HOLD)
+                state = S.HOLD
+            if state is not target:
+                self.states.transition(t.name, target)
+        if release and self._pin is None:
+            self.release()
 
     def refresh_from_master(self) -> None:
         """Copy the fp32 master shard into the low-precision shard (and drop the stale gathered copy)."""

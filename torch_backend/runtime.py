@@ -27,14 +27,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from chunkzero import ChunkLayout, TensorState
+from chunkzero import ChunkLayout
 from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
 from .access import ParamAccessMode, SavedActivation, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
-from .chunks import Chunk
-from .schedule import BACKWARD, FORWARD, OUTSIDE, Scheduler
+from .chunks import Chunk, Pin
+from .schedule import BACKWARD, FORWARD, OUTSIDE, Phase, Scheduler
 
-S = TensorState
 
 __all__ = ["ChunkRuntime", "Entry", "under_torch_compile"]
 
@@ -59,11 +58,10 @@ def _engine_code(fn):
 class Entry:
     """A managed parameter: its object, primary name, tensor index, chunk and placement."""
 
-    __slots__ = ("chunk", "index", "name", "param", "placement", "placeholder", "saved_refs")
+    __slots__ = ("chunk", "index", "name", "param", "placement", "placeholder")
 
     def __init__(self, param, name, index, chunk, placement):
         self.param, self.name, self.index, self.chunk, self.placement = param, name, index, chunk, placement
-        self.saved_refs = 0
         self.placeholder = None
 
 
@@ -133,7 +131,7 @@ class ChunkRuntime:
         self._release_later: list[tuple[Chunk, Any]] = []
         self.sync = True
         self.in_engine = False
-        self._phase: str | None = None
+        self._phase: Phase | None = None
         self._mode_stack: list[tuple[nn.Module, ParamAccessMode]] = []
         self._release_in_forward = True
         self._keep_for_backward: set[int] = set()
@@ -189,7 +187,7 @@ class ChunkRuntime:
             self.sched.end(FORWARD, prefetch_next=BACKWARD if backward_next else None)
             for c in self.chunks:
                 keep = backward_next and (not self._release_in_forward or c.index in self._keep_for_backward)
-                self._rest(c, release=not keep)
+                c.rest(release=not keep)
         if grad_enabled:
             for t in _tensors_in(out):
                 if t.requires_grad:
@@ -227,8 +225,8 @@ class ChunkRuntime:
         """Have ``c`` gathered for a computation now (forward, or a recomputation in backward)."""
         if c.resident:
             return
-        if self._phase is BACKWARD and c.pinned is None:
-            c.pinned = "recompute"  # kept until its gradients are final: the recomputed graph needs it
+        if self._phase is BACKWARD:
+            c.pin(Pin.RECOMPUTE)  # kept until its gradients are final: the recomputed graph needs it
         self.sched.ensure(c, self._phase or FORWARD)
 
     def run_op(self, entries: list[Entry], func, args, kwargs):
@@ -238,14 +236,12 @@ class ChunkRuntime:
             entries = list({id(e): e for e in entries}.values())
         for e in entries:
             self.use_chunk(e.chunk)
-            if e.chunk.states.state(e.name) in (S.FREE, S.HOLD):
-                e.chunk.states.transition(e.name, S.COMPUTE)
+            e.chunk.use(e.name)
         try:
             return func(*args, **kwargs)
         finally:
             for e in entries:
-                if e.chunk.states.state(e.name) is S.COMPUTE:
-                    e.chunk.states.transition(e.name, S.HOLD)
+                e.chunk.done_using(e.name)
                 self._after_use(e)
 
     def _after_use(self, e: Entry) -> None:
@@ -255,7 +251,7 @@ class ChunkRuntime:
         c = e.chunk
         used = self._fwd_used.setdefault(c.index, set())
         used.add(e.name)
-        if self._release_in_forward and not c.resident and len(used) == c.states.num_tensors and c.states.can_release:
+        if self._release_in_forward and len(used) == len(c.placements) and c.idle:
             if self._keep_for_backward and c.index in self._keep_for_backward and self.sched.last_use(FORWARD, c.index):
                 return  # the backward starts with it (a tied output head): keep it rather than gather it again
             c.release()
@@ -302,7 +298,7 @@ class ChunkRuntime:
             self._phase = None
             self.sched.end(OUTSIDE)
             for c in self.chunks:
-                self._rest(c, release=True)
+                c.rest(release=True)
 
     # ================================================================== backward
     @_engine_code
@@ -324,8 +320,7 @@ class ChunkRuntime:
             self._begin_backward()
             e = x.entry
             self._unpacked(e.chunk)
-            if e.chunk.states.state(e.name) in (S.FREE, S.HOLD):
-                e.chunk.states.transition(e.name, S.COMPUTE)
+            e.chunk.use(e.name)
             return e.param
         if type(x) is SavedView:
             self._begin_backward()
@@ -338,21 +333,19 @@ class ChunkRuntime:
     def _unpacked(self, c: Chunk) -> None:
         self._flush_releases()
         if torch.is_grad_enabled():  # a create_graph backward: the new graph keeps raw references
-            c.pinned = "graph"
+            c.pin(Pin.GRAPH)
         self.sched.ensure(c, BACKWARD)
 
     @_engine_code
-    def saved_released(self, c: Chunk, e: Entry | None) -> None:
-        """Autograd freed a saved reference to ``c`` (``e``: the parameter it referred to).
+    def saved_released(self, c: Chunk, name: str | None) -> None:
+        """Autograd freed a saved reference to ``c`` (``name``: the parameter it referred to).
 
         A chunk no saved tensor needs is released at once — autograd frees a node's saved tensors
         after the node ran — except inside a custom ``autograd.Function``'s backward, which may free
         them before it computes with them (compiled graphs do): then once that node has finished.
         """
-        c.saved_refs -= 1
-        if e is not None and e.saved_refs == 0 and c.states.state(e.name) is S.COMPUTE:
-            c.states.transition(e.name, S.HOLD)
-        if self._phase is not BACKWARD or c.saved_refs != 0 or c.pinned is not None:
+        c.drop_saved_ref(name)
+        if self._phase is not BACKWARD or c.has_saved_refs or c.pin_reason is not None:
             return
         node = torch._C._current_autograd_node()
         if isinstance(node, torch.autograd.function.BackwardCFunction):
@@ -360,7 +353,7 @@ class ChunkRuntime:
                 node.register_hook(lambda *_, n=node: self._flush_releases(finished=n))
             self._release_later.append((c, node))
         else:
-            self._release_if_idle(c)
+            c.release_if_idle()
 
     @_engine_code
     def _flush_releases(self, finished=None) -> None:
@@ -373,14 +366,9 @@ class ChunkRuntime:
         for c, freed_in in self._release_later:
             if freed_in is node and freed_in is not finished:
                 keep.append((c, freed_in))  # that node is still running
-            elif c.saved_refs == 0 and c.pinned is None:
-                self._release_if_idle(c)
+            elif not c.has_saved_refs and c.pin_reason is None:
+                c.release_if_idle()
         self._release_later = keep
-
-    @staticmethod
-    def _release_if_idle(c: Chunk) -> None:
-        if c.is_gathered and not c.resident and c.states.count(S.COMPUTE) == 0 and c.states.count(S.HOLD_AFTER_BWD) == 0:
-            c.release()
 
     @_engine_code
     def _output_grad_hook(self, grad):
@@ -410,17 +398,11 @@ class ChunkRuntime:
         param.grad = None
         c.add_grad(e.name, e.placement, grad)
         self._bwd_grads.add(e.index)
-        state = c.states.state(e.name)
-        if state is not S.READY_FOR_REDUCE:
-            if state in (S.FREE, S.HOLD):
-                c.states.transition(e.name, S.COMPUTE)
-            c.states.transition(e.name, S.HOLD_AFTER_BWD)
-            c.states.transition(e.name, S.READY_FOR_REDUCE)
-            if c.states.can_reduce:
-                if self.sync:
-                    self.sched.mark_ready(c)
-                if c.pinned in (None, "recompute") and c.saved_refs == 0:
-                    self._release_if_idle(c)
+        if c.grad_ready(e.name):
+            if self.sync:
+                self.sched.mark_ready(c)
+            if c.pin_reason in (None, Pin.RECOMPUTE) and not c.has_saved_refs:
+                c.release_if_idle()
 
     def finish_aborted_backward(self) -> None:
         """End a backward that raised inside the autograd engine, which then drops the callbacks
@@ -471,9 +453,8 @@ class ChunkRuntime:
             self._bwd_grads = set()
             self._release_later = []
             for c in self.chunks:
-                # a create_graph backward's chunks stay for the next backward; every other pin ends here
-                c.pinned = "graph-held" if c.pinned == "graph" else None
-                self._rest(c, release=True)
+                c.end_backward()
+                c.rest(release=True)
             self._set_placeholders()
         if error is not None:
             self._pending_error = error
@@ -489,27 +470,6 @@ class ChunkRuntime:
         error, self._pending_error = self._pending_error, None
         if error is not None:
             raise error
-
-    @staticmethod
-    def _rest(c: Chunk, *, release: bool) -> None:
-        """Bring every tensor of ``c`` to its resting state (HOLD if gathered else FREE); maybe release
-        (never a pinned chunk)."""
-        release = release and c.pinned is None
-        target = S.HOLD if c.is_gathered else S.FREE
-        for t in c.placements:
-            state = c.states.state(t.name)
-            if state is target:
-                continue
-            if state is S.HOLD_AFTER_BWD:
-                c.states.transition(t.name, S.READY_FOR_REDUCE)
-                state = S.READY_FOR_REDUCE
-            if state is S.COMPUTE:
-                c.states.transition(t.name, S.HOLD)
-                state = S.HOLD
-            if state is not target:
-                c.states.transition(t.name, target)
-        if release:
-            c.release()  # also a gather still in flight (prefetched, then not used)
 
     # ------------------------------------------------------------------ placeholders
     def _set_placeholders(self) -> None:

@@ -36,6 +36,7 @@ of their use (``late_gathers`` counts those issued only at their use).
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 
 import torch
@@ -43,10 +44,18 @@ import torch
 from . import collectives
 from .chunks import Chunk
 
-__all__ = ["AccessOrder", "Scheduler"]
+__all__ = ["AccessOrder", "Phase", "Scheduler"]
 
-FORWARD, BACKWARD, OUTSIDE = "forward", "backward", "outside"
-"""Phases with their own recorded order; OUTSIDE: a submodule called directly under ``no_grad``."""
+class Phase(enum.Enum):
+    """A part of the step with its own recorded access order."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OUTSIDE = "outside"
+    """A submodule called directly under ``no_grad`` (``model.module.generate(...)``)."""
+
+
+FORWARD, BACKWARD, OUTSIDE = Phase.FORWARD, Phase.BACKWARD, Phase.OUTSIDE
 
 
 class AccessOrder:
@@ -151,17 +160,16 @@ class Scheduler:
         ``gathering(chunk)`` before each gather is issued, ``phase_ended(phase)`` after the order is recorded."""
 
     # ------------------------------------------------------------------ phases
-    def start(self, phase: str) -> None:
+    def start(self, phase: Phase) -> None:
         """A forward or backward begins: chunks still gathered from the previous phase count as
         not yet used in this one (so their first use is recorded)."""
         self.orders[phase].start()
         for c in self.chunks:
-            if not c.resident:
-                c.accessed = False
+            c.forget_uses()
         if self.listener is not None:
             self.listener.phase_started(phase)
 
-    def end(self, phase: str, used: torch.Tensor | None = None, prefetch_next: str | None = None) -> torch.Tensor | None:
+    def end(self, phase: Phase, used: torch.Tensor | None = None, prefetch_next: Phase | None = None) -> torch.Tensor | None:
         """Rounds until every rank has finished ``phase``; returns the summed ``used`` votes (backward).
 
         ``prefetch_next``: the phase that follows, whose first recorded chunks are gathered now (the
@@ -187,24 +195,23 @@ class Scheduler:
             self._round(want=later, wait=False)
         return None if used is None else votes[3 * self.n + 1 :]
 
-    def last_use(self, phase: str, index: int) -> bool:
+    def last_use(self, phase: Phase, index: int) -> bool:
         """Whether the recorded order of ``phase`` expects no further use of chunk ``index`` (``False``
         when there is no recorded order to tell)."""
         order = self.orders[phase]
         return order.in_step and index not in order.previous[order.pos :]
 
-    def prefetched_for(self, phase: str) -> set[int]:
+    def prefetched_for(self, phase: Phase) -> set[int]:
         """The first recorded chunks of ``phase`` (kept gathered across the phase boundary)."""
         return set(self.orders[phase].first(self.prefetch))
 
     # ------------------------------------------------------------------ gathers
-    def ensure(self, chunk: Chunk, phase: str) -> None:
+    def ensure(self, chunk: Chunk, phase: Phase) -> None:
         """Make ``chunk`` gathered for use now: record its first use, prefetch what comes next."""
-        if chunk.accessed:
+        if not chunk.record_use():
             if chunk.gather_in_flight:
                 chunk.finish_gather()
             return
-        chunk.accessed = True
         order = self.orders[phase]
         order.access(chunk.index)
         if self.listener is not None:
