@@ -1,13 +1,13 @@
-"""How ``ZeroDDP`` sees a parameter being used: the torch-function mode, saved-tensor references,
-and the placeholder left in ``param.grad``.
+"""The objects through which ``ZeroDDP`` sees a parameter being used (what the runtime does with
+each event is described in :mod:`torch_backend.runtime`).
 
-- :class:`ParamAccessMode` — a ``TorchFunctionMode`` active while the wrapped module runs (and
-  during a backward's recomputation, e.g. activation checkpointing). Every torch call that takes a
-  managed parameter, or a view of a released chunk's buffer, has the chunk gathered first.
+- :class:`ParamAccessMode` — the ``TorchFunctionMode`` active while the wrapped module runs (and
+  during a backward's recomputation): every torch call that takes a managed parameter, or a view of
+  a released chunk's buffer, goes to the runtime first.
 - :class:`SavedParam` / :class:`SavedView` — what autograd stores instead of a managed parameter
-  (or a view of a chunk buffer, such as ``weight.t()`` inside ``F.linear``) saved for backward.
-  Each holds one reference on its chunk; when autograd frees it (after the node that needed it ran)
-  the reference goes, and a chunk no saved tensor needs any more is released in backward.
+  (or a view of a chunk buffer, such as ``weight.t()`` inside ``F.linear``) saved for backward:
+  one saved reference on its chunk (:meth:`torch_backend.chunks.Chunk.add_saved_ref`) while
+  autograd holds it.
 - :class:`SavedActivation` — any other saved tensor while a placement trace counts the activations
   alive (``placement="auto"`` on CPU): its bytes are counted while autograd holds it.
 - :class:`ShardedGradPlaceholder` — what ``param.grad`` holds after a backward: the gradient lives

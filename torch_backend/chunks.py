@@ -17,9 +17,28 @@ A chunk owns, on this rank (the design of ColossalAI Gemini's ``Chunk``, itself 
   and no optimizer state: only its compute-dtype shard.
 - ``buffer`` — the full chunk in the compute dtype; the module's parameters are views into it for
   the chunk's lifetime. Released, its storage is resized to zero bytes (the parameters keep their
-  shapes but hold no data); gathered, it is resized back and filled by an all-gather.
+  shapes but hold no data); gathered, it is resized back and filled by an all-gather (FSDP2's
+  trick), so shapes never change and views autograd saved in forward (``weight.t()`` saved by
+  ``F.linear``) see the re-gathered data in backward.
 - ``grad_buffer`` — the full-chunk gradient (compute dtype) accumulated in backward until reduced.
-- ``states`` — the core :class:`chunkzero.ChunkStates` of its tensors.
+
+**Its life.** The chunk owns the state of its tensors (the core :class:`chunkzero.ChunkStates`:
+FREE, HOLD, COMPUTE, READY_FOR_REDUCE, with the core's table of legal transitions) and what keeps it
+gathered between uses; nothing else changes them. The runtime (:mod:`torch_backend.runtime`) calls:
+
+- :meth:`Chunk.use` / :meth:`Chunk.done_using` around a computation (HOLD → COMPUTE → HOLD);
+- :meth:`Chunk.add_saved_ref` / :meth:`Chunk.drop_saved_ref` as autograd saves and frees tensors that
+  need the gathered data (a tensor unpacked in backward stays COMPUTE until its last one goes);
+- :meth:`Chunk.pin` when a recomputation or a ``create_graph`` backward needs it kept (:class:`Pin`);
+- :meth:`Chunk.grad_ready` when a tensor's final gradient arrived (→ READY_FOR_REDUCE; ``True``
+  once the whole chunk can be reduced);
+- :meth:`Chunk.rest` at the end of a forward or backward, :meth:`Chunk.release_if_idle` at a
+  backward's release points, :meth:`Chunk.end_backward` when a backward is over;
+
+and the scheduler calls :meth:`Chunk.record_use` / :meth:`Chunk.forget_uses` (the first use since a
+gather is recorded in the access order), :meth:`Chunk.begin_gather` (gathered: FREE → HOLD) and
+:meth:`Chunk.begin_reduce`. :meth:`Chunk.release` (HOLD/READY_FOR_REDUCE → FREE) raises while a
+tensor is in use.
 
 Gathers and reductions are split in two: :meth:`Chunk.begin_gather` / :meth:`Chunk.begin_reduce`
 issue the collective (asynchronously when asked), :meth:`Chunk.finish_gather` /

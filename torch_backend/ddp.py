@@ -1,4 +1,4 @@
-"""``ZeroDDP``: chunk-based ZeRO-3 data parallelism for any ``nn.Module``.
+"""``ZeroDDP``: chunk-based ZeRO-3 data parallelism for any ``nn.Module`` — the public face.
 
 The method is ColossalAI Gemini's ``ZeroDDP`` (itself PatrickStar's chunk manager, Fang et al. 2021,
 on top of ZeRO stage 3, Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training
@@ -7,44 +7,26 @@ Trillion Parameter Models"): parameters are packed into flat chunks in parameter
 computation that needs it and released afterwards; gradients land in per-chunk buffers and each
 chunk is reduce-scattered as soon as all its gradients are final.
 
-Storage: each parameter's ``.data`` is, for the model's lifetime, a view into its chunk's buffer
-(compute dtype, full shape). Releasing a chunk resizes the buffer's storage to zero bytes and
-gathering resizes it back and all-gathers into it (FSDP2's trick), so shapes never change and views
-taken in forward (``weight.t()`` saved by ``F.linear``) see the re-gathered data in backward.
+This module builds the engine and answers its users; each mechanism is described once, where it
+lives:
 
-How parameters are found when they are used (the part that makes *any* module work):
+- :mod:`torch_backend.chunks` — one chunk's storage on a rank (shard, master, the gathered buffer
+  the parameters are views of, the gradient buffer) and its life (tensor states, saved references,
+  pins, release);
+- :mod:`torch_backend.runtime` — how torch's events (torch calls, saved tensors, gradient hooks, the
+  end of a backward) become chunk calls;
+- :mod:`torch_backend.schedule` — which collective runs when, decided identically on every rank;
+- :mod:`torch_backend.collectives` — every torch collective;
+- :mod:`torch_backend.optim` — the step on the fp32 master shards.
 
-- **Forward**: while the wrapped module runs, a ``TorchFunctionMode`` (:mod:`torch_backend.access`)
-  sees every torch call. When an argument is a managed parameter its chunk is gathered (if needed),
-  the tensor moves to COMPUTE for the call and back to HOLD after it. So a parameter used by
-  another module (``F.linear(x, other.weight)``), through an operator (``x @ w``), inside
-  ``torch.stack([...])`` or several times is always gathered. A chunk is released (with
-  ``reshard_after_forward``) once every tensor of it has been used in this forward; whatever is
-  still gathered is released when the forward returns, except the first ``prefetch`` chunks of the
-  recorded backward order (gathered ahead, so the backward does not start on a miss).
-- **Backward**: ``saved_tensors_hooks`` replace a saved parameter (or a saved view of a chunk
-  buffer) by a reference that counts on its chunk; unpacking it gathers the chunk again, and once
-  autograd has freed every reference to a chunk, the chunk is released — so a frozen chunk is
-  gathered in backward only if a saved tensor needs it, and only for as long. A recomputation in
-  backward (activation checkpointing) runs under the same mode, and keeps what it gathers until the
-  chunk's gradients are final (frozen chunks: until the backward ends). A post-accumulate-grad hook
-  moves each parameter's final gradient into the chunk's gradient buffer; when all tensors of a
-  chunk are READY_FOR_REDUCE the chunk is reduced. A callback queued on the autograd engine (from a
-  hook on the forward's outputs, so it belongs to the outermost backward) finishes the backward.
-
-Which collective runs when is decided by :class:`torch_backend.schedule.Scheduler` in rounds that
-every rank takes part in, so ranks that use different parameters (MoE routing) or use them in a
-different order still issue the same collectives; with ``prefetch > 0`` the next chunks of the
-recorded order are gathered ahead and collectives run asynchronously.
+Construction (:meth:`ZeroDDP.__init__`) collects the parameters, builds the layout (the core chunk
+search unless ``chunk_size`` is given), decides placement, builds the chunks one at a time
+(materializing a meta-device module on the way, :mod:`torch_backend.materialize`), and starts the
+runtime.
 
 Errors found at the end of a backward (a parameter that received no gradient on any rank) are raised
 by ``ZeroOptimizer.backward`` right after it, or else by the next ``forward`` or ``step`` — never from
 inside the autograd engine, where an exception can abort the process (the CUDA engine threads).
-
-The hooks and per-step state live in :class:`torch_backend.runtime.ChunkRuntime`; this module builds
-the chunks (materializing a meta-device module on the way, :mod:`torch_backend.materialize`) and is
-the public face. The tensor-state bookkeeping uses the core :class:`chunkzero.ChunkStates` (FREE,
-COMPUTE, HOLD, HOLD_AFTER_BWD, READY_FOR_REDUCE).
 
 Limitations: the module's parameters hold data only inside ``forward`` and backward (outside, reading
 them raises "data is not allocated" — use :meth:`ZeroDDP.state_dict`); buffers are replicated as-is.

@@ -1,17 +1,29 @@
-"""What happens to the chunks while a ``ZeroDDP``'s module runs: :class:`ChunkRuntime`.
+"""How torch's events become chunk calls while a ``ZeroDDP``'s module runs: :class:`ChunkRuntime`.
 
-It owns the engine's per-step state and every hook (see :mod:`torch_backend.ddp` for the method):
+It turns each event into calls on the chunk it concerns (:class:`torch_backend.chunks.Chunk`'s life
+methods) and asks the :class:`~torch_backend.schedule.Scheduler` for gathers and reductions; it keeps
+no chunk state of its own.
 
-- **forward** — the access mode (:mod:`torch_backend.access`) has each chunk gathered at its first
-  use (:meth:`ChunkRuntime.use_chunk`, through the :class:`~torch_backend.schedule.Scheduler`) and
-  released once every tensor of it has been used; a ``torch.compile``'d submodule has its chunks
-  gathered before the call and runs with the mode suspended; a submodule called directly under
-  ``no_grad`` runs under the mode too;
-- **backward** — saved-tensor hooks count the references on each chunk and gather it on unpack; a
-  chunk no saved tensor needs is released; a recomputation (activation checkpointing) keeps what it
-  gathers until the chunk's gradients are final; the post-accumulate-grad hooks fill the gradient
-  buffers and hand finished chunks to the scheduler; a callback queued on the autograd engine ends
-  the backward (agreement on unused parameters, the remaining reductions, releases, placeholders).
+- **Forward** — while the wrapped module runs, a ``TorchFunctionMode`` (:mod:`torch_backend.access`)
+  sees every torch call. When an argument is a managed parameter its chunk is gathered (if needed)
+  and the tensor is in use for the call (:meth:`ChunkRuntime.run_op`). So a parameter used by
+  another module (``F.linear(x, other.weight)``), through an operator (``x @ w``), inside
+  ``torch.stack([...])`` or several times is always gathered. With ``reshard_after_forward`` a chunk
+  is released once every tensor of it has been used in this forward; whatever is still gathered is
+  released when the forward returns, except the first ``prefetch`` chunks of the recorded backward
+  order (gathered ahead, so the backward does not start on a miss). A ``torch.compile``'d submodule
+  has its chunks gathered before the call and runs with the mode suspended; a submodule called
+  directly under ``no_grad`` runs under the mode too.
+- **Backward** — ``saved_tensors_hooks`` replace a saved parameter (or a saved view of a chunk
+  buffer) by a reference that counts on its chunk; unpacking it gathers the chunk again, and once
+  autograd has freed every reference to a chunk, the chunk is released — so a frozen chunk is
+  gathered in backward only if a saved tensor needs it, and only for as long. A recomputation in
+  backward (activation checkpointing) runs under the same mode and pins what it gathers until the
+  chunk's gradients are final (frozen chunks: until the backward ends). A post-accumulate-grad hook
+  moves each parameter's final gradient into its chunk's gradient buffer; a chunk whose tensors are
+  all READY_FOR_REDUCE is handed to the scheduler. A callback queued on the autograd engine (from a
+  hook on the forward's outputs, so it belongs to the outermost backward) ends the backward:
+  agreement on unused parameters, the remaining reductions, releases, placeholders.
 
 Hook code runs with :attr:`ChunkRuntime.in_engine` set, so the torch calls it makes on chunk buffers
 bypass the access mode.
