@@ -63,8 +63,8 @@ class MixedPrecision:
     def __post_init__(self):
         compute = _TORCH_NAMES.get(self.compute, self.compute) if isinstance(self.compute, torch.dtype) else self.compute
         if not isinstance(compute, str) or compute not in MIXED_PRECISION_DTYPES:
-            raise ConfigError(f"MixedPrecision.compute (mixed_precision=) must be one of {sorted(MIXED_PRECISION_DTYPES)} "
-                              f"or their torch dtypes, got {self.compute!r}")
+            raise ConfigError(f"MixedPrecision.compute must be one of {sorted(MIXED_PRECISION_DTYPES)} or their torch "
+                              f"dtypes (the mixed_precision= keyword), got {self.compute!r}")
         object.__setattr__(self, "compute", compute)
 
     @property
@@ -94,7 +94,8 @@ class PrefetchPolicy:
 
     def __post_init__(self):
         if not _is_int(self.chunks) or self.chunks < 0:
-            raise ConfigError(f"PrefetchPolicy.chunks (prefetch=) must be a non-negative int (chunks), got {self.chunks!r}")
+            raise ConfigError(f"PrefetchPolicy.chunks must be a non-negative int (chunks; the prefetch= keyword), "
+                              f"got {self.chunks!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise ConfigError(f"PrefetchPolicy.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
         object.__setattr__(self, "chunks", int(self.chunks))
