@@ -92,16 +92,16 @@ def main(argv=None) -> str:
     ap.add_argument("--model", default="gpt2-medium")
     ap.add_argument("--chunk-numel", type=int, default=32 * 2**20)
     ap.add_argument("--dir")
-    ap.add_argument("--_child", choices=("make", "export"))
+    ap.add_argument("--_child", dest="child_mode", choices=("make", "export"))  # set by _child, not by users
     ap.add_argument("--ckpt")
     ap.add_argument("--out")
     ap.add_argument("--format")
     ap.add_argument("--dtype")
     args = ap.parse_args(argv)
-    if args._child == "make":
+    if args.child_mode == "make":
         print(json.dumps(make(args)))
         return ""
-    if args._child == "export":
+    if args.child_mode == "export":
         print(json.dumps(export(args)))
         return ""
 

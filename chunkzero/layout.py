@@ -229,7 +229,7 @@ class ChunkLayout:
                 ChunkInfo(
                     idx,
                     dtype,
-                    _chunk_numel(offset, world_size, keep_gathered),
+                    chunk_numel(offset, world_size, keep_gathered),
                     offset,
                     keep_gathered,
                     requires_grad,
@@ -243,7 +243,7 @@ class ChunkLayout:
         """The same packing for another world size: every tensor keeps its chunk and offset; only
         padding and shard ranges change."""
         world_size = _positive("world_size", world_size)
-        chunks = [replace(c, size=_chunk_numel(c.utilized, world_size, c.keep_gathered)) for c in self.chunks]
+        chunks = [replace(c, size=chunk_numel(c.utilized, world_size, c.keep_gathered)) for c in self.chunks]
         return ChunkLayout(self.tensors, chunks, chunk_size=self.chunk_size, world_size=world_size)
 
     # ------------------------------------------------------------------ queries
@@ -524,7 +524,10 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
-def _chunk_numel(utilized: int, world_size: int, keep_gathered: bool) -> int:
+def chunk_numel(utilized: int, world_size: int, keep_gathered: bool) -> int:
+    """Size in elements of a chunk holding ``utilized`` elements: at least 1, and for a sharded chunk
+    rounded up to a multiple of ``world_size`` (every rank's shard is as long); a keep-gathered chunk
+    is never sharded, so it is padded to no multiple. The chunk-size search counts padding with it."""
     if keep_gathered:
         return max(utilized, 1)
     return _round_up(max(utilized, 1), world_size)

@@ -35,7 +35,7 @@ from typing import Union
 import numpy as np
 
 from .errors import ConfigError
-from .layout import ChunkLayout, TensorSpec, _chunk_numel
+from .layout import ChunkLayout, TensorSpec, chunk_numel
 
 MI = 2**20
 """``2**20`` elements: Gemini's unit for ``search_range_m`` / ``min_chunk_size_m``."""
@@ -176,7 +176,7 @@ def _pack_group(numels: Sequence[int], chunk_size: int, world_size: int, keep_ga
     """``(chunks, dedicated, waste, padding)`` of one group packed like :meth:`ChunkLayout.build`."""
     packed = [n for n in numels if n <= chunk_size]
     dedicated = [n for n in numels if n > chunk_size]
-    padding = sum(_chunk_numel(n, world_size, keep_gathered) - n for n in dedicated)
+    padding = sum(chunk_numel(n, world_size, keep_gathered) - n for n in dedicated)
     prefix = [0]
     for n in packed:
         prefix.append(prefix[-1] + n)
@@ -186,7 +186,7 @@ def _pack_group(numels: Sequence[int], chunk_size: int, world_size: int, keep_ga
         end = bisect.bisect_right(prefix, prefix[p] + chunk_size) - 1  # last end with the run fitting
         used = prefix[end] - prefix[p]
         waste += chunk_size - used
-        padding += _chunk_numel(used, world_size, keep_gathered) - used
+        padding += chunk_numel(used, world_size, keep_gathered) - used
         chunks += 1
         p = end
     return chunks + len(dedicated), len(dedicated), waste, padding
@@ -361,7 +361,7 @@ class _Packer:
             for kg, arr in self.groups:
                 fits = arr <= chunk_size
                 big = arr[~fits].tolist()
-                pad = sum(_chunk_numel(n, self.world_size, kg) - n for n in big)
+                pad = sum(chunk_numel(n, self.world_size, kg) - n for n in big)
                 prefix = np.concatenate([[0], np.cumsum(np.where(fits, arr, 0))]).tolist()
                 band.append((kg, prefix, int(fits.sum()), len(big), pad))
             self._cache[key] = band
@@ -381,7 +381,7 @@ class _Packer:
                 end = bisect.bisect_right(prefix, prefix[p] + chunk_size) - 1
                 used = prefix[end] - prefix[p]
                 waste += chunk_size - used
-                padding += _chunk_numel(used, w, kg) - used
+                padding += chunk_numel(used, w, kg) - used
                 chunks += 1
                 p = end
         return chunks, waste, padding

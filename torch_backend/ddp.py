@@ -43,25 +43,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from chunkzero import ChunkLayout, ChunkPlacement, Location, TensorSpec, TensorState, static_placement
+from chunkzero import ChunkLayout, ChunkPlacement, Location, TensorSpec, static_placement
 from chunkzero.errors import ConfigError, ShapeMismatchError
 
 from . import collectives
 from .chunks import TORCH_DTYPES, Chunk
-from .materialize import MetaMaterializer
-from .placement import (DEFAULT_STEADY_DEVICE_CAP_RATIO, AutoPlacement, check_placement_arguments, placement_budget_bytes,
-                        warmup_placements)
+from .materialize import MetaMaterializer, training_device
+from .config import (AutoPlacementPolicy, MixedPrecision, PlacementPolicy, PrefetchPolicy, resolve_mixed_precision,
+                     resolve_placement, resolve_prefetch)
+from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
 from .memory import MEMORY_KINDS, MemoryReport
 from .runtime import ChunkRuntime, Entry, under_torch_compile
 from .schedule import Scheduler
 from .state_dict import full_state_dict, load_full_state_dict
 
-S = TensorState
-
 __all__ = ["MemoryReport", "ZeroDDP", "default_chunk_size"]
-
-_MIXED_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
 
 def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, int]:
     """``(chunk size, keep_gathered_below_numel)`` in elements used when ``ZeroDDP(chunk_size=None)``:
@@ -72,22 +68,51 @@ def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, i
     return int(result.chunk_size), int(result.keep_gathered_below_numel)
 
 
-def _default_device() -> torch.device:
-    """Where a meta-device module is materialized by default: the current CUDA device, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+_ParamGroups = dict[int, tuple[nn.Parameter, list[str]]]
+"""``id(parameter) -> (parameter, its names)``, in registration order."""
 
 
-def _device_arg(device: torch.device | str) -> torch.device:
-    """``device`` with a CUDA index (``"cuda"`` is the current device, as torch places tensors), so it
-    compares equal to the parameters' device and names the same memory-report key."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+def _collect_parameters(module: nn.Module) -> _ParamGroups:
+    """The module's parameters, deduplicated by identity (tied weights: one entry, every name).
+
+    Raises:
+        ConfigError: no parameters, or a non-floating one (named).
+    """
+    groups: _ParamGroups = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), (p, []))[1].append(name)
+    if not groups:
+        raise ConfigError(f"{type(module).__name__} has no parameters to shard")
+    for p, names in groups.values():
+        if not p.is_floating_point():
+            raise ConfigError(f"parameter {names[0]!r} has dtype {p.dtype}; only floating parameters can be sharded")
+    return groups
+
+
+def _keep_gathered_predicate(keep_gathered) -> Callable[[str], bool]:
+    """``keep_gathered`` (``None``, names, or a predicate) as a predicate over parameter names.
+
+    Raises:
+        ConfigError: neither names nor a predicate.
+    """
+    if keep_gathered is None:
+        return lambda name: False
+    if callable(keep_gathered):
+        return lambda name: bool(keep_gathered(name))
+    if isinstance(keep_gathered, str):
+        keep_gathered = [keep_gathered]
+    try:
+        names = set(keep_gathered)
+    except TypeError:
+        raise ConfigError(f"keep_gathered must be names or a predicate, got {type(keep_gathered).__name__}") from None
+    return lambda name: name in names
 
 
 class ZeroDDP(nn.Module):
     """Wrap ``module`` for chunk-based ZeRO-3 data parallelism (ColossalAI Gemini's ``ZeroDDP``).
+
+    The options come in three groups, each a frozen dataclass of :mod:`torch_backend.config` or its
+    shortcut spelling (flat keywords); giving a dataclass together with its flat keywords raises.
 
     Args:
         module: any ``nn.Module`` whose floating-point parameters all sit on one device (CUDA → NCCL
@@ -99,32 +124,32 @@ class ZeroDDP(nn.Module):
         process_group: the data-parallel group; ``None`` → the default group if ``torch.distributed``
             is initialized, else a single process.
         chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
-        mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient
-            reduction; the optimizer always updates fp32 master shards. fp32 tensor inputs are cast to it.
-        prefetch: chunks gathered ahead of use, in the order recorded during the previous step
-            (Gemini's ``max_prefetch``); with ``prefetch > 0`` all-gathers and reduce-scatters are
-            asynchronous and overlap the computation. ``0``: gather on first use, blocking collectives.
-        reshard_after_forward: release sharded chunks after their use in forward (ZeRO-3); ``False``
-            keeps them gathered from forward until the backward reduces them (fewer gathers, more memory).
+        mixed_precision: a :class:`~torch_backend.config.MixedPrecision`, or its ``compute``: ``"fp32"``,
+            ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient reduction; the optimizer
+            always updates fp32 master shards. fp32 tensor inputs are cast to it.
+        prefetch: a :class:`~torch_backend.config.PrefetchPolicy`, or its ``chunks``: chunks gathered
+            ahead of use, in the order recorded during the previous step (Gemini's ``max_prefetch``);
+            with ``prefetch > 0`` all-gathers and reduce-scatters are asynchronous and overlap the
+            computation. ``0``: gather on first use, blocking collectives.
+        reshard_after_forward: with an int ``prefetch``: release sharded chunks after their use in
+            forward (ZeRO-3, the default); ``False`` keeps them gathered from forward until the
+            backward reduces them (fewer gathers, more memory).
         find_unused_parameters: reduce a zero gradient for parameters that got none on any rank,
             instead of raising (the optimizer then skips them, as torch skips ``grad is None``).
-        placement: ``"static"`` (Gemini's static policy): the two fractions below decide, once, where
-            each chunk's tensors live (:func:`chunkzero.static_placement`; :attr:`placements`).
-            ``"auto"`` (Gemini's auto policy, :mod:`torch_backend.placement`): a warm-up step with every
-            chunk on the host records the non-model memory at each chunk access; from the next step the
-            parameter shards move between host and device by Belady's farthest-next-use rule within the
-            budget, and the optimizer state of the chunks the margin cannot hold stays on the host
-            (:attr:`auto_placement`).
-        device_memory_bytes: ``placement="auto"`` only: the device memory to plan within (default: the
-            CUDA device's total memory; on CPU the machine's physical RAM).
-        steady_device_cap_ratio: ``placement="auto"``: share in ``(0, 1]`` of ``device_memory_bytes``
-            that the chunks on the device plus the non-model memory may use (Gemini's
-            ``steady_cuda_cap_ratio``).
-        offload_optim_frac: fraction of trainable chunks (first in chunk order, rounded up) whose fp32
-            master, gradient and optimizer state live on the host.
-        offload_param_frac: fraction of sharded chunks whose compute-dtype parameter shard lives on the
-            host between uses (their master too); each gather copies it to the device first. Both
-            fractions are for ``placement="static"``.
+        placement: where each chunk's tensors live. ``"static"`` or a
+            :class:`~torch_backend.config.StaticPlacement` (Gemini's static policy): the two offload
+            fractions decide, once (:func:`chunkzero.static_placement`; :attr:`placements`).
+            ``"auto"`` or an :class:`~torch_backend.config.AutoPlacementPolicy` (Gemini's auto policy,
+            :mod:`torch_backend.placement`): a warm-up step with every chunk on the host records the
+            non-model memory at each chunk access; from the next step the parameter shards move
+            between host and device by Belady's farthest-next-use rule within the budget, and the
+            optimizer state of the chunks the margin cannot hold stays on the host (:attr:`auto_placement`).
+        device_memory_bytes, steady_device_cap_ratio: with ``placement="auto"``, the fields of its
+            :class:`~torch_backend.config.AutoPlacementPolicy` (the device memory to plan within, and
+            the share in ``(0, 1]`` of it the chunks plus the non-model memory may use).
+        offload_optim_frac, offload_param_frac: with ``placement="static"``, the fields of its
+            :class:`~torch_backend.config.StaticPlacement` (fractions of trainable chunks whose master,
+            gradient and optimizer state, and of sharded chunks whose parameter shard, live on the host).
         keep_gathered: parameters to pack into keep-gathered (never sharded, all-reduced) chunks: an
             iterable of names (any alias matches) or a predicate ``name -> bool``.
         device: where a module built on the meta device is materialized (default: the current CUDA
@@ -140,8 +165,8 @@ class ZeroDDP(nn.Module):
     :meth:`grad_shard`, :meth:`load_master_shard`, :meth:`synchronize`.
 
     Raises:
-        ConfigError: a bad argument (named), a module without parameters, parameters on several devices, or a
-            non-floating parameter.
+        ConfigError: a bad argument (named), a dataclass given with its flat keywords (both named), a
+            module without parameters, parameters on several devices, or a non-floating parameter.
     """
 
     def __init__(
@@ -150,15 +175,15 @@ class ZeroDDP(nn.Module):
         *,
         process_group=None,
         chunk_size: int | None = None,
-        mixed_precision: str = "fp32",
-        prefetch: int = 1,
-        placement: str = "static",
+        mixed_precision: MixedPrecision | str = "fp32",
+        prefetch: PrefetchPolicy | int = 1,
+        placement: PlacementPolicy | str = "static",
         device_memory_bytes: int | None = None,
-        steady_device_cap_ratio: float = DEFAULT_STEADY_DEVICE_CAP_RATIO,
-        reshard_after_forward: bool = True,
+        steady_device_cap_ratio: float | None = None,
+        reshard_after_forward: bool | None = None,
         find_unused_parameters: bool = False,
-        offload_optim_frac: float = 0.0,
-        offload_param_frac: float = 0.0,
+        offload_optim_frac: float | None = None,
+        offload_param_frac: float | None = None,
         keep_gathered: Iterable[str] | Callable[[str], bool] | None = None,
         device: torch.device | str | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
@@ -166,125 +191,61 @@ class ZeroDDP(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be an nn.Module, got {type(module).__name__}")
-        if mixed_precision not in _MIXED_PRECISION:
-            raise ConfigError(f"mixed_precision must be one of {sorted(_MIXED_PRECISION)}, got {mixed_precision!r}")
-        for name, frac in (("offload_optim_frac", offload_optim_frac), ("offload_param_frac", offload_param_frac)):
-            if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
-                raise ConfigError(f"{name} must be a number in [0, 1], got {frac!r}")
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigError(f"prefetch must be a non-negative int (chunks), got {prefetch!r}")
-        check_placement_arguments(placement, offload_optim_frac, offload_param_frac, device_memory_bytes,
-                                  steady_device_cap_ratio)
-        auto = placement == "auto"
-
-        self.module = module
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
-        self.process_group = process_group
-        """The data-parallel process group (``None``: single process)."""
-        self.world_size: int = dist.get_world_size(process_group) if process_group is not None else 1
-        self.rank: int = dist.get_rank(process_group) if process_group is not None else 0
-        self.mixed_precision = mixed_precision
-        self.compute_dtype: torch.dtype = TORCH_DTYPES[_MIXED_PRECISION[mixed_precision]]
-        self.prefetch = prefetch
-        self.reshard_after_forward = bool(reshard_after_forward)
+        self.mixed_precision_policy: MixedPrecision = resolve_mixed_precision(mixed_precision)
+        """The dtype of chunks, compute and gradient reduction (see :attr:`mixed_precision`)."""
+        self.prefetch_policy: PrefetchPolicy = resolve_prefetch(prefetch, reshard_after_forward)
+        """How far chunks are gathered ahead, and whether forward releases them."""
+        self.placement_policy: PlacementPolicy = resolve_placement(
+            placement, offload_optim_frac=offload_optim_frac, offload_param_frac=offload_param_frac,
+            device_memory_bytes=device_memory_bytes, steady_device_cap_ratio=steady_device_cap_ratio)
+        """A :class:`~torch_backend.config.StaticPlacement` or an :class:`~torch_backend.config.AutoPlacementPolicy`."""
         self.find_unused_parameters = bool(find_unused_parameters)
-        self.offload_optim_frac = float(offload_optim_frac)
-        self.offload_param_frac = float(offload_param_frac)
-
-        # ---- parameters, deduplicated by identity, in registration order
-        groups: dict[int, tuple[nn.Parameter, list[str]]] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            groups.setdefault(id(p), (p, []))[1].append(name)
-        if not groups:
-            raise ConfigError(f"{type(module).__name__} has no parameters to shard")
-        devices = {p.device for p, _ in groups.values() if not p.is_meta}
-        if len(devices) > 1:
-            raise ConfigError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
-        materializer = None
-        if any(p.is_meta for p, _ in groups.values()):
-            target = _device_arg(device) if device is not None else (devices.pop() if devices else _default_device())
-            materializer = MetaMaterializer(module, target, param_init_fn)
-            devices = {target}
-        elif device is not None and _device_arg(device) != next(iter(devices)):
-            raise ConfigError(f"device={str(device)!r} differs from the parameters' device {next(iter(devices))}; "
-                              "it is for modules built on the meta device")
-        self.device: torch.device = devices.pop()
-        budget = placement_budget_bytes(self.device, device_memory_bytes, steady_device_cap_ratio) if auto else None
-        for p, names in groups.values():
-            if not p.is_floating_point():
-                raise ConfigError(f"parameter {names[0]!r} has dtype {p.dtype}; only floating parameters can be sharded")
-        is_kg = self._keep_gathered_predicate(keep_gathered)
-        dtype_name = _MIXED_PRECISION[mixed_precision]
-        specs = [
-            TensorSpec(
-                names[0], tuple(p.shape), dtype_name, tuple(names[1:]), bool(p.requires_grad), any(is_kg(n) for n in names)
-            )
-            for p, names in groups.values()
-        ]
-        keep_below = 0
-        if chunk_size is None:
-            chunk_size, keep_below = default_chunk_size(specs, self.world_size)
-        self.layout: ChunkLayout = ChunkLayout.build(specs, chunk_size, self.world_size, keep_gathered_below_numel=keep_below)
+        self.module = module
+        self._join_group(process_group)
+        groups = _collect_parameters(module)
+        self.device, materializer = training_device(module, [p for p, _ in groups.values()], device, param_init_fn)
+        self.layout: ChunkLayout = self._build_layout(groups, chunk_size, keep_gathered)
         """The core layout (tensors → chunks → shards); identical on every rank."""
-
-        # ---- placement: where each chunk's parameter shard, master, gradient and optimizer state live
-        self._static_placements: tuple[ChunkPlacement, ...] = warmup_placements(self.layout.chunks) if auto else \
-            static_placement(self.layout.chunks, offload_optim_frac=self.offload_optim_frac,
-                             offload_param_frac=self.offload_param_frac)
-        self.auto_placement: AutoPlacement | None = None
-        """``placement="auto"``: the tracer and applier (its plan, trace, budget and bytes moved)."""
-        where = {Location.DEVICE: self.device, Location.HOST: torch.device("cpu"), None: self.device}
-
-        # ---- build the chunks (one full chunk in memory at a time)
-        by_name = {names[0]: p for p, names in groups.values()}
-        self.chunks: list[Chunk] = []
+        self._static_placements, budget_bytes = self._plan_placement()
+        self.chunks, entries = self._build_chunks(groups, materializer)
         """One :class:`~torch_backend.chunks.Chunk` per layout chunk, by index."""
-        entries: list[Entry] = []
-        divide_first = mixed_precision == "fp16"
-        tensor_index = {t.name: i for i, t in enumerate(self.layout.tensors)}
-        for info in self.layout.chunks:
-            placements = self.layout.chunk_tensors(info.index)
-            initial = torch.zeros(info.size, dtype=torch.float32, device=self.device)
-            with torch.no_grad():
-                for t in placements:
-                    if materializer is not None:
-                        by_name[t.name] = materializer.values(by_name[t.name])
-                    initial[t.offset : t.end].copy_(by_name[t.name].detach().reshape(-1))
-            collectives.broadcast_from_first(initial, process_group)
-            chunk = Chunk(
-                self.layout,
-                info.index,
-                self.rank,
-                {t.name: by_name[t.name] for t in placements},
-                device=self.device,
-                param_device=where[self._static_placements[info.index].param],
-                master_device=where[self._static_placements[info.index].master],
-                param_offloaded=self._static_placements[info.index].param_offloaded,
-                group=process_group,
-                divide_first=divide_first,
-                initial=initial,
-                movable=auto,
-            )
-            del initial
-            self.chunks.append(chunk)
-            for t in placements:
-                entries.append(Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t))
-
         if materializer is not None:
             materializer.finish()  # buffers of submodules after the last parameter
+        self._runtime, self.auto_placement = self._start_runtime(entries, budget_bytes)
+        """``placement="auto"``: the tracer and applier (its plan, trace, budget and bytes moved); else ``None``."""
 
-        # ---- collectives, hooks, per-step state
-        scheduler = Scheduler(self.chunks, num_tensors=len(self.layout.tensors), prefetch=prefetch,
-                              group=collectives.agreement_group(process_group), world_size=self.world_size)
-        self._runtime = ChunkRuntime(module, self.layout, self.chunks, entries, scheduler,
-                                     find_unused_parameters=self.find_unused_parameters,
-                                     reshard_after_forward=self.reshard_after_forward)
-        if auto:
-            self.auto_placement = AutoPlacement(self.chunks, scheduler, self._runtime, placements=self._static_placements,
-                                                device=self.device, budget_bytes=budget, prefetch=prefetch)
+    # ================================================================== options
+    @property
+    def mixed_precision(self) -> str:
+        """``"fp32"``, ``"bf16"`` or ``"fp16"``: :attr:`mixed_precision_policy`'s ``compute``."""
+        return self.mixed_precision_policy.compute
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The torch dtype of the chunks, the computation and the gradient reduction."""
+        return TORCH_DTYPES[self.mixed_precision_policy.dtype_name]
+
+    @property
+    def prefetch(self) -> int:
+        """Chunks gathered ahead of use (:attr:`prefetch_policy`'s ``chunks``)."""
+        return self.prefetch_policy.chunks
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether forward releases sharded chunks after their use (:attr:`prefetch_policy`)."""
+        return self.prefetch_policy.reshard_after_forward
+
+    @property
+    def offload_optim_frac(self) -> float:
+        """:class:`~torch_backend.config.StaticPlacement`'s fraction (0.0 with ``placement="auto"``)."""
+        return getattr(self.placement_policy, "offload_optim_frac", 0.0)
+
+    @property
+    def offload_param_frac(self) -> float:
+        """:class:`~torch_backend.config.StaticPlacement`'s fraction (0.0 with ``placement="auto"``)."""
+        return getattr(self.placement_policy, "offload_param_frac", 0.0)
 
     # ================================================================== placement
     @property
@@ -305,20 +266,77 @@ class ZeroDDP(nn.Module):
         """Chunks whose master, gradient and optimizer state are on the host now."""
         return tuple(p.index for p in self.placements if p.optim_offloaded)
 
-    # ================================================================== construction helpers
-    @staticmethod
-    def _keep_gathered_predicate(keep_gathered) -> Callable[[str], bool]:
-        if keep_gathered is None:
-            return lambda name: False
-        if callable(keep_gathered):
-            return lambda name: bool(keep_gathered(name))
-        if isinstance(keep_gathered, str):
-            keep_gathered = [keep_gathered]
-        try:
-            names = set(keep_gathered)
-        except TypeError:
-            raise ConfigError(f"keep_gathered must be names or a predicate, got {type(keep_gathered).__name__}") from None
-        return lambda name: name in names
+    # ================================================================== construction steps
+    def _join_group(self, process_group) -> None:
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.process_group = process_group
+        """The data-parallel process group (``None``: single process)."""
+        self.world_size: int = dist.get_world_size(process_group) if process_group is not None else 1
+        self.rank: int = dist.get_rank(process_group) if process_group is not None else 0
+
+    def _build_layout(self, groups: _ParamGroups, chunk_size: int | None, keep_gathered) -> ChunkLayout:
+        """The core layout over the parameters (one spec per parameter object, its names as aliases);
+        ``chunk_size=None`` searches it."""
+        is_kg = _keep_gathered_predicate(keep_gathered)
+        dtype_name = self.mixed_precision_policy.dtype_name
+        specs = [TensorSpec(names[0], tuple(p.shape), dtype_name, tuple(names[1:]), bool(p.requires_grad),
+                            any(is_kg(n) for n in names))
+                 for p, names in groups.values()]
+        keep_below = 0
+        if chunk_size is None:
+            chunk_size, keep_below = default_chunk_size(specs, self.world_size)
+        return ChunkLayout.build(specs, chunk_size, self.world_size, keep_gathered_below_numel=keep_below)
+
+    def _plan_placement(self) -> tuple[tuple[ChunkPlacement, ...], int | None]:
+        """Where each chunk's parameter shard, master, gradient and optimizer state start, and the auto
+        placement's budget in bytes (``None`` for the static one)."""
+        policy = self.placement_policy
+        if isinstance(policy, AutoPlacementPolicy):
+            return warmup_placements(self.layout.chunks), placement_budget_bytes(self.device, policy)
+        return static_placement(self.layout.chunks, offload_optim_frac=policy.offload_optim_frac,
+                                offload_param_frac=policy.offload_param_frac), None
+
+    def _build_chunks(self, groups: _ParamGroups, materializer: MetaMaterializer | None) -> tuple[list[Chunk], list[Entry]]:
+        """One chunk per layout chunk, filled from group rank 0's values (materialized one submodule
+        at a time for a meta-device module: one full chunk in memory at a time), and one runtime entry
+        per parameter."""
+        by_name = {names[0]: p for p, names in groups.values()}
+        tensor_index = {t.name: i for i, t in enumerate(self.layout.tensors)}
+        where = {Location.DEVICE: self.device, Location.HOST: torch.device("cpu"), None: self.device}
+        auto = isinstance(self.placement_policy, AutoPlacementPolicy)
+        chunks: list[Chunk] = []
+        entries: list[Entry] = []
+        for info in self.layout.chunks:
+            tensors = self.layout.chunk_tensors(info.index)
+            initial = torch.zeros(info.size, dtype=torch.float32, device=self.device)
+            with torch.no_grad():
+                for t in tensors:
+                    if materializer is not None:
+                        by_name[t.name] = materializer.values(by_name[t.name])
+                    initial[t.offset : t.end].copy_(by_name[t.name].detach().reshape(-1))
+            collectives.broadcast_from_first(initial, self.process_group)
+            start = self._static_placements[info.index]
+            chunk = Chunk(self.layout, info.index, self.rank, {t.name: by_name[t.name] for t in tensors},
+                          device=self.device, param_device=where[start.param], master_device=where[start.master],
+                          param_offloaded=start.param_offloaded, group=self.process_group,
+                          divide_first=self.mixed_precision == "fp16", initial=initial, movable=auto)
+            del initial
+            chunks.append(chunk)
+            entries += [Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t) for t in tensors]
+        return chunks, entries
+
+    def _start_runtime(self, entries: list[Entry], budget_bytes: int | None) -> tuple[ChunkRuntime, AutoPlacement | None]:
+        """The scheduler, the hooks and per-step state, and (``placement="auto"``) the placement applier."""
+        scheduler = Scheduler(self.chunks, num_tensors=len(self.layout.tensors), prefetch=self.prefetch,
+                              group=collectives.agreement_group(self.process_group), world_size=self.world_size)
+        runtime = ChunkRuntime(self.module, self.layout, self.chunks, entries, scheduler,
+                               find_unused_parameters=self.find_unused_parameters,
+                               reshard_after_forward=self.reshard_after_forward)
+        if budget_bytes is None:
+            return runtime, None
+        return runtime, AutoPlacement(self.chunks, scheduler, runtime, placements=self._static_placements,
+                                      device=self.device, budget_bytes=budget_bytes, prefetch=self.prefetch)
 
     # ================================================================== forward / backward
     def forward(self, *args, **kwargs):
@@ -383,13 +401,10 @@ class ZeroDDP(nn.Module):
         The first backward outside the context reduces everything accumulated so far (and so does
         ``ZeroOptimizer.step`` after backwards that all ran inside it).
         """
-        runtime = self._runtime
-        previous = runtime.sync
-        runtime.sync = False
         try:
-            yield
+            with self._runtime.syncing(False):
+                yield
         finally:
-            runtime.sync = previous
             self.synchronize()
 
     def synchronize(self) -> None:

@@ -10,7 +10,8 @@ its own meta parameters and buffers real, uninitialized storage on the target de
 parameter object replaces the meta one at every place it is registered, so tied weights stay tied
 (and keep the values their first module gave them, as when the weight is tied after construction).
 Once a chunk is built, its tensors become views of the chunk; a rank holds at most one chunk plus
-the submodules being initialized.
+the submodules being initialized. :func:`training_device` decides where the chunks live: the
+parameters' one device, or where a meta-device module is materialized.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from chunkzero.errors import ConfigError
 
-__all__ = ["MetaMaterializer"]
+__all__ = ["MetaMaterializer", "training_device"]
 
 
 class MetaMaterializer:
@@ -109,3 +110,39 @@ class MetaMaterializer:
                 init(m)
         finally:
             m._parameters.update(kept)
+
+
+def _default_device() -> torch.device:
+    """Where a meta-device module is materialized by default: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _device_arg(device: torch.device | str) -> torch.device:
+    """``device`` with a CUDA index (``"cuda"`` is the current device, as torch places tensors), so it
+    compares equal to the parameters' device and names the same memory-report key."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def training_device(module: nn.Module, params: list[nn.Parameter], device: torch.device | str | None,
+                    param_init_fn: Callable[[nn.Module], None] | None) -> tuple[torch.device, MetaMaterializer | None]:
+    """``(device, materializer)`` for ``ZeroDDP``: the one device of ``params`` (``module``'s), or for
+    a module built on the meta device the one it is materialized on (``device``, else the device of
+    its non-meta parameters, else the current CUDA device or the CPU) and the
+    :class:`MetaMaterializer` that does it (``None`` for other modules).
+
+    Raises:
+        ConfigError: parameters on several devices; ``device`` differs from a non-meta module's.
+    """
+    devices = {p.device for p in params if not p.is_meta}
+    if len(devices) > 1:
+        raise ConfigError(f"all parameters must be on one device, found {sorted(map(str, devices))}")
+    if any(p.is_meta for p in params):
+        target = _device_arg(device) if device is not None else (devices.pop() if devices else _default_device())
+        return target, MetaMaterializer(module, target, param_init_fn)
+    if device is not None and _device_arg(device) != next(iter(devices)):
+        raise ConfigError(f"device={str(device)!r} differs from the parameters' device {next(iter(devices))}; "
+                          "it is for modules built on the meta device")
+    return devices.pop(), None

@@ -425,6 +425,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return {**{k: v for k, v in self.param_groups[0].items() if k not in ("params", "param_names")},
                 "max_norm": self.max_norm}
 
+    @property
+    def piece_states(self) -> PieceStates:
+        """The flat per-chunk state buffers behind the inner optimizer's state, one entry per trainable
+        chunk (:class:`~torch_backend.optim_pieces.PieceStates`: ``flat``, ``steps``, ``pieces``,
+        ``chunks``); the torch-format state dict reads and writes through it."""
+        return self._states
+
+    def state_bytes_per_element(self) -> int | None:
+        """Bytes of optimizer state kept per master element (8 for Adam's two fp32 moments), ``None``
+        before the first step has created any (``placement="auto"`` sizes its plan with it)."""
+        return self._states.bytes_per_element()
+
     def state_bytes(self) -> list[tuple[torch.device, int]]:
         """``(device, bytes)`` of each optimizer state tensor this rank holds (exp_avg, exp_avg_sq …)."""
         return self._states.state_bytes()

@@ -98,7 +98,9 @@ class PieceStates:
         self.groups = groups
         self.pieces = pieces
         self.chunks = {ci: model.chunks[ci] for ci in pieces}
-        index = {t.name: i for i, t in enumerate(model.layout.tensors)}
+        self.tensor_index: dict[str, int] = {t.name: i for i, t in enumerate(model.layout.tensors)}
+        """primary name -> the tensor's index in the layout (the index into :attr:`steps`)."""
+        index = self.tensor_index
         self.chunk_tensors = {ci: [index[t.name] for t in model.layout.chunk_tensors(ci)] for ci in pieces}
         """chunk index -> layout indices of all its tensors (on every rank, owned here or not)."""
         self.flat: dict[int, dict[str, torch.Tensor]] = {}
@@ -233,6 +235,14 @@ class PieceStates:
             if self.uses_step:
                 st["step"] = _step_tensor(step, group_of.get(id(p.param), {}), p.param)
             self.state[p.param] = st
+
+    def bytes_per_element(self) -> int | None:
+        """Bytes of per-element state the optimizer keeps per master element (the sum over the state
+        keys of their element sizes: 8 for Adam's two fp32 moments); ``None`` while it has no state."""
+        flat = next((f for f in self.flat.values() if f), None)
+        if not flat:
+            return None
+        return sum(b.element_size() for b in flat.values())
 
     def state_bytes(self) -> list[tuple[torch.device, int]]:
         """``(device, bytes)`` of each flat buffer and of every other state tensor (0-d entries)."""

@@ -32,10 +32,11 @@ def _agreed_state(zopt) -> tuple[dict[int, dict[str, torch.dtype]], dict[str, di
     pieces never had a gradient holds none, yet must take part in the chunk's gathers —,
     ``name -> {key: number}`` of the 0-d state entries other than ``step``, from the ranks that hold
     a piece of the tensor, and whether the optimizer keeps a ``step`` (seen on some rank)."""
+    states = zopt.piece_states
     local_keys = {str(ci): {k: str(b.dtype).removeprefix("torch.") for k, b in flat.items()}
-                  for ci, flat in zopt._states.flat.items()}
+                  for ci, flat in states.flat.items()}
     local_scalars: dict[str, dict[str, Any]] = {}
-    for pieces in zopt._pieces.values():
+    for pieces in states.pieces.values():
         for p in pieces:
             for k, v in zopt.state.get(p.param, {}).items():
                 if k != "step" and isinstance(v, torch.Tensor) and v.dim() == 0:
@@ -43,7 +44,7 @@ def _agreed_state(zopt) -> tuple[dict[int, dict[str, torch.dtype]], dict[str, di
     keys: dict[int, dict[str, torch.dtype]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     uses_step = False
-    parts = all_gather_json({"keys": local_keys, "scalars": local_scalars, "uses_step": zopt._states.uses_step},
+    parts = all_gather_json({"keys": local_keys, "scalars": local_scalars, "uses_step": states.uses_step},
                             zopt.model.process_group)
     for part in parts:
         uses_step |= bool(part["uses_step"])
@@ -57,11 +58,11 @@ def _agreed_state(zopt) -> tuple[dict[int, dict[str, torch.dtype]], dict[str, di
 
 def full_state_dict(zopt) -> dict[str, Any]:
     """See :meth:`ZeroOptimizer.state_dict` (collective)."""
-    model, states = zopt.model, zopt._states
+    model, states = zopt.model, zopt.piece_states
     steps = zopt.tensor_steps()
     per: dict[str, dict[str, Any]] = {n: {} for g in zopt.group_names for n in g}
     keys, scalars, uses_step = _agreed_state(zopt)
-    for c in zopt._chunks:
+    for c in states.chunks.values():
         flat = states.flat.get(c.index, {})
         for key, dtype in keys.get(c.index, {}).items():
             mine = flat.get(key)
@@ -124,8 +125,8 @@ def load_full_state_dict(zopt, state_dict: dict[str, Any]) -> None:
         raise CheckpointError("optimizer state dict needs 'state' and 'param_groups'") from None
     key_to_name = _group_keys(zopt, groups)
     by_name = {key_to_name[k]: v for k, v in saved_state.items() if k in key_to_name}
-    layout, states = zopt.model.layout, zopt._states
-    for c in zopt._chunks:
+    layout, states = zopt.model.layout, zopt.piece_states
+    for c in states.chunks.values():
         tensors = layout.chunk_tensors(c.index)
         fulls: dict[str, dict[str, torch.Tensor]] = {}
         scalars: dict[str, dict[str, torch.Tensor]] = {}
@@ -133,9 +134,9 @@ def load_full_state_dict(zopt, state_dict: dict[str, Any]) -> None:
             entry = by_name.get(t.name, {})
             step = entry.get("step")
             if entry:
-                states.steps[zopt._tensor_index[t.name]] = max(zopt.step_count, 1) if step is None else _scalar_step(step)
+                states.steps[states.tensor_index[t.name]] = max(zopt.step_count, 1) if step is None else _scalar_step(step)
             else:
-                states.steps[zopt._tensor_index[t.name]] = 0
+                states.steps[states.tensor_index[t.name]] = 0
             if step is not None:
                 states.uses_step = True
             for key, v in entry.items():
@@ -157,7 +158,7 @@ def load_full_state_dict(zopt, state_dict: dict[str, Any]) -> None:
                 if key not in states.keys:
                     states.keys.append(key)
         states.attach(c.index)
-        for p in zopt._pieces.get(c.index, []):
+        for p in states.pieces.get(c.index, []):
             for key, v in scalars.get(p.name, {}).items():
                 if p.param in zopt.state:
                     zopt.state[p.param][key] = v.clone()

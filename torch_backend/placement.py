@@ -54,13 +54,11 @@ from chunkzero.errors import ConfigError
 
 from .access import storage_key
 from .chunks import Chunk
+from .config import DEFAULT_STEADY_DEVICE_CAP_RATIO, AutoPlacementPolicy
 from .schedule import BACKWARD, FORWARD
 
-__all__ = ["DEFAULT_STEADY_DEVICE_CAP_RATIO", "AutoPlacement", "PlacementTrace", "SavedBytes",
-           "check_placement_arguments", "device_memory_bytes", "placement_budget_bytes", "warmup_placements"]
-
-DEFAULT_STEADY_DEVICE_CAP_RATIO = 0.9
-"""Share of the device memory the placement plans within (Gemini's ``steady_cuda_cap_ratio`` default)."""
+__all__ = ["DEFAULT_STEADY_DEVICE_CAP_RATIO", "AutoPlacement", "PlacementTrace", "SavedBytes", "device_memory_bytes",
+           "placement_budget_bytes", "warmup_placements"]
 
 DEFAULT_OPTIM_STATE_BYTES_PER_ELEMENT = 8
 """Optimizer-state bytes per master element assumed before the optimizer has any state: Adam's two
@@ -84,43 +82,15 @@ def device_memory_bytes(device: torch.device) -> int:
         raise ConfigError(f"cannot read the memory of device {device}: pass ZeroDDP(device_memory_bytes=...)") from None
 
 
-def check_placement_arguments(placement: str, offload_optim_frac, offload_param_frac, device_memory,
-                              steady_device_cap_ratio=DEFAULT_STEADY_DEVICE_CAP_RATIO) -> None:
-    """Which of ``ZeroDDP``'s placement arguments go together.
+def placement_budget_bytes(device: torch.device, policy: AutoPlacementPolicy) -> int:
+    """``floor(policy.steady_device_cap_ratio × policy.device_memory_bytes)`` bytes; a
+    ``device_memory_bytes`` of ``None`` is :func:`device_memory_bytes` of ``device``.
 
     Raises:
-        ConfigError: ``placement`` is not ``"static"`` or ``"auto"``; offload fractions with ``"auto"``;
-            ``device_memory_bytes`` or a ``steady_device_cap_ratio`` other than the default with
-            ``"static"`` (the message names the argument).
+        ConfigError: the CPU's RAM cannot be read (from :func:`device_memory_bytes`).
     """
-    if placement not in ("static", "auto"):
-        raise ConfigError(f"placement must be 'static' or 'auto', got {placement!r}")
-    if placement == "auto" and (offload_optim_frac or offload_param_frac):
-        raise ConfigError("offload_optim_frac and offload_param_frac are for placement='static'; placement='auto' "
-                          f"decides from the budget (got {offload_optim_frac=}, {offload_param_frac=})")
-    if placement != "auto" and device_memory is not None:
-        raise ConfigError(f"device_memory_bytes is for placement='auto' (got {device_memory!r} with placement={placement!r})")
-    if placement != "auto" and steady_device_cap_ratio != DEFAULT_STEADY_DEVICE_CAP_RATIO:
-        raise ConfigError(f"steady_device_cap_ratio is for placement='auto' (got {steady_device_cap_ratio!r} with "
-                          f"placement={placement!r})")
-
-
-def placement_budget_bytes(device: torch.device, device_memory: int | None, steady_device_cap_ratio: float) -> int:
-    """``floor(steady_device_cap_ratio × device_memory)`` bytes; ``device_memory`` ``None`` →
-    :func:`device_memory_bytes`.
-
-    Raises:
-        ConfigError: ``device_memory`` is not a positive int, or the ratio is not in ``(0, 1]``
-            (the message names the argument).
-    """
-    if device_memory is not None and (isinstance(device_memory, bool) or not isinstance(device_memory, numbers.Integral)
-                                      or device_memory <= 0):
-        raise ConfigError(f"device_memory_bytes must be a positive int (bytes) or None, got {device_memory!r}")
-    r = steady_device_cap_ratio
-    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0.0 < r <= 1.0:
-        raise ConfigError(f"steady_device_cap_ratio must be a number in (0, 1], got {r!r}")
-    total = device_memory_bytes(device) if device_memory is None else int(device_memory)
-    return int(total * float(r))
+    total = device_memory_bytes(device) if policy.device_memory_bytes is None else policy.device_memory_bytes
+    return int(total * policy.steady_device_cap_ratio)
 
 
 def warmup_placements(chunks) -> tuple[ChunkPlacement, ...]:
@@ -248,6 +218,8 @@ class AutoPlacement:
         self._optimizer = None
         self._where = {Location.DEVICE: self.device, Location.HOST: torch.device("cpu")}
         self._count_saved = self.device.type != "cuda"
+        self._saved: SavedBytes | None = None
+        """The counter of the step being traced on CPU (``_count_saved``)."""
         self._resident_storages = {c.storage_key for c in chunks if c.resident}
         # per step
         self._in_step = False
@@ -297,11 +269,10 @@ class AutoPlacement:
         """Per chunk: bytes of its master, gradient and optimizer state (0 when frozen); the state is
         what the attached optimizer keeps per element, or :data:`DEFAULT_OPTIM_STATE_BYTES_PER_ELEMENT`
         before it has any."""
-        per_element = DEFAULT_OPTIM_STATE_BYTES_PER_ELEMENT
         opt = self._optimizer() if self._optimizer is not None else None
-        if opt is not None and opt._states.keys:
-            flat = next(iter(opt._states.flat.values()))
-            per_element = sum(b.element_size() for b in flat.values())
+        per_element = opt.state_bytes_per_element() if opt is not None else None
+        if per_element is None:
+            per_element = DEFAULT_OPTIM_STATE_BYTES_PER_ELEMENT
         return tuple(c.shard_numel * (8 + per_element) if c.requires_grad else 0 for c in self.chunks)
 
     def attach_optimizer(self, optimizer) -> None:
@@ -354,7 +325,8 @@ class AutoPlacement:
         if self._tracing:
             self._records, self._forward_records = [], 0
             if self._count_saved:
-                self.runtime.saved_activations = SavedBytes(self._resident_storages)
+                self._saved = SavedBytes(self._resident_storages)
+                self.runtime.count_saved_activations(self._saved)
         if self.plan is not None:
             self._enter(set(self.plan.step(self._k).resident_at_start))
             self._on_plan = True
@@ -442,7 +414,7 @@ class AutoPlacement:
         recordings = (orders[FORWARD].recordings, orders[BACKWARD].recordings)
         if self._tracing:
             self._tracing = False
-            self.runtime.saved_activations = None
+            self.runtime.count_saved_activations(None)
             self._finish_trace(recordings)
         elif recordings != self._recordings:
             self._retrace = True  # the order changed in this step: trace the next one
@@ -478,7 +450,7 @@ class AutoPlacement:
         if not accessed.resident and not (accessed.is_gathered or accessed.gather_in_flight):
             transient += accessed.size * accessed.buffer.element_size()
         if self._count_saved:
-            return self.runtime.saved_activations.bytes, transient
+            return self._saved.bytes, transient
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is not None:
             engine_device += sum(n for dev, n in opt.state_bytes() if dev.type == "cuda")

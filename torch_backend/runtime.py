@@ -160,6 +160,22 @@ class ChunkRuntime:
         self.grad_received = torch.zeros(len(layout.tensors), dtype=torch.bool)
         """Per layout tensor: whether it received a gradient on some rank since the last ``zero_grad``."""
 
+    @contextlib.contextmanager
+    def syncing(self, enabled: bool):
+        """Inside the context, finished gradients are reduced (``True``) or kept accumulating in the
+        chunks' gradient buffers (``False``, ``ZeroDDP.no_sync``); the previous setting comes back after."""
+        previous, self.sync = self.sync, bool(enabled)
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def count_saved_activations(self, counter) -> None:
+        """From now on hold every saved tensor that is not a parameter or chunk view as a
+        :class:`~torch_backend.access.SavedActivation` counted by ``counter`` (a
+        :class:`~torch_backend.placement.SavedBytes`); ``None`` stops counting."""
+        self.saved_activations = counter
+
     def zero_grad(self) -> None:
         """Drop all accumulated gradients (buffers, reductions in flight, fp32 shards, placeholders)."""
         self.finish_aborted_backward()
