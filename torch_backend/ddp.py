@@ -90,6 +90,13 @@ def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, i
     return int(result.chunk_size), int(result.keep_gathered_below_numel)
 
 
+def _storage_dtype_name(dtype: torch.dtype) -> str:
+    """The dtype a frozen tensor is stored in: its own (float32, bfloat16, float16); float64 is
+    narrowed to float32, as trainable tensors' fp32 masters are."""
+    name = str(dtype).removeprefix("torch.")
+    return name if name in TORCH_DTYPES else "float32"
+
+
 def _default_device() -> torch.device:
     """Where a meta-device module is materialized by default: the current CUDA device, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -119,6 +126,10 @@ class ZeroDDP(nn.Module):
         chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
         mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient
             reduction; the optimizer always updates fp32 master shards. fp32 tensor inputs are cast to it.
+            Frozen parameters (``requires_grad=False``) keep the dtype they came in (float32, bfloat16 or
+            float16; float64 as float32): their chunks are stored sharded in it, without a master, and
+            cast to the compute dtype when gathered, so :meth:`state_dict` and checkpoints return them
+            exactly.
         prefetch: chunks gathered ahead of use, in the order recorded during the previous step
             (Gemini's ``max_prefetch``); with ``prefetch > 0`` all-gathers and reduce-scatters are
             asynchronous and overlap the computation. ``0``: gather on first use, blocking collectives.
@@ -236,9 +247,12 @@ class ZeroDDP(nn.Module):
                 raise ConfigError(f"parameter {names[0]!r} has dtype {p.dtype}; only floating parameters can be sharded")
         is_kg = self._keep_gathered_predicate(keep_gathered)
         dtype_name = _MIXED_PRECISION[mixed_precision]
+        # a trainable tensor's chunk is in the compute dtype (its fp32 master is apart); a frozen one's
+        # in its storage dtype, so frozen tensors of different dtypes never share a chunk
         specs = [
             TensorSpec(
-                names[0], tuple(p.shape), dtype_name, tuple(names[1:]), bool(p.requires_grad), any(is_kg(n) for n in names)
+                names[0], tuple(p.shape), dtype_name if p.requires_grad else _storage_dtype_name(p.dtype),
+                tuple(names[1:]), bool(p.requires_grad), any(is_kg(n) for n in names)
             )
             for p, names in groups.values()
         ]
@@ -285,6 +299,7 @@ class ZeroDDP(nn.Module):
                 divide_first=divide_first,
                 initial=initial,
                 movable=auto,
+                compute_dtype=self.compute_dtype,
             )
             del initial
             self.chunks.append(chunk)
@@ -434,13 +449,14 @@ class ZeroDDP(nn.Module):
     def master_shard(self, chunk: int) -> torch.Tensor:
         """This rank's fp32 master shard of ``chunk``: the live 1-D tensor of ``layout.shard_numel(chunk)``
         elements (a keep-gathered chunk's whole size), padding included (zeros). A frozen chunk keeps
-        no master: a fresh fp32 cast of its compute-dtype shard is returned."""
+        no master: its storage-dtype shard as fp32 is returned (exact; the live shard when fp32)."""
         return self.chunks[chunk].master_values()
 
     def low_precision_shard(self, chunk: int) -> torch.Tensor:
         """This rank's compute-dtype shard of ``chunk`` (1-D, ``shard_numel``): the master itself in fp32;
         in bf16/fp16 the persistent low-precision shard, or a fresh cast of the master where none is
-        kept (no offload: the gather casts the master, which saves 2 bytes per element)."""
+        kept (no offload: the gather casts the master, which saves 2 bytes per element), or of a
+        frozen shard stored in another dtype."""
         return self.chunks[chunk].low_precision_shard()
 
     def grad_shard(self, chunk: int) -> torch.Tensor | None:
@@ -518,13 +534,18 @@ class ZeroDDP(nn.Module):
             per[kind] += int(n)
 
         add(self.device, "parameters", 0)
+        frozen: dict[str, dict[str, int]] = {}
         for c in self.chunks:
             for device, kind, n in c.bytes_by_kind():
                 add(device, kind, n)
+            for device, dtype, n in c.frozen_bytes_by_dtype():
+                per = frozen.setdefault(str(device), {})
+                per[dtype] = per.get(dtype, 0) + int(n)
         if optimizer is not None:
             for device, n in optimizer.state_bytes():
                 add(device, "optimizer_states", n)
-        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks, self._runtime.sched.peak_gathered)
+        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks, self._runtime.sched.peak_gathered,
+                            frozen)
 
     def gathered_chunks(self) -> list[int]:
         """Indices of sharded chunks gathered, or being gathered, right now (resident chunks —
