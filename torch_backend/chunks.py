@@ -14,7 +14,12 @@ A chunk owns, on this rank (the design of ColossalAI Gemini's ``Chunk``, itself 
 - ``master`` — the fp32 master shard, an ``nn.Parameter`` leaf the optimizer updates (its ``.grad``
   is the reduced, averaged gradient shard, fp32), on the master device (the host when
   optimizer-offloaded). A **frozen** chunk (``requires_grad=False``) has no master, no gradient
-  and no optimizer state: only its compute-dtype shard.
+  and no optimizer state: only its shard, kept in the **storage dtype** its tensors came in (the
+  layout chunk's dtype, :attr:`Chunk.storage_dtype`; FSDP2 keeps a sharded parameter in its own
+  dtype too), so its values survive bf16/fp16 compute bit for bit. A gather casts the shard to the
+  compute dtype, then all-gathers. Where the two dtypes differ, a frozen chunk at world size 1 is
+  gathered (a cast copy) per use instead of staying resident, and a keep-gathered one keeps its
+  whole storage-dtype chunk plus the compute-dtype buffer, refreshed from it on load.
 - ``buffer`` — the full chunk in the compute dtype; the module's parameters are views into it for
   the chunk's lifetime. Released, its storage is resized to zero bytes (the parameters keep their
   shapes but hold no data); gathered, it is resized back and filled by an all-gather (FSDP2's
@@ -116,6 +121,8 @@ class Chunk:
             keep-gathered chunk is resident (at world size 1 the gathered buffer is a copy of the shard).
         initial: the full chunk's initial values (fp32, 1-D, ``size`` elements) — already identical
             on every rank.
+        compute_dtype: dtype of the gathered buffer and gradients (default: the layout chunk's dtype);
+            a frozen chunk's layout dtype is its storage dtype and may differ from it.
     """
 
     def __init__(
@@ -133,6 +140,7 @@ class Chunk:
         divide_first: bool,
         initial: torch.Tensor,
         movable: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ):
         info = layout.chunks[index]
         self.index = index
@@ -141,7 +149,10 @@ class Chunk:
         self.rank = rank
         self.world_size = layout.world_size
         self.group = group
-        self.dtype = TORCH_DTYPES[info.dtype]
+        self.storage_dtype = TORCH_DTYPES[info.dtype]
+        """dtype of the persistent shard of a frozen chunk (the layout chunk's); the compute dtype otherwise."""
+        self.dtype = compute_dtype or self.storage_dtype
+        """The compute dtype: gathered buffer and gradients."""
         self.device = torch.device(device)
         self.param_device = torch.device(param_device)
         self.requires_grad = info.requires_grad
@@ -156,8 +167,12 @@ class Chunk:
         self.params = params
         self.param_offloaded = bool(param_offloaded) and not self.keep_gathered
         self.movable = movable
-        self.resident = self.keep_gathered or (self.world_size == 1 and not self.param_offloaded and not movable)
-        """Never released: keep-gathered, or a single rank whose shard is the whole chunk on the device."""
+        self.casts_frozen = not self.requires_grad and self.storage_dtype != self.dtype
+        """A frozen chunk whose storage dtype is not the compute dtype: each gather casts its shard."""
+        self.resident = self.keep_gathered or (self.world_size == 1 and not self.param_offloaded and not movable
+                                               and not self.casts_frozen)
+        """Never released: keep-gathered, or a single rank whose shard is the whole chunk on the device
+        (in the compute dtype)."""
         self.states = ChunkStates(info.tensor_names, initial=S.HOLD if self.resident else S.FREE)
 
         shard_device = self.device if self.resident else self.param_device
@@ -165,7 +180,7 @@ class Chunk:
         self.master: torch.nn.Parameter | None = None
         self.shard: torch.Tensor | None
         if not self.requires_grad:
-            self.shard = _copied(mine, shard_device, self.device, self.dtype)  # frozen: compute dtype only
+            self.shard = _copied(mine, shard_device, self.device, self.storage_dtype)  # frozen: storage dtype only
         else:
             self.master = torch.nn.Parameter(_copied(mine, self.master_device, self.device, torch.float32))
             if self.dtype == torch.float32 and self.master_device == shard_device and not movable:
@@ -192,7 +207,8 @@ class Chunk:
         # on release and back on gather (FSDP2's trick), so the parameters stay views of it with
         # their full shapes, and views autograd saved in forward see the re-gathered data.
         if self.resident:
-            self.buffer = self.shard
+            # a keep-gathered frozen chunk stored in another dtype: the compute-dtype copy lives beside it
+            self.buffer = self.shard.to(self.dtype) if self.casts_frozen else self.shard
             self._gathered = True
         else:
             self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
@@ -218,6 +234,8 @@ class Chunk:
     def _gather_source(self) -> torch.Tensor:
         if self.shard is None:
             return self.master.detach().to(self.device, self.dtype)
+        if self.shard.dtype != self.dtype:  # a frozen chunk in its storage dtype: move (async), then cast there
+            return self.shard.to(self.device, non_blocking=True).to(self.dtype)
         return self.shard  # on the host when parameter-offloaded: the collective copies it over first
 
     def begin_gather(self, *, async_op: bool) -> None:
@@ -544,26 +562,32 @@ class Chunk:
 
     # ------------------------------------------------------------------ state I/O
     def master_values(self) -> torch.Tensor:
-        """The fp32 values of this rank's shard: the live master, or a cast of a frozen chunk's shard."""
+        """The fp32 values of this rank's shard: the live master, or a frozen chunk's storage-dtype
+        shard as fp32 (exact for fp32, bf16 and fp16 storage; the shard itself when it is fp32)."""
         return self.master.detach() if self.master is not None else self.shard.float()
 
     def load_master(self, values: torch.Tensor) -> None:
-        """Copy a 1-D fp32 shard of ``shard_numel`` elements into the master (a frozen chunk: into its
-        compute-dtype shard) and refresh."""
+        """Copy a 1-D shard of ``shard_numel`` elements (any floating dtype) into the fp32 master (a
+        frozen chunk: into its storage-dtype shard, and a resident compute-dtype copy from it) and
+        refresh."""
         with torch.no_grad():
             if self.master is not None:
                 self.master.copy_(values.to(self.master_device, torch.float32))
                 if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
                     self.shard.copy_(self.master.detach())
             else:
-                self.shard.copy_(values.to(self.shard.device, self.dtype))
+                self.shard.copy_(values.to(self.shard.device, self.storage_dtype))
+                if self.resident and self.casts_frozen:
+                    self.buffer.copy_(self.shard)
         self.release()
 
     def low_precision_shard(self) -> torch.Tensor:
         """The compute-dtype shard: the live persistent tensor, or a fresh cast of the master when
-        none is kept (bf16/fp16 without offload)."""
+        none is kept (bf16/fp16 without offload), or of a frozen shard kept in another storage dtype."""
         if self.shard is None:
             return self.master.detach().to(self.device, self.dtype)
+        if self.shard.dtype != self.dtype:
+            return self.shard.to(self.device, self.dtype)
         return self.shard
 
     def gather_master(self) -> torch.Tensor:
@@ -596,6 +620,8 @@ class Chunk:
         shared = self.shard is not None and self.master is not None and self.shard.data_ptr() == self.master.data_ptr()
         if self.shard is not None:
             out.append((self.shard.device, "parameters", self.shard.numel() * self.shard.element_size()))
+        if self.resident and self.casts_frozen:  # keep-gathered frozen in another dtype: its compute copy
+            out.append((self.buffer.device, "parameters", self.size * self.buffer.element_size()))
         if self.master is not None and not shared:
             out.append((self.master.device, "fp32_master", self.master.numel() * 4))
         if (self._gathered or self._gather is not None) and not self.resident:
@@ -606,4 +632,15 @@ class Chunk:
             out.append((t.device, "gradients", t.numel() * t.element_size()))
         if self.master is not None and self.master.grad is not None:
             out.append((self.master.grad.device, "gradients", self.master.grad.numel() * 4))
+        return out
+
+    def frozen_bytes_by_dtype(self) -> list[tuple[torch.device, str, int]]:
+        """``(device, dtype name, bytes)`` of a frozen chunk's persistent tensors (its storage-dtype
+        shard, and the compute-dtype copy a keep-gathered chunk stored in another dtype keeps); ``[]``
+        for a trainable chunk. These bytes are part of :meth:`bytes_by_kind`'s ``parameters``."""
+        if self.requires_grad:
+            return []
+        out = [(self.shard.device, str(self.shard.dtype).removeprefix("torch."), self.shard.numel() * self.shard.element_size())]
+        if self.resident and self.casts_frozen:
+            out.append((self.buffer.device, str(self.dtype).removeprefix("torch."), self.size * self.buffer.element_size()))
         return out

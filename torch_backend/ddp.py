@@ -72,6 +72,13 @@ _ParamGroups = dict[int, tuple[nn.Parameter, list[str]]]
 """``id(parameter) -> (parameter, its names)``, in registration order."""
 
 
+def _storage_dtype_name(dtype: torch.dtype) -> str:
+    """The dtype a frozen tensor is stored in: its own (float32, bfloat16, float16); float64 is
+    narrowed to float32, as trainable tensors' fp32 masters are."""
+    name = str(dtype).removeprefix("torch.")
+    return name if name in TORCH_DTYPES else "float32"
+
+
 def _collect_parameters(module: nn.Module) -> _ParamGroups:
     """The module's parameters, deduplicated by identity (tied weights: one entry, every name).
 
@@ -126,7 +133,11 @@ class ZeroDDP(nn.Module):
         chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
         mixed_precision: a :class:`~torch_backend.config.MixedPrecision`, or its ``compute``: ``"fp32"``,
             ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient reduction; the optimizer
-            always updates fp32 master shards. fp32 tensor inputs are cast to it.
+            always updates fp32 master shards. fp32 tensor inputs are cast to it. Frozen parameters
+            (``requires_grad=False``) keep the dtype they came in (float32, bfloat16 or float16;
+            float64 as float32): their chunks are stored sharded in it, without a master, and cast
+            to the compute dtype when gathered, so :meth:`state_dict` and checkpoints return them
+            exactly.
         prefetch: a :class:`~torch_backend.config.PrefetchPolicy`, or its ``chunks``: chunks gathered
             ahead of use, in the order recorded during the previous step (Gemini's ``max_prefetch``);
             with ``prefetch > 0`` all-gathers and reduce-scatters are asynchronous and overlap the
@@ -280,8 +291,10 @@ class ZeroDDP(nn.Module):
         ``chunk_size=None`` searches it."""
         is_kg = _keep_gathered_predicate(keep_gathered)
         dtype_name = self.mixed_precision_policy.dtype_name
-        specs = [TensorSpec(names[0], tuple(p.shape), dtype_name, tuple(names[1:]), bool(p.requires_grad),
-                            any(is_kg(n) for n in names))
+        # a trainable tensor's chunk is in the compute dtype (its fp32 master is apart); a frozen one's
+        # in its storage dtype, so frozen tensors of different dtypes never share a chunk
+        specs = [TensorSpec(names[0], tuple(p.shape), dtype_name if p.requires_grad else _storage_dtype_name(p.dtype),
+                            tuple(names[1:]), bool(p.requires_grad), any(is_kg(n) for n in names))
                  for p, names in groups.values()]
         keep_below = 0
         if chunk_size is None:
@@ -320,7 +333,8 @@ class ZeroDDP(nn.Module):
             chunk = Chunk(self.layout, info.index, self.rank, {t.name: by_name[t.name] for t in tensors},
                           device=self.device, param_device=where[start.param], master_device=where[start.master],
                           param_offloaded=start.param_offloaded, group=self.process_group,
-                          divide_first=self.mixed_precision == "fp16", initial=initial, movable=auto)
+                          divide_first=self.mixed_precision == "fp16", initial=initial, movable=auto,
+                          compute_dtype=self.compute_dtype)
             del initial
             chunks.append(chunk)
             entries += [Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t) for t in tensors]
@@ -431,13 +445,14 @@ class ZeroDDP(nn.Module):
     def master_shard(self, chunk: int) -> torch.Tensor:
         """This rank's fp32 master shard of ``chunk``: the live 1-D tensor of ``layout.shard_numel(chunk)``
         elements (a keep-gathered chunk's whole size), padding included (zeros). A frozen chunk keeps
-        no master: a fresh fp32 cast of its compute-dtype shard is returned."""
+        no master: its storage-dtype shard as fp32 is returned (exact; the live shard when fp32)."""
         return self.chunks[chunk].master_values()
 
     def low_precision_shard(self, chunk: int) -> torch.Tensor:
         """This rank's compute-dtype shard of ``chunk`` (1-D, ``shard_numel``): the master itself in fp32;
         in bf16/fp16 the persistent low-precision shard, or a fresh cast of the master where none is
-        kept (no offload: the gather casts the master, which saves 2 bytes per element)."""
+        kept (no offload: the gather casts the master, which saves 2 bytes per element), or of a
+        frozen shard stored in another dtype."""
         return self.chunks[chunk].low_precision_shard()
 
     def grad_shard(self, chunk: int) -> torch.Tensor | None:
@@ -515,13 +530,18 @@ class ZeroDDP(nn.Module):
             per[kind] += int(n)
 
         add(self.device, "parameters", 0)
+        frozen: dict[str, dict[str, int]] = {}
         for c in self.chunks:
             for device, kind, n in c.bytes_by_kind():
                 add(device, kind, n)
+            for device, dtype, n in c.frozen_bytes_by_dtype():
+                per = frozen.setdefault(str(device), {})
+                per[dtype] = per.get(dtype, 0) + int(n)
         if optimizer is not None:
             for device, n in optimizer.state_bytes():
                 add(device, "optimizer_states", n)
-        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks, self._runtime.sched.peak_gathered)
+        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks, self._runtime.sched.peak_gathered,
+                            frozen)
 
     def gathered_chunks(self) -> list[int]:
         """Indices of sharded chunks gathered, or being gathered, right now (resident chunks —

@@ -107,12 +107,13 @@ class Engine:
     def memory_report(self) -> dict | None:
         """This rank's :meth:`ZeroDDP.memory_report` as plain data (``None`` for ``--engine ddp``):
         ``{"bytes": {device: {kind: bytes}}, "offload_optim_chunks", "offload_param_chunks",
-        "peak_gathered_chunks"}``."""
+        "peak_gathered_chunks", "frozen_parameters"}`` (``{device: {dtype: bytes}}``)."""
         if self.kind != "zero":
             return None
         r = self.optim.memory_report()
         return {"bytes": r.bytes, "offload_optim_chunks": list(r.offload_optim_chunks),
-                "offload_param_chunks": list(r.offload_param_chunks), "peak_gathered_chunks": r.peak_gathered_chunks}
+                "offload_param_chunks": list(r.offload_param_chunks), "peak_gathered_chunks": r.peak_gathered_chunks,
+                "frozen_parameters": r.frozen_parameters}
 
     def chunk_report(self, rank: int) -> dict | None:
         """What chunk ZeRO-3 does on ``rank`` (``None`` for ``--engine ddp``): ``chunks`` (count),

@@ -33,7 +33,7 @@ from chunkzero.errors import CheckpointError, ConfigError, LossScaleError
 from . import collectives, optim_state_dict
 from .ddp import ZeroDDP
 from .loss_scale import DynamicLossScaler
-from .optim_groups import group_specs, resolve_params
+from .optim_groups import group_specs, resolve_params, torch_params_specs
 from .optim_pieces import PieceStates, build_pieces
 
 __all__ = ["DynamicLossScaler", "ZeroOptimizer"]
@@ -61,6 +61,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             parameters of ``model.module`` (objects or ``named_parameters()`` pairs) or their names (any
             alias). Trainable parameters not listed form a default group, last. Each group's
             hyper-parameters are honoured exactly; keys the optimizer does not know are refused.
+        params: torch's ``Optimizer(params)`` argument instead of ``param_groups``: an iterable of
+            parameters (``model.parameters()``, ``model.module.parameters()``, names) or of group dicts;
+            it must list every trainable parameter (frozen ones in it are skipped, as torch never steps
+            them); one list of parameters is one group. :func:`~torch_backend.optim_groups.torch_params_specs`.
         max_norm: clip gradients to this global L2 norm (unscaled), like ``clip_grad_norm_``.
         initial_scale, growth_interval, hysteresis, min_scale: dynamic loss scaling, used in fp16
             only (bf16/fp32 use scale 1 and still skip non-finite steps).
@@ -87,10 +91,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Raises:
         ConfigError: ``model`` is not a ZeroDDP; ``max_norm`` is not positive; bad scaler settings;
             a bad param group (unknown, frozen, foreign or twice-listed parameter, unknown key); a
-            non-elementwise optimizer; a factory that builds groups of its own.
+            non-elementwise optimizer; a factory that builds groups of its own; ``params`` and
+            ``param_groups`` both given, or ``params`` that leaves out a trainable parameter.
     """
 
-    def __init__(self, model: ZeroDDP, optimizer_class=torch.optim.AdamW, *, param_groups=None,
+    def __init__(self, model: ZeroDDP, optimizer_class=torch.optim.AdamW, *, param_groups=None, params=None,
                  max_norm: float | None = None, initial_scale: float = 2.0**16, growth_interval: int = 1000,
                  hysteresis: int = 2, min_scale: float = 1.0, max_skipped_at_min_scale: int | None = 10, **defaults):
         if not isinstance(model, ZeroDDP):
@@ -108,7 +113,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._chunks = [c for c in model.chunks if c.requires_grad]
         if not self._chunks:
             raise ConfigError("the model has no trainable parameters")
-        specs = group_specs(model, param_groups)
+        if params is not None and param_groups is not None:
+            raise ConfigError("give params= (torch's meaning: every trainable parameter) or param_groups= "
+                              "(unlisted parameters form a default group), not both")
+        specs = group_specs(model, param_groups) if params is None else torch_params_specs(model, params)
         self._pieces = build_pieces(model)
         self._piece_of = {p.name: p for pieces in self._pieces.values() for p in pieces}
         self.group_names: list[list[str]] = [list(s.names) for s in specs]

@@ -7,6 +7,10 @@ entry resolves to a layout tensor's primary name; every trainable tensor belongs
 group, and the ones not listed form a default group after the listed ones (torch's convention is
 the same: one group per dict, in the order given). Groups are defined per tensor, so they are the
 same on every rank whatever the world size.
+
+``params=`` takes torch's ``Optimizer(params)`` meaning instead (:func:`torch_params_specs`): every
+trainable parameter listed, as parameters or as group dicts; frozen ones in it are skipped, as a torch
+optimizer never steps a parameter without a gradient.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 from chunkzero.errors import ConfigError
 
-__all__ = ["GroupSpec", "group_specs", "resolve_params", "trainable_names"]
+__all__ = ["GroupSpec", "group_specs", "resolve_params", "torch_params_specs", "trainable_names"]
 
 
 @dataclass
@@ -133,4 +137,77 @@ def group_specs(model, param_groups: Iterable[Mapping[str, Any]] | None) -> list
         specs.append(GroupSpec(rest, {}, is_default=True))
     if not any(s.names for s in specs):
         raise ConfigError("the model has no trainable parameters")
+    return specs
+
+
+def _is_frozen(model, item: Any, objects: Mapping[int, str]) -> bool:
+    """Whether a ``params`` entry names a frozen parameter of ``model.module`` (unknown entries: no,
+    :func:`resolve_params` reports them)."""
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+        item = item[1]
+    if isinstance(item, torch.Tensor):
+        name = objects.get(id(item))
+    elif isinstance(item, str):
+        name = next((n for n in (item, item.removeprefix("module.")) if n in model.layout), None)
+    else:
+        return False
+    return name is not None and not model.layout.tensor(name).requires_grad
+
+
+def _without_frozen(model, params: Any, where: str, objects: Mapping[int, str]) -> list:
+    if isinstance(params, (torch.Tensor, str)):
+        params = [params]
+    if isinstance(params, (set, frozenset)):
+        raise ConfigError(f"{where}: 'params' is a set; give a list (a set's order changes between runs)")
+    if not isinstance(params, Iterable):
+        raise ConfigError(f"{where}: 'params' must be parameters or names, got {type(params).__name__}")
+    return [item for item in params if not _is_frozen(model, item, objects)]
+
+
+def torch_params_specs(model, params: Any) -> list[GroupSpec]:
+    """The groups of torch's ``params`` argument (``ZeroOptimizer(model, AdamW, params=...)``): an
+    iterable of parameters (objects, ``named_parameters()`` pairs or names, as in ``param_groups``) →
+    one group; an iterable of group dicts → one group per dict, as ``param_groups=``. Frozen
+    parameters in it are skipped (torch's optimizers accept them and never step them), so
+    ``model.parameters()`` and ``model.module.parameters()`` work, also with a frozen base.
+
+    Raises:
+        ConfigError: one dict instead of a list, an empty list, parameters and dicts mixed, a
+            trainable parameter left out (torch would never update it, while ZeroDDP reduces its
+            gradient; names the first ones), or as :func:`group_specs` (unknown, foreign or
+            twice-listed parameters, an entry that is not a dict with ``params``).
+    """
+    if isinstance(params, Mapping):
+        raise ConfigError("params= is one dict; give a list of group dicts, params=[{'params': [...], ...}], "
+                          "or the same list as param_groups=")
+    if isinstance(params, (torch.Tensor, str)):
+        params = [params]
+    if isinstance(params, (set, frozenset)):
+        raise ConfigError("params= is a set; give a list (a set's order changes between runs)")
+    if not isinstance(params, Iterable):
+        raise ConfigError(f"params= must be an iterable of parameters or of group dicts, got {type(params).__name__}")
+    items = list(params)
+    if not items:
+        raise ConfigError("params= is empty: list the parameters to optimize (e.g. model.parameters())")
+    objects = _object_names(model)
+    dicts = [isinstance(item, Mapping) for item in items]
+    if all(dicts):
+        groups = []
+        for i, g in enumerate(items):
+            if "params" not in g:
+                raise ConfigError(f"param group {i} must be a dict with a 'params' entry")
+            groups.append({**g, "params": _without_frozen(model, g["params"], f"param group {i}", objects)})
+    elif any(dicts):
+        raise ConfigError("params= mixes parameters and group dicts; give one kind (torch's convention)")
+    else:
+        groups = [{"params": _without_frozen(model, items, "params=", objects)}]
+    specs = group_specs(model, groups)
+    left_out = specs[-1].names if specs[-1].is_default else []
+    if left_out:
+        more = f" and {len(left_out) - 3} more" if len(left_out) > 3 else ""
+        raise ConfigError(
+            f"params= leaves out trainable parameter(s) {', '.join(map(repr, left_out[:3]))}{more}: torch would never "
+            "update them, but ZeroDDP reduces their gradients. List every trainable parameter, freeze the others "
+            "before wrapping (requires_grad_(False)), or pass param_groups=[...] (unlisted parameters then form "
+            "a default group with the optimizer's defaults)")
     return specs

@@ -195,9 +195,10 @@ class AutoPlacement:
         """The rule :func:`chunkzero.plan_placement` uses (``"auto"``; benchmarks set ``"static"`` or
         ``"belady"`` to run another through the same engine; takes effect at the next plan)."""
         self.chunk_bytes: tuple[int, ...] = tuple(
-            0 if c.resident else c.shard_numel * c.buffer.element_size() for c in chunks)
-        """Bytes of each chunk's parameter shard, what the plan moves (0 for keep-gathered chunks)."""
-        self.resident_bytes = sum(c.size * c.buffer.element_size() for c in chunks if c.resident)
+            0 if c.resident else c.shard_numel * c.shard.element_size() for c in chunks)
+        """Bytes of each chunk's parameter shard (a frozen one's in its storage dtype), what the plan
+        moves (0 for keep-gathered chunks)."""
+        self.resident_bytes = sum(n for c in chunks if c.resident for _, kind, n in c.bytes_by_kind() if kind == "parameters")
         """Bytes of the keep-gathered chunks, always on the device."""
         self.trace: PlacementTrace | None = None
         """The latest trace (``None`` before the first traced step ended); the next training step plans

@@ -290,7 +290,8 @@ def worker_schedulers_and_skipping(rank: int, world: int):
 # ---------------------------------------------------------------------------------------- low precision
 def low_precision_reference(module, loss_fn, data, dtype, opt_fn, max_norm=None, scale=1.0):
     """``dtype`` compute, fp32 master weights, ``opt_fn(masters)`` on the masters, loss scaled by
-    ``scale`` and unscaled before clipping (single process, full batch). Returns the masters by name."""
+    ``scale`` and unscaled before clipping (single process, full batch). Returns the masters by name
+    (a frozen parameter's master gets no gradient: it keeps its initial value, cast to ``dtype`` for compute)."""
     names = [n for n, _ in module.named_parameters()]
     masters = [p.detach().clone().float().requires_grad_(True) for p in module.parameters()]
     module.to(dtype)
@@ -298,8 +299,9 @@ def low_precision_reference(module, loss_fn, data, dtype, opt_fn, max_norm=None,
     for batch in data:
         (loss_fn(module, batch) * scale).backward()
         for m, p in zip(masters, module.parameters()):
-            m.grad = p.grad.float() / scale
-            p.grad = None
+            if p.grad is not None:
+                m.grad = p.grad.float() / scale
+                p.grad = None
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(masters, max_norm)
         opt.step()

@@ -14,6 +14,7 @@ import copy
 
 import torch
 
+from chunkzero.dtypes import itemsize_bytes
 from optim_cases import nanogpt_groups, zero_steps
 from zero_cases import ADAMW, FP32, assert_state_close, batches, gpt2_loss, hf_gpt2, mean_over_ranks, micro
 
@@ -37,7 +38,7 @@ def is_adapter(name: str) -> bool:
 
 def expected_model_state_bytes(model) -> int:
     """Model-state bytes this rank should hold right after ``step()`` (before ``zero_grad``), from the
-    layout alone: a frozen chunk's compute-dtype shard; a trainable chunk's fp32 master, fp32
+    layout alone: a frozen chunk's shard in its storage dtype (the layout chunk's); a trainable chunk's fp32 master, fp32
     gradient shard and AdamW's two fp32 moments (16 bytes per element; in bf16 on one rank the chunk
     is resident and also keeps its bf16 copy), plus one 4-byte ``step`` per tensor piece."""
     layout, rank = model.layout, model.rank
@@ -46,7 +47,7 @@ def expected_model_state_bytes(model) -> int:
     for c in layout.chunks:
         n = layout.shard_numel(c.index)
         if not c.requires_grad:
-            total += n * compute
+            total += n * itemsize_bytes(c.dtype)
             continue
         total += n * (4 + 4 + ADAM_STATE_BYTES)
         if compute != 4 and model.world_size == 1:
@@ -56,8 +57,8 @@ def expected_model_state_bytes(model) -> int:
 
 
 def check_chunks(model, optim) -> None:
-    """Chunk by chunk: adapters and base never share a chunk; a frozen chunk holds only its
-    compute-dtype shard (no master, gradient or optimizer state); an adapter chunk holds all three."""
+    """Chunk by chunk: adapters and base never share a chunk; a frozen chunk holds only its shard,
+    in the dtype the base came in (no master, gradient or optimizer state); an adapter chunk holds all three."""
     from chunkzero.errors import ConfigError
 
     layout = model.layout
@@ -70,7 +71,7 @@ def check_chunks(model, optim) -> None:
         n = layout.shard_numel(c.index)
         if not c.requires_grad:
             assert c.master is None and model.grad_shard(c.index) is None and c.grad_buffer is None, c.index
-            assert [(k, b) for _, k, b in c.bytes_by_kind()] == [("parameters", n * c.dtype.itemsize)], c.bytes_by_kind()
+            assert [(k, b) for _, k, b in c.bytes_by_kind()] == [("parameters", n * c.storage_dtype.itemsize)], c.bytes_by_kind()
             try:
                 optim.shard_state(c.index)
             except ConfigError:
@@ -148,11 +149,12 @@ def worker_lora(rank: int, world: int):
             bytes_by_case[(precision, case)] = report.model_state_bytes()
         n_adapter = sum(p.numel() for n, p in lora_gpt2().named_parameters() if is_adapter(n))
         n_base = sum(p.numel() for p in hf_gpt2(3).parameters())
-        # per parameter, padding and step counters aside: LoRA = base x compute bytes + adapters x 16,
-        # full fine-tuning = (base + adapters... none) x 16 (+ the compute-dtype copy of a resident chunk)
+        # per parameter, padding and step counters aside: LoRA = base x 4 bytes (the fp32 base keeps its
+        # dtype under any compute dtype) + adapters x 16, full fine-tuning = (base + adapters... none) x 16
+        # (+ the compute-dtype copy of a resident chunk)
         compute = 4 if precision == "fp32" else 2
         per_trainable = 16 + (compute if compute != 4 and world == 1 else 0)
-        predicted = (n_base * compute + n_adapter * per_trainable) / (n_base * per_trainable)
+        predicted = (n_base * 4 + n_adapter * per_trainable) / (n_base * per_trainable)
         ratio = bytes_by_case[(precision, "lora")] / bytes_by_case[(precision, "full")]
         assert abs(ratio - predicted) < 0.02, (precision, ratio, predicted)
     return {f"{p}/{c}": b for (p, c), b in bytes_by_case.items()}

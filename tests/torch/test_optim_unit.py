@@ -109,6 +109,58 @@ def test_add_param_group_of_no_parameters_without_a_default_group():
     optim.load_state_dict(optim.state_dict())
 
 
+@pytest.mark.parametrize("spelling", ["model.parameters()", "model.module.parameters()", "group dicts"])
+def test_params_takes_torchs_meaning(spelling):
+    """``params=`` is torch's ``Optimizer(params)``: ``model.parameters()`` (frozen ones included, as
+    torch skips them) or group dicts; 3 AdamW steps equal torch's fused AdamW on the same groups bitwise."""
+    module = zero_cases.Odd()
+    ref = copy.deepcopy(module)
+    model = ZeroDDP(module, chunk_size=100, keep_gathered=["ln.weight", "ln.bias"])
+    if spelling == "group dicts":  # the frozen layer's weight in the no-decay group, as a torch user writes it
+        decay = lambda m: [p for n, p in m.named_parameters() if p.dim() >= 2]  # noqa: E731
+        rest = lambda m: [p for n, p in m.named_parameters() if p.dim() < 2]  # noqa: E731
+        params = [{"params": decay(module), "weight_decay": 0.1}, {"params": rest(module), "weight_decay": 0.0, "lr": 5e-3}]
+        ref_params = [{"params": decay(ref), "weight_decay": 0.1}, {"params": rest(ref), "weight_decay": 0.0, "lr": 5e-3}]
+    else:
+        params = model.parameters() if spelling == "model.parameters()" else model.module.parameters()
+        ref_params = ref.parameters()
+    optim = ZeroOptimizer(model, torch.optim.AdamW, params=params, **ADAMW)
+    ropt = torch.optim.AdamW(ref_params, fused=True, **ADAMW)
+    assert len(optim.param_groups) == len(ropt.param_groups)
+    assert all(g["lr"] == r["lr"] and g["weight_decay"] == r["weight_decay"] for g, r in zip(optim.param_groups, ropt.param_groups))
+    assert "frozen.weight" not in {n for g in optim.group_names for n in g}
+    for batch in zero_cases.batches("odd", 3, 4):
+        optim.backward(zero_cases.odd_loss(model, batch))
+        assert optim.step()
+        optim.zero_grad()
+        zero_cases.odd_loss(ref, batch).backward()
+        ropt.step()
+        ropt.zero_grad()
+    zero_cases.assert_state_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("params, match", [
+    (lambda m: [p for n, p in m.named_parameters() if n != "w"], r"leaves out trainable parameter\(s\) 'w'.*param_groups="),
+    (lambda m: [{"params": [m.w]}, {"params": [m.head.weight]}], r"leaves out .*'emb.weight'.* and \d+ more"),
+    (lambda m: {"params": list(m.parameters())}, "one dict.*param_groups="),
+    (lambda m: [m.w, {"params": [m.a.weight]}], "mixes parameters and group dicts"),
+    (lambda m: [], "params= is empty"),
+    (lambda m: set(m.parameters()), "is a set"),
+    (lambda m: [{"params": [m.w]}, {"params": [m.w]}], "listed in param groups 0 and 1"),
+    (lambda m: [torch.nn.Parameter(torch.zeros(3))], "not a parameter of the ZeroDDP-wrapped module"),
+    (lambda m: 3, "iterable of parameters or of group dicts"),
+])
+def test_bad_params_name_the_fault(params, match):
+    """Bad ``params=`` raise a ConfigError naming the fault, never an engine error; leaving out a
+    trainable parameter is refused (torch would never update it, while ZeroDDP reduces its gradient)."""
+    module = zero_cases.Odd()
+    model = ZeroDDP(module, chunk_size=100)
+    with pytest.raises(ConfigError, match=match):
+        ZeroOptimizer(model, torch.optim.AdamW, params=params(module), lr=1e-3)
+    with pytest.raises(ConfigError, match="not both"):
+        ZeroOptimizer(model, torch.optim.AdamW, params=module.parameters(), param_groups=[{"params": [module.w]}])
+
+
 def test_step_and_state_dict_hooks_run():
     model = ZeroDDP(zero_cases.Odd(), chunk_size=100)
     optim = ZeroOptimizer(model, torch.optim.Adam, **ADAMW)

@@ -32,3 +32,13 @@ def test_mixed_precision(world):
 
 def test_agreement_group_of_a_subgroup_needs_only_its_ranks():
     assert run_distributed(zero_cases.worker_agreement_subgroup, 3, timeout=60) == [(2, 3), (2, 3), (0, 3)]
+
+
+def test_frozen_tensors_exact_under_bf16(tmp_path):
+    """A frozen-half fp32 GPT-2 (one frozen block in bf16) at W=2 under bf16: after 3 AdamW steps, a
+    checkpoint round trip and an export, the frozen tensors are bitwise the originals; trainable
+    ones within the bf16 bound."""
+    import frozen_cases
+
+    rels = run_distributed(frozen_cases.worker_frozen_exact, 2, str(tmp_path), timeout=400)
+    assert rels[0] == rels[1]

@@ -144,3 +144,67 @@ def test_bf16_single_process_and_memory_report():
     assert "optimizer_states" in str(report)
     optim.zero_grad()
     assert model.memory_report().total("gradients") == 0
+
+
+class FrozenMix(torch.nn.Module):
+    """Frozen layers of three kinds before a trainable head: an fp32 Linear, a Linear that arrives
+    in bf16, and an fp32 LayerNorm (packed keep-gathered by the tests)."""
+
+    def __init__(self, shift: float = 0.0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fp32 = torch.nn.Linear(8, 8)
+        self.bf16 = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        self.ln = torch.nn.LayerNorm(8)
+        torch.nn.init.normal_(self.ln.weight)
+        self.head = torch.nn.Linear(8, 1)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(shift)
+        for m in (self.fp32, self.bf16, self.ln):
+            m.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.ln(torch.tanh(self.bf16(torch.tanh(self.fp32(x)))))).squeeze(-1)
+
+
+def _frozen_bits(sd, module) -> dict[str, torch.Tensor]:
+    return {n: sd[n].view(torch.int32) for n, p in module.named_parameters() if not p.requires_grad}
+
+
+def test_frozen_tensors_keep_their_dtype_single_process():
+    """W=1, bf16 compute: frozen chunks are stored in their own dtype (fp32, bf16; the keep-gathered
+    one whole, with its bf16 compute copy beside it), compute as a bf16 copy of the module does, and
+    come back bit for bit after AdamW steps and a load_state_dict; a bf16 frozen tensor costs 2 bytes
+    per element in memory_report also under fp32 compute (no upcast)."""
+    module = FrozenMix()
+    want = {n: p.detach().float().view(torch.int32).clone() for n, p in module.named_parameters() if not p.requires_grad}
+    ref = copy.deepcopy(module).to(torch.bfloat16)
+    model = ZeroDDP(module, chunk_size=100, mixed_precision="bf16", keep_gathered=["ln.weight", "ln.bias"])
+    dtypes = {t.name: model.layout.chunks[t.chunk].dtype for t in model.layout.tensors}
+    assert dtypes == {"fp32.weight": "float32", "fp32.bias": "float32", "bf16.weight": "bfloat16", "bf16.bias": "bfloat16",
+                      "ln.weight": "float32", "ln.bias": "float32", "head.weight": "bfloat16", "head.bias": "bfloat16"}
+    assert len({model.layout.tensor(n).chunk for n in ("fp32.weight", "bf16.weight", "ln.weight")}) == 3
+    report = model.memory_report()
+    assert report.frozen_parameters == {"cpu": {"float32": 72 * 4 + 16 * 4, "bfloat16": 72 * 2 + 16 * 2}}, report.frozen_parameters
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), ref(x.to(torch.bfloat16)))  # the gathers cast the stored values
+
+    optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    for _ in range(3):
+        optim.backward(model(x).float().square().mean())
+        assert optim.step()
+        optim.zero_grad()
+    sd = model.state_dict()
+    assert all(torch.equal(v, want[n]) for n, v in _frozen_bits(sd, module).items())
+
+    shifted = FrozenMix(shift=0.25)
+    model.load_state_dict(shifted.state_dict())
+    got = _frozen_bits(model.state_dict(), module)
+    assert all(torch.equal(v, shifted.state_dict()[n].float().view(torch.int32)) for n, v in got.items())
+    torch.testing.assert_close(model(x), copy.deepcopy(shifted).to(torch.bfloat16)(x.to(torch.bfloat16)))
+
+    fp32 = ZeroDDP(FrozenMix(), chunk_size=100)
+    assert fp32.memory_report().frozen_total("bfloat16") == 72 * 2
+    assert fp32.chunks[fp32.layout.tensor("bf16.weight").chunk].shard.dtype == torch.bfloat16
+    torch.testing.assert_close(fp32(x), FrozenMix().float()(x))
