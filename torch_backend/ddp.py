@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from chunkzero import ChunkLayout, ChunkPlacement, Location, TensorSpec, static_placement
+from chunkzero import ChunkLayout, ChunkPlacement, Location, static_placement
 from chunkzero.errors import ConfigError, ShapeMismatchError
 
 from . import collectives
@@ -52,68 +52,13 @@ from .materialize import MetaMaterializer, training_device
 from .config import (AutoPlacementPolicy, MixedPrecision, PlacementPolicy, PrefetchPolicy, resolve_mixed_precision,
                      resolve_placement, resolve_prefetch)
 from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
-from .memory import MEMORY_KINDS, MemoryReport
+from .memory import MemoryReport
+from .module_layout import ParamGroups, build_layout, collect_parameters
 from .runtime import ChunkRuntime, Entry, under_torch_compile
 from .schedule import Scheduler
 from .state_dict import full_state_dict, load_full_state_dict
 
-__all__ = ["MemoryReport", "ZeroDDP", "default_chunk_size"]
-
-def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, int]:
-    """``(chunk size, keep_gathered_below_numel)`` in elements used when ``ZeroDDP(chunk_size=None)``:
-    the core search, ``chunkzero.search.search_chunk_size``."""
-    from chunkzero.search import search_chunk_size
-
-    result = search_chunk_size(specs, world_size)
-    return int(result.chunk_size), int(result.keep_gathered_below_numel)
-
-
-_ParamGroups = dict[int, tuple[nn.Parameter, list[str]]]
-"""``id(parameter) -> (parameter, its names)``, in registration order."""
-
-
-def _storage_dtype_name(dtype: torch.dtype) -> str:
-    """The dtype a frozen tensor is stored in: its own (float32, bfloat16, float16); float64 is
-    narrowed to float32, as trainable tensors' fp32 masters are."""
-    name = str(dtype).removeprefix("torch.")
-    return name if name in TORCH_DTYPES else "float32"
-
-
-def _collect_parameters(module: nn.Module) -> _ParamGroups:
-    """The module's parameters, deduplicated by identity (tied weights: one entry, every name).
-
-    Raises:
-        ConfigError: no parameters, or a non-floating one (named).
-    """
-    groups: _ParamGroups = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), (p, []))[1].append(name)
-    if not groups:
-        raise ConfigError(f"{type(module).__name__} has no parameters to shard")
-    for p, names in groups.values():
-        if not p.is_floating_point():
-            raise ConfigError(f"parameter {names[0]!r} has dtype {p.dtype}; only floating parameters can be sharded")
-    return groups
-
-
-def _keep_gathered_predicate(keep_gathered) -> Callable[[str], bool]:
-    """``keep_gathered`` (``None``, names, or a predicate) as a predicate over parameter names.
-
-    Raises:
-        ConfigError: neither names nor a predicate.
-    """
-    if keep_gathered is None:
-        return lambda name: False
-    if callable(keep_gathered):
-        return lambda name: bool(keep_gathered(name))
-    if isinstance(keep_gathered, str):
-        keep_gathered = [keep_gathered]
-    try:
-        names = set(keep_gathered)
-    except TypeError:
-        raise ConfigError(f"keep_gathered must be names or a predicate, got {type(keep_gathered).__name__}") from None
-    return lambda name: name in names
-
+__all__ = ["MemoryReport", "ZeroDDP"]
 
 class ZeroDDP(nn.Module):
     """Wrap ``module`` for chunk-based ZeRO-3 data parallelism (ColossalAI Gemini's ``ZeroDDP``).
@@ -215,7 +160,7 @@ class ZeroDDP(nn.Module):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.module = module
         self._join_group(process_group)
-        groups = _collect_parameters(module)
+        groups = collect_parameters(module)
         self.device, materializer = training_device(module, [p for p, _ in groups.values()], device, param_init_fn)
         self.layout: ChunkLayout = self._build_layout(groups, chunk_size, keep_gathered)
         """The core layout (tensors → chunks → shards); identical on every rank."""
@@ -286,20 +231,8 @@ class ZeroDDP(nn.Module):
         self.world_size: int = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank: int = dist.get_rank(process_group) if process_group is not None else 0
 
-    def _build_layout(self, groups: _ParamGroups, chunk_size: int | None, keep_gathered) -> ChunkLayout:
-        """The core layout over the parameters (one spec per parameter object, its names as aliases);
-        ``chunk_size=None`` searches it."""
-        is_kg = _keep_gathered_predicate(keep_gathered)
-        dtype_name = self.mixed_precision_policy.dtype_name
-        # a trainable tensor's chunk is in the compute dtype (its fp32 master is apart); a frozen one's
-        # in its storage dtype, so frozen tensors of different dtypes never share a chunk
-        specs = [TensorSpec(names[0], tuple(p.shape), dtype_name if p.requires_grad else _storage_dtype_name(p.dtype),
-                            tuple(names[1:]), bool(p.requires_grad), any(is_kg(n) for n in names))
-                 for p, names in groups.values()]
-        keep_below = 0
-        if chunk_size is None:
-            chunk_size, keep_below = default_chunk_size(specs, self.world_size)
-        return ChunkLayout.build(specs, chunk_size, self.world_size, keep_gathered_below_numel=keep_below)
+    def _build_layout(self, groups: ParamGroups, chunk_size: int | None, keep_gathered) -> ChunkLayout:
+        return build_layout(groups, self.mixed_precision_policy.dtype_name, self.world_size, chunk_size, keep_gathered)
 
     def _plan_placement(self) -> tuple[tuple[ChunkPlacement, ...], int | None]:
         """Where each chunk's parameter shard, master, gradient and optimizer state start, and the auto
@@ -310,7 +243,7 @@ class ZeroDDP(nn.Module):
         return static_placement(self.layout.chunks, offload_optim_frac=policy.offload_optim_frac,
                                 offload_param_frac=policy.offload_param_frac), None
 
-    def _build_chunks(self, groups: _ParamGroups, materializer: MetaMaterializer | None) -> tuple[list[Chunk], list[Entry]]:
+    def _build_chunks(self, groups: ParamGroups, materializer: MetaMaterializer | None) -> tuple[list[Chunk], list[Entry]]:
         """One chunk per layout chunk, filled from group rank 0's values (materialized one submodule
         at a time for a meta-device module: one full chunk in memory at a time), and one runtime entry
         per parameter."""
@@ -523,25 +456,9 @@ class ZeroDDP(nn.Module):
                 are counted as ``optimizer_states`` (``None``: counted as 0). ``optim.memory_report()``
                 passes itself.
         """
-        report: dict[str, dict[str, int]] = {}
-
-        def add(device, kind, n):
-            per = report.setdefault(str(device), {k: 0 for k in MEMORY_KINDS})
-            per[kind] += int(n)
-
-        add(self.device, "parameters", 0)
-        frozen: dict[str, dict[str, int]] = {}
-        for c in self.chunks:
-            for device, kind, n in c.bytes_by_kind():
-                add(device, kind, n)
-            for device, dtype, n in c.frozen_bytes_by_dtype():
-                per = frozen.setdefault(str(device), {})
-                per[dtype] = per.get(dtype, 0) + int(n)
-        if optimizer is not None:
-            for device, n in optimizer.state_bytes():
-                add(device, "optimizer_states", n)
-        return MemoryReport(report, self.offload_optim_chunks, self.offload_param_chunks, self._runtime.sched.peak_gathered,
-                            frozen)
+        return MemoryReport.collect(self.chunks, self.device, optimizer, offload_optim_chunks=self.offload_optim_chunks,
+                                    offload_param_chunks=self.offload_param_chunks,
+                                    peak_gathered_chunks=self._runtime.sched.peak_gathered)
 
     def gathered_chunks(self) -> list[int]:
         """Indices of sharded chunks gathered, or being gathered, right now (resident chunks —

@@ -37,6 +37,30 @@ class MemoryReport:
     peak_gathered_chunks: int = 0
     frozen_parameters: dict[str, dict[str, int]] = field(default_factory=dict)
 
+    @classmethod
+    def collect(cls, chunks, device, optimizer=None, **decisions) -> MemoryReport:
+        """The report of what ``chunks`` (:class:`~torch_backend.chunks.Chunk`) and ``optimizer``'s
+        state shards hold now; ``device``: the compute device (always listed); ``decisions``: the
+        placement fields (``offload_optim_chunks``, ``offload_param_chunks``, ``peak_gathered_chunks``)."""
+        report: dict[str, dict[str, int]] = {}
+
+        def add(where, kind, n):
+            per = report.setdefault(str(where), {k: 0 for k in MEMORY_KINDS})
+            per[kind] += int(n)
+
+        add(device, "parameters", 0)
+        frozen: dict[str, dict[str, int]] = {}
+        for c in chunks:
+            for where, kind, n in c.bytes_by_kind():
+                add(where, kind, n)
+            for where, dtype, n in c.frozen_bytes_by_dtype():
+                per = frozen.setdefault(str(where), {})
+                per[dtype] = per.get(dtype, 0) + int(n)
+        if optimizer is not None:
+            for where, n in optimizer.state_bytes():
+                add(where, "optimizer_states", n)
+        return cls(report, frozen_parameters=frozen, **decisions)
+
     def total(self, kind: str | None = None, device: str | None = None) -> int:
         """Bytes of ``kind`` (all kinds when ``None``) on ``device`` (all devices when ``None``)."""
         return sum(b for dev, per in self.bytes.items() if device is None or dev == device
