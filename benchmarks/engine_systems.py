@@ -269,7 +269,7 @@ class EngineProfile:
     """
 
     def __init__(self):
-        from torch_backend import access, chunks, collectives, runtime
+        from torch_backend import chunks, collectives, runtime
 
         self.totals: dict[str, list[float]] = {}
         targets = {"vote_rounds": (collectives, "agree"), "gather_issue": (chunks.Chunk, "begin_gather"),
@@ -278,7 +278,7 @@ class EngineProfile:
                    "finalize": (runtime.ChunkRuntime, "_finalize_backward")}
         for key, (owner, attr) in targets.items():
             setattr(owner, attr, self._timed(key, getattr(owner, attr)))
-        mode = access.ParamAccessMode
+        mode = runtime.ParamAccessMode
         mode.__torch_function__ = self._self_timed(mode.__torch_function__)
 
     def _self_timed(self, handler):

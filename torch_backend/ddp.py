@@ -54,7 +54,8 @@ from .config import (AutoPlacementPolicy, MixedPrecision, PlacementPolicy, Prefe
 from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
 from .memory import MemoryReport
 from .module_layout import ParamGroups, build_layout, collect_parameters
-from .runtime import ChunkRuntime, Entry, under_torch_compile
+from .runtime import ChunkRuntime, Entry
+from .torch_internals import under_torch_compile
 from .schedule import Scheduler
 from .state_dict import full_state_dict, load_full_state_dict
 

@@ -52,7 +52,7 @@ import torch
 from chunkzero import ChunkPlacement, Location, PlacementPlan, chunk_placements, plan_placement
 from chunkzero.errors import ConfigError
 
-from .access import storage_key
+from .torch_internals import storage_key
 from .chunks import Chunk
 from .config import DEFAULT_STEADY_DEVICE_CAP_RATIO, AutoPlacementPolicy
 from .schedule import BACKWARD, FORWARD
@@ -102,6 +102,24 @@ def warmup_placements(chunks) -> tuple[ChunkPlacement, ...]:
 
 
 # ---------------------------------------------------------------------------------------- tracer
+class SavedActivation:
+    """A saved tensor that is not model data (an activation), as autograd holds it while a
+    :class:`SavedBytes` counts it (:meth:`SavedBytes.hold`): counted when saved, released when
+    autograd frees it; unpacked, it is ``tensor``."""
+
+    __slots__ = ("counter", "key", "tensor")
+
+    def __init__(self, counter, tensor):
+        self.counter, self.tensor = counter, tensor
+        self.key = counter.add(tensor)
+
+    def __del__(self):
+        try:
+            self.counter.release(self.key)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
 class SavedBytes:
     """Bytes of the distinct storages that autograd's saved activations hold alive now.
 
@@ -115,6 +133,10 @@ class SavedBytes:
         self.bytes = 0
         """Bytes alive now."""
         self._live: dict[int, list[int]] = {}
+
+    def hold(self, t: torch.Tensor) -> SavedActivation:
+        """What autograd keeps instead of the saved tensor ``t``: counted until autograd frees it."""
+        return SavedActivation(self, t)
 
     def add(self, t: torch.Tensor) -> int | None:
         key = storage_key(t)

@@ -4,7 +4,7 @@ It turns each event into calls on the chunk it concerns (:class:`torch_backend.c
 methods) and asks the :class:`~torch_backend.schedule.Scheduler` for gathers and reductions; it keeps
 no chunk state of its own.
 
-- **Forward** — while the wrapped module runs, a ``TorchFunctionMode`` (:mod:`torch_backend.access`)
+- **Forward** — while the wrapped module runs, a ``TorchFunctionMode`` (:class:`ParamAccessMode`)
   sees every torch call. When an argument is a managed parameter its chunk is gathered (if needed)
   and the tensor is in use for the call (:meth:`ChunkRuntime.run_op`). So a parameter used by
   another module (``F.linear(x, other.weight)``), through an operator (``x @ w``), inside
@@ -37,14 +37,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.overrides import TorchFunctionMode
 
 from chunkzero import ChunkLayout
 from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
-from .access import ParamAccessMode, SavedActivation, SavedParam, SavedView, ShardedGradPlaceholder, storage_key
+from .grad_placeholder import GradPlaceholders
 from .chunks import Chunk, Pin
 from .schedule import BACKWARD, FORWARD, OUTSIDE, Phase, Scheduler
+from .torch_internals import (compiled_original, current_autograd_node, engine_run_backward, pop_torch_function_mode,
+                              push_torch_function_mode, storage_key, tensors_in, under_torch_compile)
 
 
 __all__ = ["ChunkRuntime", "Entry", "under_torch_compile"]
@@ -70,36 +72,95 @@ def _engine_code(fn):
 class Entry:
     """A managed parameter: its object, primary name, tensor index, chunk and placement."""
 
-    __slots__ = ("chunk", "index", "name", "param", "placement", "placeholder")
+    __slots__ = ("chunk", "index", "name", "param", "placement")
 
     def __init__(self, param, name, index, chunk, placement):
         self.param, self.name, self.index, self.chunk, self.placement = param, name, index, chunk, placement
-        self.placeholder = None
 
 
-def under_torch_compile() -> bool:
-    """Whether this call runs under ``torch.compile`` (traced, or run eagerly inside a compiled frame)."""
-    if torch.compiler.is_compiling():
-        return True
-    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    return eval_frame is not None and eval_frame.get_eval_frame_callback() is not None
+# Tensor attributes and methods that read only metadata (right on a released parameter): no gather.
+_METADATA_ONLY = frozenset({
+    "dtype", "device", "requires_grad", "is_cuda", "is_leaf", "grad_fn", "layout", "is_sparse", "shape", "size",
+    "dim", "ndim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
+    "is_contiguous", "names", "is_meta", "is_quantized", "itemsize", "nbytes", "grad", "data_ptr",
+})
 
 
-def _is_compiled(module: nn.Module) -> bool:
-    """A ``torch.compile``'d module (dynamo's ``OptimizedModule``), told without importing dynamo."""
-    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+def _func_name(func) -> str | None:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None)
+    return name
 
 
-def _tensors_in(out) -> list[torch.Tensor]:
-    """Tensors in a forward's output: nested tuples, lists, dicts and mappings (HF ``ModelOutput``)."""
-    leaves, _ = tree_flatten(out)
-    found = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif hasattr(leaf, "values") and callable(leaf.values) and not isinstance(leaf, (str, bytes)):
-            found.extend(_tensors_in(list(leaf.values())))
-    return found
+class ParamAccessMode(TorchFunctionMode):
+    """Gathers a parameter's chunk around every torch call that takes the parameter."""
+
+    def __init__(self, runtime: ChunkRuntime):
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        runtime = self.runtime
+        if runtime.in_engine:  # the engine's own tensor work inside a hook: nothing to gather
+            return func(*args, **kwargs)
+        lookup = runtime.entries_by_id
+        by_storage = runtime.chunk_by_storage
+        found = None
+        views = None
+        for a in (*args, *kwargs.values()):
+            for b in a if type(a) in (list, tuple) else (a,):
+                e = lookup.get(id(b))
+                if e is not None and e.param is b:
+                    found = [e] if found is None else found + [e]
+                elif by_storage and isinstance(b, torch.Tensor):
+                    c = by_storage.get(storage_key(b))
+                    if c is not None and not c.is_gathered:
+                        views = [c] if views is None else views + [c]
+        if found is None and views is None:
+            return func(*args, **kwargs)
+        if _func_name(func) in _METADATA_ONLY:
+            return func(*args, **kwargs)
+        for c in views or ():
+            runtime.use_chunk(c)  # a view of a released chunk (e.g. ``w.t()`` taken earlier in this forward)
+        if found is None:
+            return func(*args, **kwargs)
+        return runtime.run_op(found, func, args, kwargs)
+
+
+class SavedParam:
+    """A managed parameter saved for backward: one reference on its chunk while autograd holds it."""
+
+    __slots__ = ("entry", "runtime")
+
+    def __init__(self, runtime: ChunkRuntime, entry):
+        self.runtime, self.entry = runtime, entry
+        entry.chunk.add_saved_ref(entry.name)
+
+    def __del__(self):
+        try:
+            self.runtime.saved_released(self.entry.chunk, self.entry.name)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
+            pass
+
+
+class SavedView:
+    """A saved tensor that is a view of a sharded chunk's buffer (e.g. ``weight.t()`` inside
+    ``F.linear``): unpacking it gathers the chunk first."""
+
+    __slots__ = ("chunk", "runtime", "tensor")
+
+    def __init__(self, runtime: ChunkRuntime, chunk, tensor):
+        self.runtime, self.chunk, self.tensor = runtime, chunk, tensor
+        chunk.add_saved_ref()
+
+    def __del__(self):
+        try:
+            self.runtime.saved_released(self.chunk, None)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 class ChunkRuntime:
@@ -132,9 +193,9 @@ class ChunkRuntime:
         self._compiled: dict[int, list[Entry]] = {}
         inside: set[int] = set()
         for sub in module.modules():
-            if _is_compiled(sub) and id(sub) not in inside:
+            if compiled_original(sub) is not None and id(sub) not in inside:
                 self._compiled[id(sub)] = [self.entries_by_id[id(p)] for p in sub.parameters() if id(p) in self.entries_by_id]
-                inside |= {id(m) for m in sub._orig_mod.modules()}
+                inside |= {id(m) for m in compiled_original(sub).modules()}
         for sub in module.modules():
             if id(sub) not in inside:
                 self.hook_handles.append(sub.register_forward_pre_hook(self._submodule_pre_hook))
@@ -151,10 +212,10 @@ class ChunkRuntime:
         self._bwd_grads: set[int] = set()
         self._finalize_queued = False
         self._pending_error: Exception | None = None
-        self._placeholders_set = False
+        self._placeholders = GradPlaceholders([(e.param, e.name, e.index) for e in self.trainable])
         self.saved_activations = None
         """While set (a placement trace on CPU), every other saved tensor is held as a
-        :class:`~torch_backend.access.SavedActivation` counted by it."""
+        :class:`~torch_backend.placement.SavedActivation` counted by it."""
         self.backward_passes = 0
         """Backward passes finished so far."""
         self.grad_received = torch.zeros(len(layout.tensors), dtype=torch.bool)
@@ -172,14 +233,14 @@ class ChunkRuntime:
 
     def count_saved_activations(self, counter) -> None:
         """From now on hold every saved tensor that is not a parameter or chunk view as a
-        :class:`~torch_backend.access.SavedActivation` counted by ``counter`` (a
+        :class:`~torch_backend.placement.SavedActivation` counted by ``counter`` (a
         :class:`~torch_backend.placement.SavedBytes`); ``None`` stops counting."""
         self.saved_activations = counter
 
     def zero_grad(self) -> None:
         """Drop all accumulated gradients (buffers, reductions in flight, fp32 shards, placeholders)."""
         self.finish_aborted_backward()
-        self._clear_placeholders()
+        self._placeholders.clear()
         for c in self.chunks:
             c.zero_grad()
         self.grad_received.zero_()
@@ -192,7 +253,7 @@ class ChunkRuntime:
             UnusedParameterError: the previous backward left a parameter without a gradient on every rank.
         """
         self.raise_pending_error()
-        self._clear_placeholders()
+        self._placeholders.clear()
         grad_enabled = torch.is_grad_enabled()
         self._release_in_forward = self.reshard_after_forward or not grad_enabled
         self._keep_for_backward = self.sched.prefetched_for(BACKWARD) if grad_enabled else set()
@@ -217,7 +278,7 @@ class ChunkRuntime:
                 keep = backward_next and (not self._release_in_forward or c.index in self._keep_for_backward)
                 c.rest(release=not keep)
         if grad_enabled:
-            for t in _tensors_in(out):
+            for t in tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(self._output_grad_hook)
         return out
@@ -240,7 +301,7 @@ class ChunkRuntime:
         """
         if loss.numel() != 1:
             raise ShapeMismatchError("loss", (), tuple(loss.shape), "backward needs a scalar loss")
-        run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+        run = engine_run_backward()
         if run is None or self._mode_stack:
             loss.backward()
             return
@@ -288,7 +349,7 @@ class ChunkRuntime:
     @_engine_code
     def _submodule_pre_hook(self, module, args):
         if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
-            if torch._C._current_autograd_node() is not None:
+            if current_autograd_node() is not None:
                 # called while the autograd engine runs a node: a recomputation (activation checkpointing)
                 self._begin_backward()
             elif torch.is_grad_enabled():
@@ -306,16 +367,16 @@ class ChunkRuntime:
         if entries is not None:
             for c in sorted({e.chunk.index for e in entries}):
                 self.use_chunk(self.chunks[c])
-            top = torch._C._pop_torch_function_stack()
+            top = pop_torch_function_mode()
             if isinstance(top, ParamAccessMode):
                 self._suspended.append((module, top))
             else:  # another mode above ours: leave the stack as it is
-                torch._C._push_on_torch_function_stack(top)
+                push_torch_function_mode(top)
 
     @_engine_code
     def _submodule_post_hook(self, module, args, output):
         if self._suspended and self._suspended[-1][0] is module:
-            torch._C._push_on_torch_function_stack(self._suspended.pop()[1])
+            push_torch_function_mode(self._suspended.pop()[1])
             for e in self._compiled[id(module)]:
                 self._after_use(e)
         if not self._mode_stack or self._mode_stack[-1][0] is not module:
@@ -339,7 +400,7 @@ class ChunkRuntime:
             if c is not None:
                 return SavedView(self, c, t)
         if self.saved_activations is not None:
-            return SavedActivation(self.saved_activations, t)
+            return self.saved_activations.hold(t)
         return t
 
     @_engine_code
@@ -354,9 +415,7 @@ class ChunkRuntime:
             self._begin_backward()
             self._unpacked(x.chunk)
             return x.tensor
-        if type(x) is SavedActivation:
-            return x.tensor
-        return x
+        return x if isinstance(x, torch.Tensor) else x.tensor  # an activation a placement trace counts
 
     def _unpacked(self, c: Chunk) -> None:
         self._flush_releases()
@@ -375,7 +434,7 @@ class ChunkRuntime:
         c.drop_saved_ref(name)
         if self._phase is not BACKWARD or c.has_saved_refs or c.pin_reason is not None:
             return
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             if not any(n is node for _, n in self._release_later):
                 node.register_hook(lambda *_, n=node: self._flush_releases(finished=n))
@@ -389,7 +448,7 @@ class ChunkRuntime:
         (``finished``: the node whose post-hook calls this)."""
         if not self._release_later:
             return
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         keep = []
         for c, freed_in in self._release_later:
             if freed_in is node and freed_in is not finished:
@@ -408,7 +467,7 @@ class ChunkRuntime:
             return
         self._phase = BACKWARD
         self.sched.start(BACKWARD)
-        self._clear_placeholders()
+        self._placeholders.clear()
         self._bwd_grads = set()
         if not self._finalize_queued:
             self._finalize_queued = True
@@ -439,7 +498,7 @@ class ChunkRuntime:
         buffers it was accumulating are dropped and every chunk comes to rest. Gradients already
         reduced into the fp32 shards stay, as torch keeps a partial ``.grad``. Does nothing during
         a backward or after one that completed."""
-        if self._finalize_queued and torch._C._current_autograd_node() is None:
+        if self._finalize_queued and current_autograd_node() is None:
             self._finalize_backward(aborted=True)
 
     @_engine_code
@@ -483,7 +542,7 @@ class ChunkRuntime:
             for c in self.chunks:
                 c.end_backward()
                 c.rest(release=True)
-            self._set_placeholders()
+            self._placeholders.set(self.grad_received)
         if error is not None:
             self._pending_error = error
 
@@ -498,20 +557,3 @@ class ChunkRuntime:
         error, self._pending_error = self._pending_error, None
         if error is not None:
             raise error
-
-    # ------------------------------------------------------------------ placeholders
-    def _set_placeholders(self) -> None:
-        for e in self.trainable:
-            if e.param.grad is None and bool(self.grad_received[e.index]):
-                if e.placeholder is None:
-                    e.placeholder = ShardedGradPlaceholder(e.param, e.name)
-                e.param.grad = e.placeholder
-                self._placeholders_set = True
-
-    def _clear_placeholders(self) -> None:
-        if self._placeholders_set:
-            for e in self.trainable:
-                if e.param.grad is e.placeholder:
-                    e.param.grad = None
-            self._placeholders_set = False
-

@@ -1,0 +1,75 @@
+"""Every question the engine asks torch that torch's public API does not answer, in one place:
+whether a call runs under ``torch.compile``, a compiled module's original, the autograd node being
+run, the torch-function mode stack, the autograd engine's entry, a storage's identity and a
+data-less tensor subclass. A torch upgrade that moves one of these breaks here alone."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["compiled_original", "current_autograd_node", "engine_run_backward", "pop_torch_function_mode",
+           "push_torch_function_mode", "storage_key", "tensors_in", "under_torch_compile", "wrapper_tensor"]
+
+
+def under_torch_compile() -> bool:
+    """Whether this call runs under ``torch.compile`` (traced, or run eagerly inside a compiled frame)."""
+    if torch.compiler.is_compiling():
+        return True
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    return eval_frame is not None and eval_frame.get_eval_frame_callback() is not None
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile``'d module (dynamo's ``OptimizedModule``) wraps, told without
+    importing dynamo; ``None`` for any other module."""
+    orig = getattr(module, "_orig_mod", None)
+    return orig if type(module).__name__ == "OptimizedModule" and isinstance(orig, nn.Module) else None
+
+
+def tensors_in(out) -> list[torch.Tensor]:
+    """Tensors in a forward's output: nested tuples, lists, dicts and mappings (HF ``ModelOutput``)."""
+    leaves, _ = tree_flatten(out)
+    found = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif hasattr(leaf, "values") and callable(leaf.values) and not isinstance(leaf, (str, bytes)):
+            found.extend(tensors_in(list(leaf.values())))
+    return found
+
+
+def current_autograd_node():
+    """The autograd node whose backward is running on this thread (``None`` outside a backward)."""
+    return torch._C._current_autograd_node()
+
+
+def pop_torch_function_mode():
+    """Take the innermost torch-function mode off the stack and return it."""
+    return torch._C._pop_torch_function_stack()
+
+
+def push_torch_function_mode(mode) -> None:
+    """Put ``mode`` back on top of the torch-function mode stack."""
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def engine_run_backward():
+    """The autograd engine's entry (``None`` where this torch lacks it): it runs a backward with the
+    active torch-function modes kept, unlike ``Tensor.backward``, which goes through them."""
+    return getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def storage_key(t) -> int | None:
+    """Identity of a tensor's storage (``None`` for tensors without one)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def wrapper_tensor(cls, like: torch.Tensor) -> torch.Tensor:
+    """A data-less instance of tensor subclass ``cls`` with ``like``'s shape, strides, dtype and device."""
+    return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
+                                               strides=like.stride(), requires_grad=False)
