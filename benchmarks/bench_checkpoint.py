@@ -83,7 +83,7 @@ def _worker(rank, world, args, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from torch_backend.checkpoint import load_checkpoint, save_checkpoint
+    from torch_backend.checkpoint.sharded import load_checkpoint, save_checkpoint
 
     model, optim = _model(rank, args)
     n_params = model.layout.utilized_numel
@@ -144,7 +144,7 @@ def _worker(rank, world, args, root):
 
 
 def _resume_save(rank, world, args, root):
-    from torch_backend.checkpoint import save_checkpoint
+    from torch_backend.checkpoint.sharded import save_checkpoint
 
     model, optim = _model(rank, args)
     save_checkpoint(root, model, optim, step=1)
@@ -153,7 +153,7 @@ def _resume_save(rank, world, args, root):
 def _resume_load(rank, world, args, root):
     """Load the checkpoint saved at another world size; this rank's owned and read bytes."""
     from chunkzero.checkpoint.reader import file_bytes_read
-    from torch_backend.checkpoint import load_checkpoint
+    from torch_backend.checkpoint.sharded import load_checkpoint
 
     model, optim = _model(rank, args)
     layout = model.layout

@@ -1,7 +1,7 @@
 """One chunk's collectives on gloo: the reduce-scatter ZeroDDP issues against gloo's own.
 
 gloo implements the flat reduce-scatter (``reduce_scatter_single``) as a whole all-reduce; ZeroDDP's
-:func:`torch_backend.collectives.reduce_scatter_avg` uses an all-to-all and a local sum of this rank's
+:func:`torch_backend.zero.collectives.reduce_scatter_avg` uses an all-to-all and a local sum of this rank's
 slice instead. This times, on ``--world-size`` gloo ranks with one torch thread each, a chunk of
 ``--numel`` fp32 elements through:
 
@@ -31,7 +31,7 @@ def rank_main(rank: int, world: int, init_file: str, args) -> None:
     import torch
     import torch.distributed as dist
 
-    from torch_backend import collectives
+    from torch_backend.zero import collectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

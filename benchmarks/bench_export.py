@@ -45,7 +45,7 @@ def make(args) -> dict:
     from chunkzero.checkpoint import CheckpointMeta
     from chunkzero.configs import model_specs
     from chunkzero.layout import ChunkLayout
-    from torch_backend.checkpoint import write_shards
+    from torch_backend.checkpoint.sharded import write_shards
 
     layout = ChunkLayout.build(model_specs(args.model), args.chunk_numel, 1)
     rng = np.random.default_rng(0)
@@ -66,8 +66,8 @@ def export(args) -> dict:
     import orbax.checkpoint  # noqa: F401
     import torch  # noqa: F401
 
-    from torch_backend.checkpoint import read_meta
-    from torch_backend.export import export_checkpoint
+    from torch_backend.checkpoint.sharded import read_meta
+    from torch_backend.checkpoint.export import export_checkpoint
 
     read_meta(args.ckpt)
     floor = _rss_mib()

@@ -51,8 +51,8 @@ def _zero_rank(rank: int, world: int, name: str, root: str, steps: int, tokens: 
     import torch.nn.functional as F
 
     from torch_backend import ZeroDDP, ZeroOptimizer
-    from torch_backend.checkpoint import save_checkpoint
-    from torch_backend.gpt import GPT, GPT_CONFIGS
+    from torch_backend.checkpoint.sharded import save_checkpoint
+    from torch_backend.train.gpt import GPT, GPT_CONFIGS
 
     torch.manual_seed(0)
     model = ZeroDDP(GPT(GPT_CONFIGS[name]), chunk_size=chunk_size_for(name))
@@ -78,7 +78,7 @@ def jax_written(name: str, root: Path, steps: int, world: int, tokens: np.ndarra
     import jax_backend as jb
     from chunkzero import ChunkLayout
     from chunkzero.checkpoint import OptimizerMeta
-    from torch_backend.gpt import GPT, GPT_CONFIGS
+    from torch_backend.train.gpt import GPT, GPT_CONFIGS
 
     torch.manual_seed(0)
     model = GPT(GPT_CONFIGS[name])
@@ -115,7 +115,7 @@ def main() -> None:
     import jax_backend as jb
 
     try:
-        from torch_backend.checkpoint import save_checkpoint  # noqa: F401
+        from torch_backend.checkpoint.sharded import save_checkpoint  # noqa: F401
 
         writer, write = "torch_backend.save_checkpoint (ZeroDDP)", torch_written
     except ImportError:

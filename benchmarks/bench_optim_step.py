@@ -37,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 def models(device):
     import zero_cases
 
-    from torch_backend.gpt import GPT, GPTConfig
+    from torch_backend.train.gpt import GPT, GPTConfig
 
     def tiny():
         m = zero_cases.tiny_gpt2().to(device)

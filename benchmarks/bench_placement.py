@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torch_backend import ZeroDDP, ZeroOptimizer  # noqa: E402
 from torch_backend._testing import run_distributed  # noqa: E402
-from torch_backend.gpt import GPT, GPTConfig  # noqa: E402
+from torch_backend.train.gpt import GPT, GPTConfig  # noqa: E402
 
 FRACTIONS = (5.0, 3.0, 2.0, 1.0, 0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05)
 

@@ -210,7 +210,7 @@ def worker_lora(rank: int, world: int, engine: str, lora: bool, precision: str, 
 def _wrap(how: str, shape: tuple[int, int, int], weights: str | None):
     """Build HF GPT-2 of ``shape`` (layers, width, heads) the ``how`` way and wrap it in ZeroDDP."""
     from torch_backend import ZeroDDP
-    from torch_backend.pretrained import load_pretrained
+    from torch_backend.checkpoint.pretrained import load_pretrained
 
     if how == "eager":
         return ZeroDDP(gpt2(*shape))

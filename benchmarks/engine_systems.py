@@ -40,7 +40,7 @@ def label(spec: str) -> str:
 
 
 def build_module(cfg: dict, device):
-    """The benchmark GPT: HF GPT-2 (``--model hf-gpt2``) or the byte-level GPT of ``torch_backend.gpt``."""
+    """The benchmark GPT: HF GPT-2 (``--model hf-gpt2``) or the byte-level GPT of ``torch_backend.train.gpt``."""
     import torch
 
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def _new_module(cfg: dict):
                         n_head=cfg["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
                         bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(hf)  # transformers' default attention: sdpa
-    from torch_backend.gpt import GPT, GPTConfig
+    from torch_backend.train.gpt import GPT, GPTConfig
 
     return GPT(GPTConfig(block_size=cfg["seq"], vocab_size=cfg["vocab"], n_layer=cfg["n_layer"],
                          n_head=cfg["n_head"], n_embd=cfg["n_embd"]))
@@ -119,7 +119,7 @@ def oracle_votes(world: int) -> None:
     """Diagnosis only (system option ``oracle_votes=1``): replace ZeroDDP's blocking vote all-reduce
     by this rank's own votes × W — what the sum is when every rank votes alike, as here (same model,
     same shapes, same order). The step time without the cost of agreeing; wrong if ranks diverge."""
-    from torch_backend import collectives
+    from torch_backend.zero import collectives
 
     def agree(votes, group, *, async_op=False):
         votes.mul_(world)
@@ -269,7 +269,9 @@ class EngineProfile:
     """
 
     def __init__(self):
-        from torch_backend import chunks, collectives, runtime
+        from torch_backend.zero import chunks
+        from torch_backend.zero import collectives
+        from torch_backend.zero import runtime
 
         self.totals: dict[str, list[float]] = {}
         targets = {"vote_rounds": (collectives, "agree"), "gather_issue": (chunks.Chunk, "begin_gather"),

@@ -40,7 +40,7 @@ STATE_BYTES_PER_PARAM = 18
 
 
 def gpt_params(n_layer: int, n_embd: int, seq: int, vocab: int = 256) -> int:
-    """Parameters of ``torch_backend.gpt.GPT`` (tied head, biases, LayerNorms)."""
+    """Parameters of ``torch_backend.train.gpt.GPT`` (tied head, biases, LayerNorms)."""
     per_block = 12 * n_embd * n_embd + 13 * n_embd
     return n_layer * per_block + (vocab + seq) * n_embd + 2 * n_embd
 
@@ -52,7 +52,7 @@ def run_one(cfg: dict) -> dict:
     import torch.nn.functional as F
 
     from torch_backend import ZeroDDP, ZeroOptimizer
-    from torch_backend.gpt import GPT, GPTConfig
+    from torch_backend.train.gpt import GPT, GPTConfig
 
     device = torch.device(cfg["device"])
     cuda = device.type == "cuda"

@@ -31,7 +31,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _outcome(results: list[dict]) -> tuple[int, str | None]:
-    """The exit code and message of the workers' results (``torch_backend.worker.worker_main``): bad
+    """The exit code and message of the workers' results (``torch_backend.train.worker.worker_main``): bad
     input (``"error"``, exit 2) first, then a run that could not go on (``"failed"``, exit 1)."""
     for status, code in (("error", EXIT_BAD_INPUT), ("failed", EXIT_FAILED)):
         for r in results:
@@ -136,16 +136,16 @@ def _add_train(sub) -> None:
 
 def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ()) -> int:
     """``chunkzero train``: validate, then launch the workers (or be one, under torchrun).
-    ``on_step_end``: hooks each worker's loop calls after every step (``torch_backend.train.StepEnd``);
+    ``on_step_end``: hooks each worker's loop calls after every step (``torch_backend.train.loop.StepEnd``);
     they must be picklable to reach launched workers."""
     from chunkzero.errors import ChunkZeroError
     from chunkzero.train_config import TrainConfig, option_fields
 
     prog = "chunkzero train"
-    from torch_backend import launch as launcher  # lazily: imports torch
-    from torch_backend.process_exit import exit_without_finalization_at_exit
-    from torch_backend.resolve import validate
-    from torch_backend.worker import launched_worker, worker_main
+    from torch_backend.train import launch as launcher  # lazily: imports torch
+    from torch_backend.train.process_exit import exit_without_finalization_at_exit
+    from torch_backend.train.resolve import validate
+    from torch_backend.train.worker import launched_worker, worker_main
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()})
     hooks = tuple(on_step_end)

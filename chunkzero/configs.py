@@ -14,9 +14,9 @@ Registered names (:data:`MODEL_CONFIGS`):
 - ``"llama-1b"`` — a Llama-style 1B config (Touvron et al. 2023; HF ``LlamaForCausalLM`` names):
   vocab 32000, d 2048, 16 layers, 32 heads and 32 key/value heads (no GQA), SwiGLU intermediate
   5632, RMSNorm (weight only, no biases), untied ``lm_head``; 953,223,168 parameters.
-- ``"gpt-tiny"``, ``"gpt-small"`` — the byte-level nanoGPT-style model of ``torch_backend.gpt``
+- ``"gpt-tiny"``, ``"gpt-small"`` — the byte-level nanoGPT-style model of ``torch_backend.train.gpt``
   (vocab 256, ``nn.Linear`` weights ``(out, in)``, biases, tied head). Note that
-  ``torch_backend.gpt.GPT_CONFIGS`` also has byte-level entries named ``"gpt2"``/``"gpt2-medium"``;
+  ``torch_backend.train.gpt.GPT_CONFIGS`` also has byte-level entries named ``"gpt2"``/``"gpt2-medium"``;
   here those names mean the real Hugging Face GPT-2 sizes.
 """
 
@@ -177,7 +177,7 @@ __all__ = ["MODEL_CONFIGS", "ModelConfig", "model_config", "model_specs", "param
 # ---------------------------------------------------------------------------- the byte-level GPT
 @dataclass(frozen=True)
 class GPTConfig:
-    """Hyper-parameters of the byte-level GPT that both backends build (``torch_backend.gpt.GPT`` and
+    """Hyper-parameters of the byte-level GPT that both backends build (``torch_backend.train.gpt.GPT`` and
     ``jax_backend.gpt.GPT``). ``vocab_size`` 256 means byte-level tokens; ``block_size`` is the
     longest sequence in tokens; ``layer_norm_eps`` is LayerNorm's epsilon."""
 

@@ -6,7 +6,7 @@ help text, option group, flag, metavar, choices and lower bound. ``chunkzero.cli
 field into one argparse argument (:func:`option_fields` lists them, :func:`option_kind` gives the
 value's type, :func:`default_text` the default as ``--help`` names it), so a default, a help text or a
 choice lives in this file only. The fields made by :func:`resolved` are not options: the torch
-backend fills them in when it checks a run on the machine (``torch_backend.resolve.validate``).
+backend fills them in when it checks a run on the machine (``torch_backend.train.resolve.validate``).
 
 :meth:`TrainConfig.check` raises for every value that is wrong whatever the machine (a choice not
 offered, a number below its bound, two settings that exclude each other); the checks that need the
@@ -15,7 +15,7 @@ machine (devices, model, data) are the backend's. :func:`lr_at` is the learning-
 
 Defaults by device, in one place: ``--model``, ``--mixed-precision`` and ``--lr`` are ``None`` until the
 run's device is known; :data:`CPU_DEFAULTS` and :data:`GPU_DEFAULTS` give their values and
-:func:`with_device_defaults` fills them in (``torch_backend.resolve.validate`` calls it).
+:func:`with_device_defaults` fills them in (``torch_backend.train.resolve.validate`` calls it).
 
 Imports the standard library only.
 """
@@ -173,10 +173,10 @@ class TrainConfig:
     resume: bool = option(False, "continue the run in --out from its latest checkpoint: parameters, optimizer "
                                  "state, loss scaler, RNG states and data position (any world size); --steps is "
                                  "the total", "checkpoints")
-    # resolved on the machine (torch_backend.resolve.validate); a worker that finds ``validated`` skips the checks
+    # resolved on the machine (torch_backend.train.resolve.validate); a worker that finds ``validated`` skips the checks
     validated: bool = resolved("whether the run was checked on its machine (the launcher did)", False)
     world_size: int | None = resolved("workers of the run, all nodes together")
-    model_kind: str | None = resolved('"gpt" (a byte-level GPT of torch_backend.gpt) or "hf" (a directory)')
+    model_kind: str | None = resolved('"gpt" (a byte-level GPT of torch_backend.train.gpt) or "hf" (a directory)')
     block_size: int | None = resolved("the model's longest sequence, in tokens")
 
     def to_dict(self) -> dict:

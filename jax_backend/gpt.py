@@ -1,4 +1,4 @@
-"""A Flax NNX GPT, the same model as :class:`torch_backend.gpt.GPT` (same configuration, same math).
+"""A Flax NNX GPT, the same model as :class:`torch_backend.train.gpt.GPT` (same configuration, same math).
 
 GPT-2 architecture as in nanoGPT (Karpathy, https://github.com/karpathy/nanoGPT): learned token and
 position embeddings, pre-LayerNorm blocks of causal self-attention and a tanh-GELU MLP, a final
@@ -98,7 +98,7 @@ class Transformer(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """GPT-2 in Flax NNX, the same model as ``torch_backend.gpt.GPT``.
+    """GPT-2 in Flax NNX, the same model as ``torch_backend.train.gpt.GPT``.
 
     Args:
         config: a :class:`GPTConfig`, a dict of its fields or a name in :data:`GPT_CONFIGS`

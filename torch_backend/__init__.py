@@ -1,9 +1,10 @@
-"""chunkzero's PyTorch backend: chunks as torch storage, ZeroDDP, ZeroOptimizer, checkpoints, train loop."""
+"""chunkzero's PyTorch backend, in three rooms: the ZeRO engine (:mod:`torch_backend.zero`), the
+checkpoint adapters (:mod:`torch_backend.checkpoint`) and the training job
+(:mod:`torch_backend.train`)."""
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import AutoPlacementPolicy, MixedPrecision, PrefetchPolicy, StaticPlacement
-from .ddp import MemoryReport, ZeroDDP
-from .optim import DynamicLossScaler, ZeroOptimizer
+from .zero import (AutoPlacementPolicy, DynamicLossScaler, MemoryReport, MixedPrecision, PrefetchPolicy,
+                   StaticPlacement, ZeroDDP, ZeroOptimizer)
 
 __all__ = ["AutoPlacementPolicy", "DynamicLossScaler", "MemoryReport", "MixedPrecision", "PrefetchPolicy",
            "StaticPlacement", "ZeroDDP", "ZeroOptimizer", "load_checkpoint", "save_checkpoint"]

@@ -9,7 +9,7 @@ dicts, lists and tuples of tensors, numpy arrays, numbers, strings and ``None``.
 the test suite.
 
 A rank that succeeded ends without interpreter finalization
-(:func:`torch_backend.process_exit.exit_without_finalization`): gloo's worker threads outlive
+(:func:`torch_backend.train.process_exit.exit_without_finalization`): gloo's worker threads outlive
 ``destroy_process_group()`` and abort a process that finalizes under them.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch.multiprocessing as mp
 
-from .process_exit import exit_without_finalization
+from .train.process_exit import exit_without_finalization
 
 __all__ = ["run_distributed"]
 
@@ -46,7 +46,7 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout),
     )
-    from torch_backend import collectives
+    from torch_backend.zero import collectives
 
     try:
         result = fn(rank, world_size, *args)

@@ -4,7 +4,7 @@
 ``threading`` exit hook: where pending checkpoint saves are committed), ``<name>.atexit`` (an ``atexit``
 function: ``jax.distributed`` and logging shut down there) and ``<name>.finalized`` (created when a module
 that only interpreter finalization deletes goes away). A worker that ends as
-``torch_backend.process_exit`` means it to leaves the first two and not the third.
+``torch_backend.train.process_exit`` means it to leaves the first two and not the third.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def _zero(seed, chunk_size=3000):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """``(checkpoint root, full fp32 state dict)`` of a tiny GPT-2 after two ZeroDDP steps."""
-    from torch_backend.checkpoint import save_checkpoint
+    from torch_backend.checkpoint.sharded import save_checkpoint
 
     model, optim = _zero(0)
     for i in range(2):
@@ -122,8 +122,8 @@ def test_orbax_params_export_restores_with_standard_checkpointer(trained, tmp_pa
 
 
 def test_export_streams_one_chunk_at_a_time(trained, tmp_path, monkeypatch):
-    from torch_backend import checkpoint as ck
-    from torch_backend.export import export_checkpoint
+    from torch_backend.checkpoint import sharded as ck
+    from torch_backend.checkpoint.export import export_checkpoint
 
     root, _ = trained
     reads = []
@@ -147,7 +147,7 @@ def test_export_streams_one_chunk_at_a_time(trained, tmp_path, monkeypatch):
 
 
 def test_import_into_zero_ddp(trained, tmp_path):
-    from torch_backend.export import export_checkpoint, load_pretrained
+    from torch_backend.checkpoint.export import export_checkpoint, load_pretrained
 
     root, want = trained
     export_checkpoint(root, tmp_path / "st", format="safetensors", max_shard_size="30KB")
@@ -219,7 +219,7 @@ def test_train_save_interval_resume_and_export(tmp_path):
     args = ["--data", str(corpus), *SMALL, "--steps", "6", "--eval-interval", "6", "--nproc", "2", "--out", str(out)]
     first = run_train(*args, "--save-interval", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    from torch_backend.checkpoint import checkpoint_steps, read_meta
+    from torch_backend.checkpoint.sharded import checkpoint_steps, read_meta
 
     assert checkpoint_steps(out / "checkpoints") == [2, 4, 6]
     meta = read_meta(out / "checkpoints")
@@ -261,7 +261,7 @@ def test_resume_warns_when_the_lr_schedule_changes(caplog):
     the cosine schedule: a warning says so, with the LR jump; the same settings warn nothing."""
     import logging
 
-    from torch_backend.train import TrainConfig, lr_at, warn_schedule_change
+    from torch_backend.train.loop import TrainConfig, lr_at, warn_schedule_change
 
     cfg = TrainConfig(steps=300, warmup=10, lr=3e-3)
     with caplog.at_level(logging.WARNING, logger="chunkzero.train"):

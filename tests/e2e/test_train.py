@@ -226,7 +226,7 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
 @pytest.mark.parametrize("launcher", ["chunkzero", "torchrun"])
 def test_workers_end_without_interpreter_finalization(launcher, corpus, tmp_path):
     """Each worker runs its exit hooks (``threading``'s, ``atexit``'s) and then leaves without finalizing the
-    interpreter, where gloo's threads could abort it (``torch_backend.process_exit``): launched by
+    interpreter, where gloo's threads could abort it (``torch_backend.train.process_exit``): launched by
     ``chunkzero train`` and under torchrun alike. The probe is installed by an ``on_step_end`` hook."""
     probe = tmp_path / "markers"
     probe.mkdir()
@@ -324,9 +324,9 @@ def test_bad_input_one_line_exit_2(case, tmp_path, held_run, monkeypatch, capsys
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     if "fp16" in case:  # the CPU kernels run fp16 here; make the precision probe say they do not
-        import torch_backend.resolve
+        import torch_backend.train.resolve
 
-        monkeypatch.setattr(torch_backend.resolve, "precision_unsupported",
+        monkeypatch.setattr(torch_backend.train.resolve, "precision_unsupported",
                             lambda precision, device: "float16 kernels unavailable" if precision == "fp16" else None)
     monkeypatch.chdir(tmp_path)
     args, expected = BAD_INPUTS[case]

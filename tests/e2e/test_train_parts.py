@@ -120,7 +120,7 @@ def test_defaults_follow_the_device(monkeypatch, tmp_path):
     import torch
 
     from chunkzero.train_config import TrainConfig, with_device_defaults
-    from torch_backend import resolve
+    from torch_backend.train import resolve
 
     from .helpers import make_corpus
 
@@ -155,7 +155,7 @@ def _write(tmp_path, files: dict[str, bytes]):
 
 
 def test_text_corpus_split_by_file_is_deterministic(tmp_path):
-    from torch_backend.data import is_val_file, load_corpus
+    from torch_backend.train.data import is_val_file, load_corpus
 
     files = {f"d/m{i}.py": (f"# module {i}\n" * 40).encode() for i in range(60)}
     files["d/.hidden"] = b"secret" * 100
@@ -172,7 +172,7 @@ def test_text_corpus_split_by_file_is_deterministic(tmp_path):
 
 
 def test_small_corpus_falls_back_to_a_positional_split(tmp_path):
-    from torch_backend.data import load_corpus
+    from torch_backend.train.data import load_corpus
 
     _write(tmp_path, {"one.txt": b"x" * 1000})
     c = load_corpus([str(tmp_path / "one.txt")], seq_len=16, val_fraction=0.1)
@@ -182,7 +182,7 @@ def test_small_corpus_falls_back_to_a_positional_split(tmp_path):
 
 
 def test_a_binary_file_named_directly_is_refused(tmp_path):
-    from torch_backend.data import load_corpus
+    from torch_backend.train.data import load_corpus
 
     _write(tmp_path, {"weights.safetensors": b"\0\1\2" * 1000})
     with pytest.raises(DataError, match="binary.*weights.safetensors"):
@@ -190,7 +190,7 @@ def test_a_binary_file_named_directly_is_refused(tmp_path):
 
 
 def test_default_corpus_is_the_standard_library():
-    from torch_backend.data import find_text_files
+    from torch_backend.train.data import find_text_files
 
     files = find_text_files(None)
     assert len(files) > 300
@@ -200,7 +200,7 @@ def test_default_corpus_is_the_standard_library():
 
 
 def test_batches_are_deterministic_and_differ_per_rank():
-    from torch_backend.data import BatchSampler, val_batches
+    from torch_backend.train.data import BatchSampler, val_batches
 
     tokens = np.arange(10_000, dtype=np.uint16) % 251
     make = lambda rank: BatchSampler(tokens, seq_len=8, batch_size=3, rank=rank, world_size=2, seed=5)  # noqa: E731
@@ -229,7 +229,7 @@ def test_batches_are_deterministic_and_differ_per_rank():
 # ------------------------------------------------------------------------------------------ failures
 
 def test_failure_message_names_the_killed_rank_not_the_consequence():
-    from torch_backend.launch import EXIT_PEER_LOST, describe_failure
+    from torch_backend.train.launch import EXIT_PEER_LOST, describe_failure
 
     f = lambda rank, code, ts: SimpleNamespace(local_rank=rank, pid=100 + rank, exitcode=code, timestamp=ts,  # noqa: E731
                                                message="")
@@ -245,7 +245,7 @@ def test_failure_message_names_the_killed_rank_not_the_consequence():
 def _exchange(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from torch_backend.collectives import all_gather_json, all_mean, barrier, world_group
+    from torch_backend.zero.collectives import all_gather_json, all_mean, barrier, world_group
 
     def refuse(*args, **kwargs):
         raise AssertionError("all_gather_object unpickles peer data")
@@ -262,7 +262,7 @@ def test_run_collectives_gather_json_and_mean_on_three_ranks():
     """Objects of different lengths reach every rank in rank order through tensors (all_gather_object
     is disabled in the ranks); the mean is the mean over the ranks; one process needs no group."""
     from torch_backend._testing import run_distributed
-    from torch_backend.collectives import all_gather_json, all_mean
+    from torch_backend.zero.collectives import all_gather_json, all_mean
 
     world = 3
     results = run_distributed(_exchange, world, timeout=120)
@@ -279,7 +279,7 @@ def test_checkpoint_saves_wait_at_most_timeout(monkeypatch, tmp_path):
     """``--timeout`` bounds every wait of a training run's checkpoint save for the other ranks."""
     import torch_backend
     from chunkzero.train_config import TrainConfig
-    from torch_backend.train import save_step
+    from torch_backend.train.loop import save_step
 
     calls = []
     monkeypatch.setattr(torch_backend, "save_checkpoint", lambda *a, **kw: calls.append(kw))

@@ -1,6 +1,6 @@
 """Helpers of the JAX tests: a torch-trained gpt-tiny and its chunkzero checkpoint.
 
-The checkpoint is written by the torch backend itself when ``torch_backend.checkpoint.save_checkpoint``
+The checkpoint is written by the torch backend itself when ``torch_backend.checkpoint.sharded.save_checkpoint``
 exists: gpt-tiny wrapped in ``ZeroDDP`` on 3 spawned gloo ranks, ``ZeroOptimizer(AdamW)``, trained
 :data:`TRAIN_STEPS` steps, saved at world size 3 (every rank writing its own shards). Without it, a
 plain torch GPT trained with ``torch.optim.AdamW`` is packed with the layout the torch backend builds
@@ -66,7 +66,7 @@ def rel_err(got, ref) -> float:
 def torch_writer_available() -> bool:
     try:
         from torch_backend._testing import run_distributed  # noqa: F401
-        from torch_backend.checkpoint import save_checkpoint  # noqa: F401
+        from torch_backend.checkpoint.sharded import save_checkpoint  # noqa: F401
     except ImportError:
         return False
     return True
@@ -97,7 +97,7 @@ class TorchRun:
 
     def torch_model(self):
         """A plain torch GPT holding the trained parameters."""
-        from torch_backend.gpt import GPT
+        from torch_backend.train.gpt import GPT
 
         model = GPT(self.config)
         missing, _ = model.load_state_dict({k: torch.from_numpy(v) for k, v in self.params.items()}, strict=False)
@@ -121,8 +121,8 @@ def _zero_train_and_save(rank: int, world_size: int, root: str, tokens: np.ndarr
     import torch.nn.functional as F
 
     from torch_backend import ZeroDDP, ZeroOptimizer
-    from torch_backend.checkpoint import save_checkpoint
-    from torch_backend.gpt import GPT, GPT_CONFIGS
+    from torch_backend.checkpoint.sharded import save_checkpoint
+    from torch_backend.train.gpt import GPT, GPT_CONFIGS
 
     torch.manual_seed(0)
     model = ZeroDDP(GPT(GPT_CONFIGS[MODEL]), chunk_size=CHUNK_SIZE)
@@ -153,7 +153,7 @@ def write_with_torch_backend(root: Path, tokens: np.ndarray):
 # ------------------------------------------------------------------ writer 2: jax_backend.save_checkpoint
 def train_torch(cfg, steps: int = TRAIN_STEPS, seed: int = 0):
     """A plain torch GPT after ``steps`` AdamW steps on random bytes, and its optimizer."""
-    from torch_backend.gpt import GPT
+    from torch_backend.train.gpt import GPT
 
     torch.manual_seed(seed)
     model = GPT(cfg)
@@ -175,7 +175,7 @@ def torch_optimizer_meta(opt: torch.optim.Optimizer, steps: int) -> OptimizerMet
 
 def write_with_jax_backend(root: Path, tokens: np.ndarray):
     import jax_backend as jb
-    from torch_backend.gpt import GPT_CONFIGS
+    from torch_backend.train.gpt import GPT_CONFIGS
 
     model, opt = train_torch(GPT_CONFIGS[MODEL])
     layout = ChunkLayout.build(torch_param_specs(model), CHUNK_SIZE, SAVE_WORLD_SIZE)
@@ -194,7 +194,7 @@ def write_with_jax_backend(root: Path, tokens: np.ndarray):
 
 def make_torch_run(base: Path, writer: str | None = None) -> TorchRun:
     """Write the fixture checkpoint under ``base`` (or reuse one already written there)."""
-    from torch_backend.gpt import GPT_CONFIGS
+    from torch_backend.train.gpt import GPT_CONFIGS
 
     writer = writer or ("torch_backend.save_checkpoint" if torch_writer_available() else "jax_backend.save_checkpoint")
     root, saved = base / "ckpt", base / "expected.npz"

@@ -1,4 +1,4 @@
-"""The Flax NNX GPT mirrors torch_backend.gpt.GPT (jax_backend.gpt), and torch, chunk and Hugging Face
+"""The Flax NNX GPT mirrors torch_backend.train.gpt.GPT (jax_backend.gpt), and torch, chunk and Hugging Face
 parameters convert onto it (jax_backend.convert)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax_backend as jb
 from chunkzero import ChunkLayout, CheckpointError, ConfigError, ShapeMismatchError, TensorSpec
 from jax_backend import convert as jconvert
 from jax_backend import gpt as jgpt
-from torch_backend import gpt as tgpt
+from torch_backend.train import gpt as tgpt
 
 FP32_RTOL = 1e-5
 """fp32 logits: max |jax - torch| / max |torch| (DESIGN.md §7)."""

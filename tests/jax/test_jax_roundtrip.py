@@ -144,7 +144,7 @@ def test_jax_step_saved_at_3_devices_restores_at_8(torch_run, tmp_path):
 
 def test_torch_resumes_from_the_jax_step(torch_run, tmp_path):
     from torch_backend import ZeroDDP, ZeroOptimizer, load_checkpoint
-    from torch_backend.gpt import GPT
+    from torch_backend.train.gpt import GPT
 
     root = tmp_path / "ckpt"
     shutil.copytree(torch_run.root, root)

@@ -3,7 +3,7 @@ devices equal K steps of torch ``ZeroDDP`` + ``ZeroOptimizer`` (single process, 
 batches (issue 7; fp32, normwise rtol 1e-4); and torch resumes from what the JAX step saves as if the
 run had never left torch.
 
-The checkpoint is written by ``torch_backend.checkpoint.save_checkpoint`` after two torch steps, so it
+The checkpoint is written by ``torch_backend.checkpoint.sharded.save_checkpoint`` after two torch steps, so it
 carries AdamW state (``exp_avg``, ``exp_avg_sq``, step 2); JAX restores it with
 ``jax_backend.restore_checkpoint`` at world size 4 (chunks re-padded) and continues with
 ``optax.adamw`` built from the checkpoint's hyper-parameters.
@@ -18,8 +18,8 @@ from zero_utils import BATCH, SEQ, normwise_rel_err
 
 import torch
 from torch_backend import ZeroDDP, ZeroOptimizer
-from torch_backend.checkpoint import save_checkpoint as torch_save_checkpoint
-from torch_backend.gpt import GPT, GPT_CONFIGS
+from torch_backend.checkpoint.sharded import save_checkpoint as torch_save_checkpoint
+from torch_backend.train.gpt import GPT, GPT_CONFIGS
 
 import jax_backend as jb
 from jax_backend.blocks import gpt_program
@@ -89,7 +89,7 @@ def test_torch_resumes_a_jax_trained_step_as_if_uninterrupted(tmp_path):
     ZeroTrainer.save_checkpoint; torch — an optimizer built with wrong hyper-parameters — loads it
     (step, AdamW state, hyper-parameters, max_norm, loss scaler: nothing built by hand) and trains on.
     The result equals an uninterrupted torch run within the cross-framework tolerance."""
-    from torch_backend.checkpoint import load_checkpoint, read_meta
+    from torch_backend.checkpoint.sharded import load_checkpoint, read_meta
 
     cfg = GPT_CONFIGS["gpt-tiny"]
     torch.manual_seed(0)
@@ -135,7 +135,7 @@ def test_a_trainer_from_scratch_saves_with_adamw_meta(tmp_path):
     adamw_hyperparameters) and saves a step torch's loader accepts; without it, saving is refused."""
     from chunkzero.errors import ConfigError
     from jax_backend.optim import adamw_hyperparameters
-    from torch_backend.checkpoint import load_checkpoint
+    from torch_backend.checkpoint.sharded import load_checkpoint
 
     hyper = dict(learning_rate=1e-3, b1=0.9, b2=0.95, eps=1e-6, weight_decay=0.1)
     meta = jb.adamw_meta(**hyper, max_norm=1.0)
@@ -173,7 +173,7 @@ def test_jax_keeps_torch_param_groups_exactly(tmp_path):
     optax.adamw with group 0's values) does not; and the JAX save hands the groups back to torch."""
     from chunkzero.errors import ConfigError
     from jax_backend.optim import adamw_hyperparameters
-    from torch_backend.checkpoint import load_checkpoint, read_meta
+    from torch_backend.checkpoint.sharded import load_checkpoint, read_meta
     from zero_utils import max_rel_err
 
     cfg = GPT_CONFIGS["gpt-tiny"]

@@ -20,7 +20,7 @@ def build(chunk_size: int = 3000, mixed_precision: str = "fp32", seed: int = 0):
     """The tiny GPT wrapped in ZeroDDP (frozen ``wpe``, keep-gathered ``ln_f.weight``) and a ZeroOptimizer
     with two param groups (weight decay on matrices; none, and half the learning rate, on the rest)."""
     from torch_backend import ZeroDDP, ZeroOptimizer
-    from torch_backend.gpt import GPT, GPTConfig
+    from torch_backend.train.gpt import GPT, GPTConfig
 
     torch.manual_seed(seed)
     module = GPT(GPTConfig(**TINY))

@@ -154,7 +154,7 @@ def worker_memory_discipline(rank: int, world: int):
     """Issue 11's memory check: an 8-layer GPT-2 spanning ≥ 8 chunks, prefetch=1, W ranks; and a
     never-release engine fails the same check."""
     from torch_backend import ZeroDDP, ZeroOptimizer
-    from torch_backend.chunks import Chunk
+    from torch_backend.zero.chunks import Chunk
 
     out = {}
     for name, frozen in (("trainable", ()), ("half-frozen", (0, 2, 4, 6))):

@@ -56,7 +56,7 @@ def worker_frozen_exact(rank: int, world: int, root: str):
 
     from optim_cases import UPDATE_RTOL, low_precision_reference, update_error
     from torch_backend import ZeroDDP, ZeroOptimizer, load_checkpoint, save_checkpoint
-    from torch_backend.export import export_checkpoint
+    from torch_backend.checkpoint.export import export_checkpoint
 
     module = frozen_half_gpt2()
     frozen = frozen_originals(module)

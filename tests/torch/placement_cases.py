@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from chunkzero import Location, plan_placement
 from torch_backend import ZeroDDP, ZeroOptimizer
-from torch_backend.gpt import GPT, GPTConfig
+from torch_backend.train.gpt import GPT, GPTConfig
 from zero_cases import ADAMW, FP32
 
 STEPS = 4

@@ -403,7 +403,7 @@ def worker_meta_init(rank: int, world: int, weights_path: str):
     refused with a clear error naming it."""
     from chunkzero.errors import ConfigError
     from torch_backend import ZeroDDP, ZeroOptimizer
-    from torch_backend.pretrained import load_pretrained
+    from torch_backend.checkpoint.pretrained import load_pretrained
 
     torch.manual_seed(0)
     eager = Tied()

@@ -17,7 +17,7 @@ import pytest
 from chunkzero.checkpoint import CheckpointMeta
 from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.layout import ChunkLayout, TensorSpec
-from torch_backend.checkpoint import (
+from torch_backend.checkpoint.sharded import (
     checkpoint_steps,
     latest_step,
     read_meta,
@@ -37,9 +37,9 @@ WRITER = textwrap.dedent(
     import numpy as np
     from chunkzero.checkpoint import CheckpointMeta
     from chunkzero.layout import ChunkLayout, TensorSpec
-    from torch_backend.checkpoint import checkpoint_steps, wait_until_finished, write_shards
+    from torch_backend.checkpoint.sharded import checkpoint_steps, wait_until_finished, write_shards
     from chunkzero.checkpoint.orbax_store import read_array_metadata
-    from torch_backend.parallel_write import process_mesh
+    from torch_backend.checkpoint.parallel_write import process_mesh
 
     rank, world, coordinator, root, step, numel, kill = sys.argv[1:8]
     rank, world, step, numel, kill = int(rank), int(world), int(step), int(numel), kill == "1"
@@ -241,7 +241,7 @@ def test_async_save_keeps_the_values_it_was_handed(tmp_path):
     shard = torch.ones(numel)  # torch's allocations are aligned, so JAX could alias them
     write_shards(tmp_path, CheckpointMeta(step=1, layout=layout), 0, {0: shard.numpy()}, async_save=True)
     shard.add_(1.0)  # training goes on and updates the shard in place
-    from torch_backend.checkpoint import wait_until_finished
+    from torch_backend.checkpoint.sharded import wait_until_finished
 
     wait_until_finished()
     params, _ = read_shards(tmp_path / "1", read_meta(tmp_path, 1), layout, 0)

@@ -13,7 +13,7 @@ import numpy as np
 
 from chunkzero.checkpoint import CheckpointMeta, OptimizerMeta
 from chunkzero.layout import ChunkLayout, TensorSpec
-from torch_backend.checkpoint import write_shards
+from torch_backend.checkpoint.sharded import write_shards
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -13,7 +13,7 @@ from checkpoint_harness import assert_same_state, build, full_state, train_step
 
 from chunkzero.errors import CheckpointError
 from torch_backend._testing import run_distributed
-from torch_backend.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
+from torch_backend.checkpoint.sharded import checkpoint_steps, load_checkpoint, save_checkpoint
 
 AGREE_WITHIN_S = 90.0
 """A save the ranks disagree on must fail on every rank within this many seconds (no barrier wait)."""

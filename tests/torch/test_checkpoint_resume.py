@@ -25,14 +25,14 @@ from checkpoint_harness import assert_same_state, build, full_state, train_step
 
 from chunkzero.layout import ChunkLayout, TensorSpec
 from torch_backend._testing import run_distributed
-from torch_backend.checkpoint import (
+from torch_backend.checkpoint.sharded import (
     latest_step,
     load_checkpoint,
     read_meta,
     read_plan,
     save_checkpoint,
 )
-from torch_backend.export import export_checkpoint, load_pretrained
+from torch_backend.checkpoint.export import export_checkpoint, load_pretrained
 
 
 def _seed_rank(rank: int) -> None:

@@ -21,7 +21,7 @@ from chunkzero.errors import (
     ConfigError,
     ShapeMismatchError,
 )
-from torch_backend.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from torch_backend.checkpoint.sharded import load_checkpoint, read_meta, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -143,7 +143,7 @@ def test_corrupt_arrays(saved, tmp_path, damage, exc, pattern, staged):
 
 def test_layout_not_matching_model(saved):
     from torch_backend import ZeroDDP, ZeroOptimizer
-    from torch_backend.gpt import GPT, GPTConfig
+    from torch_backend.train.gpt import GPT, GPTConfig
 
     wider = ZeroDDP(GPT(GPTConfig(**{**TINY, "n_embd": 64})), chunk_size=3000)
     with pytest.raises(ShapeMismatchError, match=r"'transformer.wte.weight': expected \(256, 64\), got \(256, 32\)"):
@@ -227,7 +227,7 @@ def test_never_unpickles():
 
 def test_relative_paths_save_load_and_export(tmp_path, monkeypatch):
     """Users pass paths relative to their working directory; Orbax itself insists on absolute ones."""
-    from torch_backend.export import export_checkpoint
+    from torch_backend.checkpoint.export import export_checkpoint
 
     monkeypatch.chdir(tmp_path)
     model, optim = build()

@@ -1,6 +1,6 @@
 """A chunk's life, against the core state machine (``chunkzero.states``).
 
-Every state change of a chunk's tensors goes through one of :class:`torch_backend.chunks.Chunk`'s
+Every state change of a chunk's tensors goes through one of :class:`torch_backend.zero.chunks.Chunk`'s
 life methods. These tests record, during real training, which legal transition each method takes,
 and compare with the table written out here: a transition that the engine stops taking (a removed
 call, a skipped state) fails :func:`test_every_legal_transition_is_taken_in_training`. Each illegal

@@ -1,4 +1,4 @@
-"""ZeroDDP's option dataclasses (torch_backend.config): each bad field value is refused by name, the
+"""ZeroDDP's option dataclasses (torch_backend.zero.config): each bad field value is refused by name, the
 flat keywords are shortcuts for the dataclasses, and a dataclass given with its flat keywords is refused."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import torch
 from chunkzero import static_placement
 from chunkzero.errors import ConfigError
 from torch_backend import AutoPlacementPolicy, MixedPrecision, PrefetchPolicy, StaticPlacement, ZeroDDP
-from torch_backend.config import DEFAULT_STEADY_DEVICE_CAP_RATIO, resolve_placement
+from torch_backend.zero.config import DEFAULT_STEADY_DEVICE_CAP_RATIO, resolve_placement
 
 
 def _module():

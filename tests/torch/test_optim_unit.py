@@ -11,7 +11,7 @@ from optim_cases import nanogpt_groups
 import zero_cases
 from chunkzero.errors import CheckpointError, ConfigError
 from torch_backend import ZeroDDP, ZeroOptimizer
-from torch_backend.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from torch_backend.checkpoint.sharded import load_checkpoint, read_meta, save_checkpoint
 
 ADAMW = dict(lr=1e-2, eps=1e-6)
 
@@ -227,7 +227,7 @@ def test_old_checkpoint_without_groups_keeps_several_groups_own(tmp_path, caplog
     optim.backward(zero_cases.odd_loss(model, zero_cases.batches("odd", 1, 2)[0]))
     optim.step()
     meta_path = save_checkpoint(tmp_path, model, optim, step=1)
-    from torch_backend import optim_shards
+    from torch_backend.checkpoint import optim_shards
 
     saved = read_meta(meta_path).optimizer
     saved.param_groups = None  # as written before param groups
@@ -244,8 +244,8 @@ def test_old_checkpoint_without_groups_keeps_several_groups_own(tmp_path, caplog
 def test_train_engine_decays_matrices_only(engine):
     """``chunkzero train``'s optimizer: nanoGPT's two groups, weight decay on tensors of >= 2 dimensions."""
     from chunkzero.train_config import TrainConfig, with_device_defaults
-    from torch_backend.engine import Engine
-    from torch_backend.gpt import GPT, gpt_config
+    from torch_backend.train.adapter import Engine
+    from torch_backend.train.gpt import GPT, gpt_config
 
     cfg = with_device_defaults(TrainConfig(engine=engine, weight_decay=0.1), "cpu")  # as validate() fills it
     e = Engine(GPT(gpt_config("gpt-tiny")), cfg, torch.device("cpu"))

@@ -10,7 +10,7 @@ import placement_cases
 from chunkzero.errors import ConfigError, PlacementBudgetError
 from torch_backend import ZeroDDP, ZeroOptimizer
 from torch_backend._testing import run_distributed
-from torch_backend.placement import DEFAULT_STEADY_DEVICE_CAP_RATIO, device_memory_bytes
+from torch_backend.zero.placement import DEFAULT_STEADY_DEVICE_CAP_RATIO, device_memory_bytes
 
 
 def _saved_storage_bytes(out: torch.Tensor, params) -> int:

@@ -3,7 +3,7 @@
 A rank must not go through interpreter finalization: gloo's worker threads outlive
 ``destroy_process_group()``, and one that frees a Python tensor while the interpreter finalizes
 aborts the rank (SIGABRT, "terminate called without an active exception"; see
-``torch_backend.process_exit``). The exit hooks of a normal exit must still run: pending
+``torch_backend.train.process_exit``). The exit hooks of a normal exit must still run: pending
 checkpoint saves are committed in a ``threading`` exit hook, ``jax.distributed`` and logging shut
 down in ``atexit``.
 """

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import zero_cases
 from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 from torch_backend import DynamicLossScaler, ZeroDDP, ZeroOptimizer
-from torch_backend import collectives
+from torch_backend.zero import collectives
 
 
 def test_collectives_use_the_current_names():

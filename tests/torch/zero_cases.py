@@ -429,7 +429,7 @@ def worker_agreement_subgroup(rank: int, world: int):
     """The agreement group of a non-gloo data-parallel subgroup is created by that subgroup's ranks
     alone: the last rank (outside it) never calls in, the votes sum over ranks 0..W-2, and a group
     every rank creates afterwards still matches up (torch names groups by a per-process count)."""
-    from torch_backend import collectives
+    from torch_backend.zero import collectives
 
     sub = dist.new_group(list(range(world - 1)))  # every rank creates it, as torch requires
     out = 0

@@ -21,9 +21,9 @@ from chunkzero.checkpoint import OPTIM_KEY, PARAMS_KEY, ArrayPath, OptimizerMeta
 from chunkzero.errors import CheckpointError
 from chunkzero.layout import ChunkLayout
 
-from .collectives import all_gather_json
+from ..zero.collectives import all_gather_json
 from .numpy_bridge import to_numpy, to_torch
-from .optim_state_dict import IMPLEMENTATION_FLAGS
+from ..zero.optim_state_dict import IMPLEMENTATION_FLAGS
 
 logger = logging.getLogger("chunkzero.checkpoint")
 

@@ -1,7 +1,7 @@
 """How torch's events become chunk calls while a ``ZeroDDP``'s module runs: :class:`ChunkRuntime`.
 
-It turns each event into calls on the chunk it concerns (:class:`torch_backend.chunks.Chunk`'s life
-methods) and asks the :class:`~torch_backend.schedule.Scheduler` for gathers and reductions; it keeps
+It turns each event into calls on the chunk it concerns (:class:`torch_backend.zero.chunks.Chunk`'s life
+methods) and asks the :class:`~torch_backend.zero.schedule.Scheduler` for gathers and reductions; it keeps
 no chunk state of its own.
 
 - **Forward** — while the wrapped module runs, a ``TorchFunctionMode`` (:class:`ParamAccessMode`)
@@ -215,7 +215,7 @@ class ChunkRuntime:
         self._placeholders = GradPlaceholders([(e.param, e.name, e.index) for e in self.trainable])
         self.saved_activations = None
         """While set (a placement trace on CPU), every other saved tensor is held as a
-        :class:`~torch_backend.placement.SavedActivation` counted by it."""
+        :class:`~torch_backend.zero.placement.SavedActivation` counted by it."""
         self.backward_passes = 0
         """Backward passes finished so far."""
         self.grad_received = torch.zeros(len(layout.tensors), dtype=torch.bool)
@@ -233,8 +233,8 @@ class ChunkRuntime:
 
     def count_saved_activations(self, counter) -> None:
         """From now on hold every saved tensor that is not a parameter or chunk view as a
-        :class:`~torch_backend.placement.SavedActivation` counted by ``counter`` (a
-        :class:`~torch_backend.placement.SavedBytes`); ``None`` stops counting."""
+        :class:`~torch_backend.zero.placement.SavedActivation` counted by ``counter`` (a
+        :class:`~torch_backend.zero.placement.SavedBytes`); ``None`` stops counting."""
         self.saved_activations = counter
 
     def zero_grad(self) -> None:

@@ -10,18 +10,18 @@ chunk is reduce-scattered as soon as all its gradients are final.
 This module builds the engine and answers its users; each mechanism is described once, where it
 lives:
 
-- :mod:`torch_backend.chunks` — one chunk's storage on a rank (shard, master, the gathered buffer
+- :mod:`torch_backend.zero.chunks` — one chunk's storage on a rank (shard, master, the gathered buffer
   the parameters are views of, the gradient buffer) and its life (tensor states, saved references,
   pins, release);
-- :mod:`torch_backend.runtime` — how torch's events (torch calls, saved tensors, gradient hooks, the
+- :mod:`torch_backend.zero.runtime` — how torch's events (torch calls, saved tensors, gradient hooks, the
   end of a backward) become chunk calls;
-- :mod:`torch_backend.schedule` — which collective runs when, decided identically on every rank;
-- :mod:`torch_backend.collectives` — every torch collective;
-- :mod:`torch_backend.optim` — the step on the fp32 master shards.
+- :mod:`torch_backend.zero.schedule` — which collective runs when, decided identically on every rank;
+- :mod:`torch_backend.zero.collectives` — every torch collective;
+- :mod:`torch_backend.zero.optim` — the step on the fp32 master shards.
 
 Construction (:meth:`ZeroDDP.__init__`) collects the parameters, builds the layout (the core chunk
 search unless ``chunk_size`` is given), decides placement, builds the chunks one at a time
-(materializing a meta-device module on the way, :mod:`torch_backend.materialize`), and starts the
+(materializing a meta-device module on the way, :mod:`torch_backend.zero.materialize`), and starts the
 runtime.
 
 Errors found at the end of a backward (a parameter that received no gradient on any rank) are raised
@@ -64,7 +64,7 @@ __all__ = ["MemoryReport", "ZeroDDP"]
 class ZeroDDP(nn.Module):
     """Wrap ``module`` for chunk-based ZeRO-3 data parallelism (ColossalAI Gemini's ``ZeroDDP``).
 
-    The options come in three groups, each a frozen dataclass of :mod:`torch_backend.config` or its
+    The options come in three groups, each a frozen dataclass of :mod:`torch_backend.zero.config` or its
     shortcut spelling (flat keywords); giving a dataclass together with its flat keywords raises.
 
     Args:
@@ -77,14 +77,14 @@ class ZeroDDP(nn.Module):
         process_group: the data-parallel group; ``None`` → the default group if ``torch.distributed``
             is initialized, else a single process.
         chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
-        mixed_precision: a :class:`~torch_backend.config.MixedPrecision`, or its ``compute``: ``"fp32"``,
+        mixed_precision: a :class:`~torch_backend.zero.config.MixedPrecision`, or its ``compute``: ``"fp32"``,
             ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient reduction; the optimizer
             always updates fp32 master shards. fp32 tensor inputs are cast to it. Frozen parameters
             (``requires_grad=False``) keep the dtype they came in (float32, bfloat16 or float16;
             float64 as float32): their chunks are stored sharded in it, without a master, and cast
             to the compute dtype when gathered, so :meth:`state_dict` and checkpoints return them
             exactly.
-        prefetch: a :class:`~torch_backend.config.PrefetchPolicy`, or its ``chunks``: chunks gathered
+        prefetch: a :class:`~torch_backend.zero.config.PrefetchPolicy`, or its ``chunks``: chunks gathered
             ahead of use, in the order recorded during the previous step (Gemini's ``max_prefetch``);
             with ``prefetch > 0`` all-gathers and reduce-scatters are asynchronous and overlap the
             computation. ``0``: gather on first use, blocking collectives.
@@ -94,18 +94,18 @@ class ZeroDDP(nn.Module):
         find_unused_parameters: reduce a zero gradient for parameters that got none on any rank,
             instead of raising (the optimizer then skips them, as torch skips ``grad is None``).
         placement: where each chunk's tensors live. ``"static"`` or a
-            :class:`~torch_backend.config.StaticPlacement` (Gemini's static policy): the two offload
+            :class:`~torch_backend.zero.config.StaticPlacement` (Gemini's static policy): the two offload
             fractions decide, once (:func:`chunkzero.static_placement`; :attr:`placements`).
-            ``"auto"`` or an :class:`~torch_backend.config.AutoPlacementPolicy` (Gemini's auto policy,
-            :mod:`torch_backend.placement`): a warm-up step with every chunk on the host records the
+            ``"auto"`` or an :class:`~torch_backend.zero.config.AutoPlacementPolicy` (Gemini's auto policy,
+            :mod:`torch_backend.zero.placement`): a warm-up step with every chunk on the host records the
             non-model memory at each chunk access; from the next step the parameter shards move
             between host and device by Belady's farthest-next-use rule within the budget, and the
             optimizer state of the chunks the margin cannot hold stays on the host (:attr:`auto_placement`).
         device_memory_bytes, steady_device_cap_ratio: with ``placement="auto"``, the fields of its
-            :class:`~torch_backend.config.AutoPlacementPolicy` (the device memory to plan within, and
+            :class:`~torch_backend.zero.config.AutoPlacementPolicy` (the device memory to plan within, and
             the share in ``(0, 1]`` of it the chunks plus the non-model memory may use).
         offload_optim_frac, offload_param_frac: with ``placement="static"``, the fields of its
-            :class:`~torch_backend.config.StaticPlacement` (fractions of trainable chunks whose master,
+            :class:`~torch_backend.zero.config.StaticPlacement` (fractions of trainable chunks whose master,
             gradient and optimizer state, and of sharded chunks whose parameter shard, live on the host).
         keep_gathered: parameters to pack into keep-gathered (never sharded, all-reduced) chunks: an
             iterable of names (any alias matches) or a predicate ``name -> bool``.
@@ -157,7 +157,7 @@ class ZeroDDP(nn.Module):
         self.placement_policy: PlacementPolicy = resolve_placement(
             placement, offload_optim_frac=offload_optim_frac, offload_param_frac=offload_param_frac,
             device_memory_bytes=device_memory_bytes, steady_device_cap_ratio=steady_device_cap_ratio)
-        """A :class:`~torch_backend.config.StaticPlacement` or an :class:`~torch_backend.config.AutoPlacementPolicy`."""
+        """A :class:`~torch_backend.zero.config.StaticPlacement` or an :class:`~torch_backend.zero.config.AutoPlacementPolicy`."""
         self.find_unused_parameters = bool(find_unused_parameters)
         self.module = module
         self._join_group(process_group)
@@ -167,7 +167,7 @@ class ZeroDDP(nn.Module):
         """The core layout (tensors → chunks → shards); identical on every rank."""
         self._static_placements, budget_bytes = self._plan_placement()
         self.chunks, entries = self._build_chunks(groups, materializer)
-        """One :class:`~torch_backend.chunks.Chunk` per layout chunk, by index."""
+        """One :class:`~torch_backend.zero.chunks.Chunk` per layout chunk, by index."""
         if materializer is not None:
             materializer.finish()  # buffers of submodules after the last parameter
         self._runtime, self.auto_placement = self._start_runtime(entries, budget_bytes)
@@ -196,12 +196,12 @@ class ZeroDDP(nn.Module):
 
     @property
     def offload_optim_frac(self) -> float:
-        """:class:`~torch_backend.config.StaticPlacement`'s fraction (0.0 with ``placement="auto"``)."""
+        """:class:`~torch_backend.zero.config.StaticPlacement`'s fraction (0.0 with ``placement="auto"``)."""
         return getattr(self.placement_policy, "offload_optim_frac", 0.0)
 
     @property
     def offload_param_frac(self) -> float:
-        """:class:`~torch_backend.config.StaticPlacement`'s fraction (0.0 with ``placement="auto"``)."""
+        """:class:`~torch_backend.zero.config.StaticPlacement`'s fraction (0.0 with ``placement="auto"``)."""
         return getattr(self.placement_policy, "offload_param_frac", 0.0)
 
     # ================================================================== placement

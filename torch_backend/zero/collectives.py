@@ -9,7 +9,7 @@ Chunks are flat 1-D buffers, so the only collectives needed are the flat ones:
   averaged over the world size.
 - :func:`all_reduce_avg` — the same for keep-gathered chunks (plain data parallelism).
 - :func:`agree` — the engine's small vote all-reduce that keeps every rank's collectives in the same
-  order (see :mod:`torch_backend.schedule`), on :func:`agreement_group`.
+  order (see :mod:`torch_backend.zero.schedule`), on :func:`agreement_group`.
 - :func:`all_reduce_sum`, :func:`broadcast_from_first` — small helpers (norms, overflow flags, init).
 
 The three chunk collectives take ``async_op``: with ``True`` they return at once a :class:`Pending`

@@ -1,4 +1,4 @@
-"""The model a run trains (``--model``): a byte-level GPT of :mod:`torch_backend.gpt` by name, or a
+"""The model a run trains (``--model``): a byte-level GPT of :mod:`torch_backend.train.gpt` by name, or a
 local Hugging Face causal-LM directory loaded offline, and the tokenizer that goes with it.
 
 :func:`model_block_size` reads only configs (the launcher's checks); :func:`build_module` builds the
@@ -109,7 +109,7 @@ def make_tokenizer(cfg: TrainConfig, vocab_size: int):
 
 
 def load_run_corpus(cfg: TrainConfig) -> data_mod.Corpus:
-    """The corpus of ``--data`` tokenized for ``--model`` (:func:`torch_backend.data.load_corpus`).
+    """The corpus of ``--data`` tokenized for ``--model`` (:func:`torch_backend.train.data.load_corpus`).
 
     Raises:
         ConfigError / DataError: naming the model or the path at fault.

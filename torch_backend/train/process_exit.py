@@ -15,7 +15,7 @@ So such a process runs what ``Py_FinalizeEx`` runs while the interpreter is stil
 e.g. ``jax.distributed`` and logging shutdown), flushes its output and leaves with ``os._exit``, as a
 forked ``multiprocessing`` child does: :func:`exit_without_finalization` now, or
 :func:`exit_without_finalization_at_exit` once the interpreter exits (a worker whose return value is
-still to be delivered by its launcher: ``torch_backend.worker``).
+still to be delivered by its launcher: ``torch_backend.train.worker``).
 
 Imports the standard library only.
 """

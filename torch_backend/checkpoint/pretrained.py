@@ -187,7 +187,7 @@ def load_pretrained(model, source, *, strict: bool = True, prefix: str = "") -> 
             unreadable file (names it).
     """
     if not isinstance(source, Mapping) and not prefix and _is_chunkzero_checkpoint(Path(source)):
-        from .checkpoint import load_checkpoint
+        from .sharded import load_checkpoint
 
         meta = load_checkpoint(source, model, load_rng=False)  # streams each saved shard into the owners
         return ImportReport([], [], len(meta.layout.tensors))

@@ -39,7 +39,7 @@ class MemoryReport:
 
     @classmethod
     def collect(cls, chunks, device, optimizer=None, **decisions) -> MemoryReport:
-        """The report of what ``chunks`` (:class:`~torch_backend.chunks.Chunk`) and ``optimizer``'s
+        """The report of what ``chunks`` (:class:`~torch_backend.zero.chunks.Chunk`) and ``optimizer``'s
         state shards hold now; ``device``: the compute device (always listed); ``decisions``: the
         placement fields (``offload_optim_chunks``, ``offload_param_chunks``, ``peak_gathered_chunks``)."""
         report: dict[str, dict[str, int]] = {}

@@ -1,13 +1,13 @@
 """What one worker of ``chunkzero train`` runs: :func:`worker_main`.
 
-Started by :func:`torch_backend.launch.launch` (``nproc`` local processes) or run directly under
+Started by :func:`torch_backend.train.launch.launch` (``nproc`` local processes) or run directly under
 ``torchrun``; either way ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
 are in the environment. The worker joins the process group (:func:`init_distributed`), checks its
 inputs with the others (all train or all stop with one message), prepares ``--out`` (rank 0), writes
-``pids/rank<r>.pid`` and runs :func:`torch_backend.train.train`.
+``pids/rank<r>.pid`` and runs :func:`torch_backend.train.loop.train`.
 
 A worker ends without interpreter finalization, where gloo's threads could abort it
-(:mod:`torch_backend.process_exit`): :func:`launched_worker` is the entry point the launcher starts,
+(:mod:`torch_backend.train.process_exit`): :func:`launched_worker` is the entry point the launcher starts,
 and under ``torchrun`` the CLI arranges the same exit (:func:`exit_without_finalization_at_exit`).
 """
 
@@ -29,13 +29,13 @@ from chunkzero.errors import ChunkZeroError, LossScaleError
 from chunkzero.run_dir import prepare_out_dir
 from chunkzero.train_config import TrainConfig
 
-from .collectives import all_gather_json, barrier, world_group
+from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
 from .models import load_run_corpus
 from .process_exit import exit_without_finalization_at_exit
 from .report import setup_logging
 from .resolve import resolve_device, threads_per_worker, validate
-from .train import StepHook, train
+from .loop import StepHook, train
 
 log = logging.getLogger("chunkzero.train")
 
@@ -101,8 +101,8 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
     "message": ...}`` for bad input (the CLI prints it once and exits 2) or ``{"status": "failed",
     "message": ...}`` for a run that cannot make progress (fp16 skipping every step: the CLI prints it
     once and exits 1); exits with
-    :data:`torch_backend.launch.EXIT_PEER_LOST` when another worker vanished mid-run.
-    ``on_step_end``: hooks for :func:`torch_backend.train.train`."""
+    :data:`torch_backend.train.launch.EXIT_PEER_LOST` when another worker vanished mid-run.
+    ``on_step_end``: hooks for :func:`torch_backend.train.loop.train`."""
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank, None)
     try:
@@ -152,9 +152,9 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
 
 
 def launched_worker(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
-    """:func:`worker_main` as started by :func:`torch_backend.launch.launch`: returns its result (which the
+    """:func:`worker_main` as started by :func:`torch_backend.train.launch.launch`: returns its result (which the
     launcher collects after this returns) and makes the process then exit with status 0 without
-    interpreter finalization (:func:`torch_backend.process_exit.exit_without_finalization_at_exit`)."""
+    interpreter finalization (:func:`torch_backend.train.process_exit.exit_without_finalization_at_exit`)."""
     result = worker_main(cfg, on_step_end)
     exit_without_finalization_at_exit(0)
     return result

@@ -23,7 +23,7 @@ from chunkzero.errors import ChunkZeroError
 
 EXIT_PEER_LOST = 3
 """A worker exits with this when a collective failed because another worker vanished (a consequence,
-never the cause; :mod:`torch_backend.worker` uses it)."""
+never the cause; :mod:`torch_backend.train.worker` uses it)."""
 
 
 class WorkerFailure(ChunkZeroError, RuntimeError):

@@ -26,7 +26,7 @@ which chunks were first used during the previous step (Gemini's ``max_prefetch``
 order), re-recorded whenever the order changes; a chunk used out of that order is simply a miss.
 
 With ``prefetch > 0`` all-gathers and reduce-scatters are issued asynchronously (gloo work handles;
-CUDA: a communication stream, see :mod:`torch_backend.collectives`) so the prefetched gathers and
+CUDA: a communication stream, see :mod:`torch_backend.zero.collectives`) so the prefetched gathers and
 the reductions of finished chunks overlap the computation; at most ``max(1, prefetch)`` reductions
 are in flight (the oldest is completed first), which bounds the gradient memory. The prefetch votes
 are asynchronous too: a vote cast at chunk ``k``'s first use is decided at the next chunk's, so it
@@ -127,7 +127,7 @@ class Scheduler:
     Args:
         chunks: every chunk, by index.
         num_tensors: tensors in the layout (length of the ``used`` votes).
-        group: the agreement group (:func:`torch_backend.collectives.agreement_group`), ``None`` alone.
+        group: the agreement group (:func:`torch_backend.zero.collectives.agreement_group`), ``None`` alone.
         world_size: ranks in the data-parallel group.
         prefetch: chunks gathered ahead of use; ``0``: no prefetch and blocking collectives.
     """
@@ -155,7 +155,7 @@ class Scheduler:
         self.peak_gathered = 0
         """The most sharded chunks gathered or being gathered at once."""
         self.listener = None
-        """Told of what the schedule does (``placement="auto"``: :class:`torch_backend.placement.AutoPlacement`):
+        """Told of what the schedule does (``placement="auto"``: :class:`torch_backend.zero.placement.AutoPlacement`):
         ``phase_started(phase)``, ``accessed(phase, chunk)`` at each recorded access (before its gather),
         ``gathering(chunk)`` before each gather is issued, ``phase_ended(phase)`` after the order is recorded."""
 

@@ -30,7 +30,8 @@ import torch
 
 from chunkzero.errors import CheckpointError, ConfigError, LossScaleError
 
-from . import collectives, optim_state_dict
+from . import collectives
+from . import optim_state_dict
 from .ddp import ZeroDDP
 from .loss_scale import DynamicLossScaler
 from .optim_groups import group_specs, resolve_params, torch_params_specs
@@ -64,7 +65,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         params: torch's ``Optimizer(params)`` argument instead of ``param_groups``: an iterable of
             parameters (``model.parameters()``, ``model.module.parameters()``, names) or of group dicts;
             it must list every trainable parameter (frozen ones in it are skipped, as torch never steps
-            them); one list of parameters is one group. :func:`~torch_backend.optim_groups.torch_params_specs`.
+            them); one list of parameters is one group. :func:`~torch_backend.zero.optim_groups.torch_params_specs`.
         max_norm: clip gradients to this global L2 norm (unscaled), like ``clip_grad_norm_``.
         initial_scale, growth_interval, hysteresis, min_scale: dynamic loss scaling, used in fp16
             only (bf16/fp32 use scale 1 and still skip non-finite steps).
@@ -436,7 +437,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def piece_states(self) -> PieceStates:
         """The flat per-chunk state buffers behind the inner optimizer's state, one entry per trainable
-        chunk (:class:`~torch_backend.optim_pieces.PieceStates`: ``flat``, ``steps``, ``pieces``,
+        chunk (:class:`~torch_backend.zero.optim_pieces.PieceStates`: ``flat``, ``steps``, ``pieces``,
         ``chunks``); the torch-format state dict reads and writes through it."""
         return self._states
 

@@ -57,7 +57,7 @@ from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.layout import ChunkLayout
 
 from . import optim_shards
-from .collectives import all_gather_json
+from ..zero.collectives import all_gather_json
 from .numpy_bridge import to_numpy, to_torch, torch_dtype
 from .parallel_write import process_mesh, write_shards
 from .rng import reseed, rng_state, set_rng_state

@@ -24,7 +24,7 @@ from chunkzero.errors import DataError
 from chunkzero.train_config import TrainConfig
 
 from . import data as data_mod
-from .engine import Engine
+from .adapter import Engine
 from .gpt import generate
 
 log = logging.getLogger("chunkzero.train")

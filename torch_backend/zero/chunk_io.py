@@ -1,8 +1,8 @@
 """A chunk's shards outside the training step: :class:`ChunkShardIO`, the part of
-:class:`torch_backend.chunks.Chunk` that checkpoints, state dicts, the placement and the memory
+:class:`torch_backend.zero.chunks.Chunk` that checkpoints, state dicts, the placement and the memory
 report use — reading and writing the fp32 values of a rank's shard, moving shards between host and
 device (``placement="auto"``), and counting the bytes a chunk holds. The chunk's storage itself and
-its life during a step are described in :mod:`torch_backend.chunks`.
+its life during a step are described in :mod:`torch_backend.zero.chunks`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def copied(t: torch.Tensor, device: torch.device, compute_device: torch.device, 
 
 
 class ChunkShardIO:
-    """State I/O, placement moves and byte counts of a :class:`~torch_backend.chunks.Chunk` (a base
+    """State I/O, placement moves and byte counts of a :class:`~torch_backend.zero.chunks.Chunk` (a base
     class of it: the methods read the chunk's ``shard``, ``master``, buffers and layout)."""
 
     # ------------------------------------------------------------------ placement moves (movable chunks)

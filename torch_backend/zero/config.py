@@ -131,7 +131,7 @@ class StaticPlacement:
 
 @dataclass(frozen=True)
 class AutoPlacementPolicy:
-    """Gemini's auto placement (:mod:`torch_backend.placement`): a warm-up step traces the non-model
+    """Gemini's auto placement (:mod:`torch_backend.zero.placement`): a warm-up step traces the non-model
     memory at each chunk access; from the next step parameter shards move between host and device by
     Belady's farthest-next-use rule within ``floor(steady_device_cap_ratio × device_memory_bytes)``.
 

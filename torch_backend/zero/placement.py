@@ -9,7 +9,7 @@ is what the chunks on the device plus the non-model memory may use at every chun
 **Warm-up step.** Every parameter shard and every master (with its gradient and optimizer state)
 starts on the host; the first training step runs so, gathering each chunk from the host, while
 :class:`AutoPlacement` records, at each chunk access the scheduler records (its
-:class:`~torch_backend.schedule.AccessOrder` per phase: forward, then backward), the non-model memory
+:class:`~torch_backend.zero.schedule.AccessOrder` per phase: forward, then backward), the non-model memory
 in use: on CUDA ``torch.cuda.memory_allocated()`` minus the engine's own bytes (chunk shards, masters,
 gradients, gathered buffers, the optimizer's state); on CPU the bytes of the distinct storages that
 autograd's saved tensors hold alive, chunk buffers excluded (the engine's saved-tensor hooks see every
@@ -191,7 +191,7 @@ class AutoPlacement:
     Args:
         chunks: the model's chunks (built ``movable``), by index.
         scheduler: the model's scheduler; this object becomes its ``listener``.
-        runtime: the model's :class:`~torch_backend.runtime.ChunkRuntime` (its saved-tensor hooks count
+        runtime: the model's :class:`~torch_backend.zero.runtime.ChunkRuntime` (its saved-tensor hooks count
             activations while a step is traced on CPU).
         placements: the starting placement (:func:`warmup_placements`).
         device: the compute device.

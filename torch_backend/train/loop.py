@@ -1,17 +1,17 @@
 """``chunkzero train``'s training loop, plain and visible (nanoGPT's ``train.py`` style).
 
-Run by every worker (rank) of a data-parallel group (:mod:`torch_backend.worker` starts it):
+Run by every worker (rank) of a data-parallel group (:mod:`torch_backend.train.worker` starts it):
 
     build the module → wrap it (Engine: ZeroDDP + ZeroOptimizer) → [resume] → evaluate at the start
     → for each step: LR schedule, grad-accum micro-batches (forward, backward), optimizer step, log,
       [save a checkpoint], [evaluate], hooks → sample text → summary and outputs (rank 0)
 
-What is written, and where, is :mod:`torch_backend.report`'s; the model and tokenizer
-:mod:`torch_backend.models`'; the batches :mod:`torch_backend.data`'s; every collective
-:mod:`torch_backend.collectives`'.
+What is written, and where, is :mod:`torch_backend.train.report`'s; the model and tokenizer
+:mod:`torch_backend.train.models`'; the batches :mod:`torch_backend.train.data`'s; every collective
+:mod:`torch_backend.zero.collectives`'.
 
 Determinism: the model is initialised from ``torch.manual_seed(seed)`` (the same on every rank), the
-data stream is a pure function of ``(seed, world size, batch size, step)`` (:mod:`torch_backend.data`),
+data stream is a pure function of ``(seed, world size, batch size, step)`` (:mod:`torch_backend.train.data`),
 and each rank's torch RNG is re-seeded with ``seed + 1 + rank`` for dropout, so the same seed and world
 size give the same loss sequence.
 
@@ -34,8 +34,8 @@ from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
 
 from . import data as data_mod
-from .collectives import all_gather_json, all_mean, world_group
-from .engine import Engine
+from ..zero.collectives import all_gather_json, all_mean, world_group
+from .adapter import Engine
 from .models import build_module, lm_loss
 from .report import Report, peak_memory_mib, sample_text
 

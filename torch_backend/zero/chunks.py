@@ -29,7 +29,7 @@ A chunk owns, on this rank (the design of ColossalAI Gemini's ``Chunk``, itself 
 
 **Its life.** The chunk owns the state of its tensors (the core :class:`chunkzero.ChunkStates`:
 FREE, HOLD, COMPUTE, READY_FOR_REDUCE, with the core's table of legal transitions) and what keeps it
-gathered between uses; nothing else changes them. The runtime (:mod:`torch_backend.runtime`) calls:
+gathered between uses; nothing else changes them. The runtime (:mod:`torch_backend.zero.runtime`) calls:
 
 - :meth:`Chunk.use` / :meth:`Chunk.done_using` around a computation (HOLD → COMPUTE → HOLD);
 - :meth:`Chunk.add_saved_ref` / :meth:`Chunk.drop_saved_ref` as autograd saves and frees tensors that
@@ -48,7 +48,7 @@ tensor is in use.
 Gathers and reductions are split in two: :meth:`Chunk.begin_gather` / :meth:`Chunk.begin_reduce`
 issue the collective (asynchronously when asked), :meth:`Chunk.finish_gather` /
 :meth:`Chunk.finish_reduces` wait for it. Which chunk is gathered or reduced when is decided by
-:mod:`torch_backend.schedule`, identically on every rank.
+:mod:`torch_backend.zero.schedule`, identically on every rank.
 
 All sizes are in elements; ``*_bytes`` are bytes.
 """

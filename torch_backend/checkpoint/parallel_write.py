@@ -132,7 +132,7 @@ def process_mesh(rank: int, world_size: int, process_group=None, *, coordinator:
             if coordinator is None:
                 import torch.distributed as dist
 
-                from .collectives import broadcast_int
+                from ..zero.collectives import broadcast_int
 
                 host = os.environ.get("MASTER_ADDR", "127.0.0.1")
                 group = process_group if process_group is not None else dist.group.WORLD
