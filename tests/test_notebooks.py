@@ -1,4 +1,4 @@
-"""The notebooks run headless (issue 7): executed with nbclient in a fresh kernel that sees 8 simulated
+"""The notebooks run headless: executed with nbclient in a fresh kernel that sees 8 simulated
 CPU devices. The committed copies carry no outputs and stay small."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sharding-layout measurement (issue 7): HLO collective counting, the chunk layout's collective counts,
+"""Sharding-layout measurement: HLO collective counting, the chunk layout's collective counts,
 the cost model's per-device state bytes against ``memory_analysis()``, the table, plots and the
 ``chunkzero layout`` command."""
 
@@ -29,7 +29,7 @@ from jax_backend.gpt import GPTConfig
 from jax_backend.zero import ZeroTrainer
 
 STATE_BYTES_RTOL = 0.05
-"""The cost model's resident per-device bytes vs memory_analysis() argument bytes (issue 7)."""
+"""The cost model's resident per-device bytes vs memory_analysis() argument bytes."""
 
 HLO = """\
 HloModule jit_step, num_partitions=4

@@ -1,5 +1,5 @@
 """Parity: the Flax GPT restored from a torch-trained chunkzero checkpoint gives the torch model's
-logits on 1, 3, 4 and 8 simulated devices (issue 6)."""
+logits on 1, 3, 4 and 8 simulated devices."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """torch -> JAX -> torch: torch trains K steps, JAX restores the checkpoint, takes one optax AdamW
-step on the chunk arrays and saves step K+1, torch resumes from it (issue 6)."""
+step on the chunk arrays and saves step K+1, torch resumes from it."""
 
 from __future__ import annotations
 

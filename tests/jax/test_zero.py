@@ -1,4 +1,4 @@
-"""ZeRO-3 training step on the chunk layout (issue 7): K steps on 4 simulated devices equal K
+"""ZeRO-3 training step on the chunk layout: K steps on 4 simulated devices equal K
 unsharded steps of the Flax GPT (fp32), keep-gathered chunks and clipping, bf16 compute, bad input."""
 
 from __future__ import annotations

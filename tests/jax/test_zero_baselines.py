@@ -1,4 +1,4 @@
-"""The baselines of issue 7 on the same model and devices: per-parameter FSDP and DDP train exactly
+"""The baselines on the same model and devices: per-parameter FSDP and DDP train exactly
 like the unsharded model (fp32) and issue the collectives they are meant to."""
 
 from __future__ import annotations

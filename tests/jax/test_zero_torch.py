@@ -1,6 +1,6 @@
 """Cross-framework: from the same chunkzero checkpoint, K steps of the JAX ZeRO-3 step on 4 simulated
 devices equal K steps of torch ``ZeroDDP`` + ``ZeroOptimizer`` (single process, W=1) on the same
-batches (issue 7; fp32, normwise rtol 1e-4); and torch resumes from what the JAX step saves as if the
+batches (fp32, normwise rtol 1e-4); and torch resumes from what the JAX step saves as if the
 run had never left torch.
 
 The checkpoint is written by ``torch_backend.checkpoint.sharded.save_checkpoint`` after two torch steps, so it

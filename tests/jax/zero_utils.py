@@ -1,4 +1,4 @@
-"""Helpers of the ZeRO-3 / baseline / analysis tests (issue 7)."""
+"""Helpers of the ZeRO-3 / baseline / analysis tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Orbax checkpoints of a ZeroDDP model and its ZeroOptimizer (DESIGN.md §5, issue 5).
+"""Orbax checkpoints of a ZeroDDP model and its ZeroOptimizer (DESIGN.md §5).
 
 The torch adapter of :mod:`chunkzero.checkpoint`, which owns the format and every read and write: here
 the model's master shards and the optimizer's state shards become numpy arrays and back
