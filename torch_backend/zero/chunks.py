@@ -63,6 +63,7 @@ from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
 
 from . import collectives
 from .chunk_io import ChunkShardIO, copied, host_empty
+from .torch_internals import storage_key
 
 S = TensorState
 
@@ -196,7 +197,7 @@ class Chunk(ChunkShardIO):
         else:
             self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
             self._gathered = False
-        self.storage_key = self.buffer.untyped_storage()._cdata
+        self.storage_key = storage_key(self.buffer)
         """Identity of the gathered buffer's storage (views of it found by the backward's pack hook)."""
         for t in self.placements:
             params[t.name].data = self.buffer[t.offset : t.end].view(t.shape)

@@ -21,25 +21,25 @@ class ShardedGradPlaceholder(torch.Tensor):
     loudly instead of doing nothing.
     """
 
-    _name: str
+    param_name: str
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, name: str):
         t = wrapper_tensor(cls, param)
-        t._name = name
+        t.param_name = name
         return t
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        names = [a._name for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradPlaceholder)]
-        names += [b._name for a in args if isinstance(a, (list, tuple)) for b in a if isinstance(b, ShardedGradPlaceholder)]
+        names = [a.param_name for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradPlaceholder)]
+        names += [b.param_name for a in args if isinstance(a, (list, tuple)) for b in a if isinstance(b, ShardedGradPlaceholder)]
         raise ConfigError(
             f"the gradient of {names[0] if names else 'a ZeroDDP parameter'!r} lives in ZeroDDP's chunk shards, so "
             f"{func} cannot use param.grad: step with ZeroOptimizer(model, torch.optim.AdamW, max_norm=...) "
             "(it clips and steps the shards), or read ZeroDDP.grad_shard(chunk)")
 
     def __repr__(self) -> str:
-        return f"ShardedGradPlaceholder({self._name!r}, shape={tuple(self.shape)})"
+        return f"ShardedGradPlaceholder({self.param_name!r}, shape={tuple(self.shape)})"
 
 
 class GradPlaceholders:
