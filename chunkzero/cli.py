@@ -167,7 +167,10 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     except ChunkZeroError as e:
         return fail(prog, str(e))
     del corpus
-    log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, cfg.out)
+    from pathlib import Path
+
+    out = Path(cfg.out).resolve()  # the real folder, whatever the working directory
+    log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, out)
     try:
         results = launcher.launch(launched_worker, (cfg, hooks), cfg.nproc)
     except launcher.WorkerFailure as e:
@@ -186,7 +189,7 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
         fail(prog, message)
         return code
     log.info("chunkzero train: done in %.1f s (including start-up); outputs in %s",
-             time.perf_counter() - t0, cfg.out)
+             time.perf_counter() - t0, out)
     return EXIT_OK
 
 

@@ -77,7 +77,7 @@ def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: Tr
     save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim, step=step, async_save=True,
                     max_to_keep=CHECKPOINTS_KEPT, timeout_s=cfg.timeout_s, data_position={"sampler": sampler.state_dict()},
                     extra={"model": cfg.model, "seed": cfg.seed, "world_size": cfg.world_size,
-                           "steps": cfg.steps, "warmup": cfg.warmup, "lr": cfg.lr,
+                           "steps": cfg.steps, "schedule_steps": cfg.schedule_steps, "warmup": cfg.warmup, "lr": cfg.lr,
                            "min_lr_ratio": cfg.min_lr_ratio, "counters": counters})
 
 
