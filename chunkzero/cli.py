@@ -373,6 +373,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
         print(cmp.table())
     if args.plot:
         try:
+            from pathlib import Path
+
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # runs/layout.png on a fresh clone
             cmp.plot(args.plot)
         except (OSError, ValueError) as e:
             return fail(prog, f"cannot write plot {args.plot!r}: {e}")

@@ -146,7 +146,8 @@ class TrainConfig:
             "minimum loss scale (fp16 that cannot make progress; bf16 and fp32 always run at scale 1, their "
             "minimum); 0 never stops", "optimization", metavar="N", minimum=0)
     seed: int = option(1337, "seed of the initialisation and the data stream; the same seed and world size give "
-                             "the same loss sequence", "optimization", metavar="N")
+                             "the same loss sequence, bit for bit, on the same kind of machine (CPU model or GPU, "
+                             "torch build)", "optimization", metavar="N")
     # workers
     nproc: int | None = option(None, "workers to launch on this machine (ignored under torchrun)", "workers",
                                metavar="N", minimum=1, default_help="one per GPU, or 2 on CPU")

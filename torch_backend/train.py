@@ -13,7 +13,7 @@ What is written, and where, is :mod:`torch_backend.report`'s; the model and toke
 Determinism: the model is initialised from ``torch.manual_seed(seed)`` (the same on every rank), the
 data stream is a pure function of ``(seed, world size, batch size, step)`` (:mod:`torch_backend.data`),
 and each rank's torch RNG is re-seeded with ``seed + 1 + rank`` for dropout, so the same seed and world
-size give the same loss sequence.
+size give the same loss sequence on the same kind of machine (another CPU's kernels sum in another order).
 
 Hooks: ``train(..., on_step_end=[hook, ...])`` calls each ``hook(StepEnd(...))`` after every optimizer
 step, on every rank, once the step's metrics, checkpoint and evaluation are done.
