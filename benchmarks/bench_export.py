@@ -9,7 +9,7 @@ the metadata, before any array is read), the largest tensor and the largest chun
 peak − floor stays near the largest chunk plus a tensor, not the model's size. Prints a markdown
 table.
 
-    .venv/bin/python benchmarks/bench_export.py [--model gpt2-medium] [--chunk-numel 33554432] [--dir DIR]
+    .venv/bin/python benchmarks/bench_export.py [--model hf-gpt2-medium] [--chunk-numel 33554432] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _child(mode: str, **kw) -> dict:
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2-medium")
+    ap.add_argument("--model", default="hf-gpt2-medium")
     ap.add_argument("--chunk-numel", type=int, default=32 * 2**20)
     ap.add_argument("--dir")
     ap.add_argument("--_child", dest="child_mode", choices=("make", "export"))  # set by _child, not by users

@@ -167,7 +167,10 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     except ChunkZeroError as e:
         return fail(prog, str(e))
     del corpus
-    log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, cfg.out)
+    from pathlib import Path
+
+    out = Path(cfg.out).resolve()  # the real folder, whatever the working directory
+    log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, out)
     try:
         results = launcher.launch(launched_worker, (cfg, hooks), cfg.nproc)
     except launcher.WorkerFailure as e:
@@ -186,7 +189,7 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
         fail(prog, message)
         return code
     log.info("chunkzero train: done in %.1f s (including start-up); outputs in %s",
-             time.perf_counter() - t0, cfg.out)
+             time.perf_counter() - t0, out)
     return EXIT_OK
 
 
@@ -261,9 +264,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 LAYOUT_EPILOG = """\
 examples:
-  chunkzero layout --model gpt2-medium --world-size 8                  # the cost model's prediction
-  chunkzero layout --model gpt2-medium --world-size 8 --measure        # + compiled memory and HLO collectives
-  chunkzero layout --model gpt-small --world-size 4 --measure --time-steps 3 --plot layout.png
+  chunkzero layout --model hf-gpt2-medium --world-size 8               # the cost model's prediction
+  chunkzero layout --model hf-gpt2-medium --world-size 8 --measure     # + compiled memory and HLO collectives
+  chunkzero layout --model gpt-mini --world-size 2                     # the model chunkzero train trains by default
+  chunkzero layout --model gpt-small --world-size 4 --measure --time-steps 3 --plot runs/layout.png
 
 --measure compiles each strategy's JAX training step for abstract inputs on W simulated CPU devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=W and JAX_PLATFORMS=cpu are set unless JAX_PLATFORMS
@@ -279,9 +283,14 @@ def _add_layout(sub) -> None:
                     "the compiled JAX training steps' memory_analysis() and HLO collectives next to it.",
         epilog=LAYOUT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="gpt2-medium", metavar="NAME",
-                   help="a size-only model config of chunkzero.configs: gpt2, gpt2-medium (Hugging Face sizes, "
-                        "vocab 50257), llama-1b, gpt-tiny, gpt-small (default %(default)s)")
+    from chunkzero.configs import GPT_CONFIGS, MODEL_CONFIGS
+
+    byte_level = ", ".join(GPT_CONFIGS)
+    others = ", ".join(n for n in MODEL_CONFIGS if n not in GPT_CONFIGS)
+    p.add_argument("--model", default="hf-gpt2-medium", metavar="NAME",
+                   help=f"a size-only model config of chunkzero.configs: {byte_level} (the byte-level GPTs, vocab "
+                        f"256, as chunkzero train --model builds them), or {others} (Hugging Face GPT-2 small and "
+                        "medium, vocab 50257; a Llama-style 1B) (default %(default)s)")
     p.add_argument("--world-size", type=_positive_int, default=8, metavar="W",
                    help="data-parallel devices (default %(default)s)")
     p.add_argument("--chunk-size", type=_positive_int, metavar="NUMEL",
@@ -364,6 +373,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
         print(cmp.table())
     if args.plot:
         try:
+            from pathlib import Path
+
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)  # runs/layout.png on a fresh clone
             cmp.plot(args.plot)
         except (OSError, ValueError) as e:
             return fail(prog, f"cannot write plot {args.plot!r}: {e}")

@@ -4,20 +4,20 @@ Each config yields ``list[TensorSpec]`` in parameter order (module registration 
 ``model.named_parameters()`` returns, tied weights once with the other name as an alias), so the
 chunk-size search and the cost model can be run on models far too big to instantiate here.
 
-Registered names (:data:`MODEL_CONFIGS`):
+Registered names (:data:`MODEL_CONFIGS`), one vocabulary with ``chunkzero train --model``:
 
-- ``"gpt2"`` — Hugging Face GPT-2 small (Radford et al. 2019): vocab 50257, 1024 positions,
+- every name of :data:`GPT_CONFIGS` — ``"gpt-tiny"``, ``"gpt-mini"``, ``"gpt-small"``, ``"gpt2"``,
+  ``"gpt2-medium"`` — the byte-level nanoGPT-style model of ``torch_backend.train.gpt`` that ``chunkzero train``
+  builds under that name (vocab 256, ``nn.Linear`` weights ``(out, in)``, biases, tied head); ``"gpt2"``
+  is the GPT-2 124M shape with the 256-byte vocabulary (86.0M parameters);
+- ``"hf-gpt2"`` — Hugging Face GPT-2 small (Radford et al. 2019): vocab 50257, 1024 positions,
   12 layers, d 768, 12 heads; 124,439,808 parameters. HF parameter names; HF ``Conv1D`` weights are
   ``(in, out)`` (``attn.c_attn.weight`` is ``(768, 2304)``); ``lm_head.weight`` is an alias of
-  ``transformer.wte.weight``.
-- ``"gpt2-medium"`` — the same with 24 layers, d 1024, 16 heads; 354,823,168 parameters.
+  ``transformer.wte.weight``;
+- ``"hf-gpt2-medium"`` — the same with 24 layers, d 1024, 16 heads; 354,823,168 parameters;
 - ``"llama-1b"`` — a Llama-style 1B config (Touvron et al. 2023; HF ``LlamaForCausalLM`` names):
   vocab 32000, d 2048, 16 layers, 32 heads and 32 key/value heads (no GQA), SwiGLU intermediate
   5632, RMSNorm (weight only, no biases), untied ``lm_head``; 953,223,168 parameters.
-- ``"gpt-tiny"``, ``"gpt-small"`` — the byte-level nanoGPT-style model of ``torch_backend.train.gpt``
-  (vocab 256, ``nn.Linear`` weights ``(out, in)``, biases, tied head). Note that
-  ``torch_backend.train.gpt.GPT_CONFIGS`` also has byte-level entries named ``"gpt2"``/``"gpt2-medium"``;
-  here those names mean the real Hugging Face GPT-2 sizes.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ class ModelConfig:
 
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {
-    "gpt2": ModelConfig("hf-gpt2", 50257, 1024, 12, 12, 768, 4 * 768),
-    "gpt2-medium": ModelConfig("hf-gpt2", 50257, 1024, 24, 16, 1024, 4 * 1024),
+    "hf-gpt2": ModelConfig("hf-gpt2", 50257, 1024, 12, 12, 768, 4 * 768),
+    "hf-gpt2-medium": ModelConfig("hf-gpt2", 50257, 1024, 24, 16, 1024, 4 * 1024),
     "llama-1b": ModelConfig("llama", 32000, 0, 16, 32, 2048, 5632, n_kv_head=32, tie_embeddings=False),
 }
 """Every named size-only model config (the one registry of names)."""
@@ -210,8 +210,8 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt2-medium": GPTConfig(block_size=1024, n_layer=24, n_head=16, n_embd=1024),
 }
 """Byte-level GPT sizes by name (GPT-2 shapes with a 256-token vocabulary) — the models
-``chunkzero train --model`` builds. Not the size-only :data:`MODEL_CONFIGS`, where ``"gpt2"`` is
-Hugging Face GPT-2 with its 50257-token vocabulary."""
+``chunkzero train --model`` builds; :data:`MODEL_CONFIGS` has each of them under the same name (the
+Hugging Face GPT-2 sizes are ``"hf-gpt2"`` and ``"hf-gpt2-medium"`` there)."""
 
 
 def gpt_config(name: str) -> GPTConfig:
@@ -247,8 +247,9 @@ def _lookup(registry: Mapping[str, Any], name: str, what: str) -> Any:
         raise ConfigError(f"unknown {what} {name!r}; known: {', '.join(registry)}") from None
 
 
-# The byte-level GPTs' shapes, size-only (nn.Linear weights, tied head), from the one GPT_CONFIGS table.
+# The byte-level GPTs' shapes, size-only (nn.Linear weights, tied head), from the one GPT_CONFIGS table:
+# every name `chunkzero train --model` accepts, with the same meaning.
 MODEL_CONFIGS.update({
     name: ModelConfig("nanogpt", c.vocab_size, c.block_size, c.n_layer, c.n_head, c.n_embd, 4 * c.n_embd)
-    for name, c in GPT_CONFIGS.items() if name in ("gpt-tiny", "gpt-small")
+    for name, c in GPT_CONFIGS.items()
 })

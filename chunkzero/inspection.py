@@ -92,6 +92,15 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def _fmt_value(v: Any) -> str:
+    """A hyper-parameter for print: floats to 6 significant digits (``lr=0.0003``, not its binary noise)."""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(map(_fmt_value, v)) + "]"
+    return str(v)
+
+
 def format_inspection(info: dict[str, Any], *, max_tensors: int | None = None) -> str:
     """Human-readable text of :func:`inspect_checkpoint`'s result."""
     lines = [
@@ -105,12 +114,12 @@ def format_inspection(info: dict[str, Any], *, max_tensors: int | None = None) -
     opt = info["optimizer"]
     if opt:
         lines.append(f"  optimizer {opt['class_name']} step {opt['step']}, states {', '.join(opt['state_keys']) or '-'}; "
-                     + ", ".join(f"{k}={v}" for k, v in opt["hyperparameters"].items()))
+                     + ", ".join(f"{k}={_fmt_value(v)}" for k, v in opt["hyperparameters"].items()))
         first = opt["param_groups"][0] if opt["param_groups"] else {}
         for i, g in enumerate(opt["param_groups"] or []):
             differs = {k: v for k, v in g.items() if k != "tensors" and (i == 0 or first.get(k) != v)}
             lines.append(f"    param group {i}: {g['tensors']} tensor(s)" + "".join(
-                f", {k}={v}" for k, v in differs.items() if i > 0 or k in ("lr", "weight_decay")))
+                f", {k}={_fmt_value(v)}" for k, v in differs.items() if i > 0 or k in ("lr", "weight_decay")))
         if opt["tensor_steps"]:
             lines.append(f"    {len(opt['tensor_steps'])} tensor(s) at another step (0: no state yet): "
                          + ", ".join(f"{n}={s}" for n, s in list(opt["tensor_steps"].items())[:5]))

@@ -4,7 +4,8 @@
 Rank 0 writes every output here (``torch_backend.train.report`` lists them); checkpoints go to
 ``<out>/checkpoints/<step>``. A directory that holds another run (any of :data:`RUN_MARKERS`) is
 refused unless ``--overwrite``, which removes exactly :data:`RUN_OUTPUTS` and nothing else; ``--resume``
-instead requires a committed checkpoint there.
+instead requires a committed checkpoint there, at a step below ``--steps`` (:func:`check_resume`). An
+empty ``--out``, or one under a file or in a directory that cannot be written, is refused.
 
 Imports the standard library only.
 """
@@ -12,11 +13,13 @@ Imports the standard library only.
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import latest_step
-from .errors import ConfigError
+from .checkpoint import CheckpointMeta, latest_step, read_meta
+from .errors import ChunkZeroError, ConfigError
 from .train_config import TrainConfig
 
 CHECKPOINT_DIR = "checkpoints"
@@ -46,11 +49,19 @@ def check_out_dir(cfg: TrainConfig) -> None:
     ``--resume`` it must hold a committed checkpoint instead.
 
     Raises:
-        ConfigError: ``out`` is a file, holds another run, or (``--resume``) holds no checkpoint.
+        ConfigError: ``out`` is empty, a file, under a file, in a directory this process cannot write,
+            holds another run, or (``--resume``) holds no checkpoint.
     """
+    if not str(cfg.out).strip():
+        raise ConfigError("--out is empty: name a directory, or leave --out out for a fresh runs/<YYYYmmdd-HHMMSS>")
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} exists and is not a directory")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out} cannot be created: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out} cannot be written: no write permission on {existing}")
     if cfg.resume:
         if latest_step(out / CHECKPOINT_DIR) is None:
             raise ConfigError(f"--resume: --out {out} holds no checkpoint ({CHECKPOINT_DIR}/<step>); "
@@ -75,3 +86,40 @@ def prepare_out_dir(cfg: TrainConfig) -> Path:
             elif p.exists() or p.is_symlink():
                 p.unlink()
     return out
+
+
+def check_resume(cfg: TrainConfig) -> CheckpointMeta:
+    """``--resume``'s checks that need only the latest checkpoint's metadata (no array is read): it is
+    readable and its step is below ``--steps``, the run's total. Run before any worker starts, with
+    :func:`check_out_dir`; the model's shapes are compared by the backend (``torch_backend.train.resolve``).
+
+    Returns:
+        The checkpoint's metadata.
+
+    Raises:
+        ConfigError: the checkpoint's step is ``--steps`` or beyond (nothing to train), or its metadata
+            cannot be read (the message names the checkpoint).
+    """
+    root = Path(cfg.out) / CHECKPOINT_DIR
+    try:
+        meta = read_meta(root)
+    except ChunkZeroError as e:
+        raise ConfigError(f"--resume: cannot read the checkpoint in {root}: {e}") from None
+    if meta.step >= cfg.steps:
+        raise ConfigError(f"--resume: the checkpoint in {root} is at step {meta.step}, and --steps {cfg.steps} is the "
+                          f"run's total, so there is nothing to train; pass --steps above {meta.step} to train on")
+    return meta
+
+
+def previous_settings(cfg: TrainConfig, meta: CheckpointMeta) -> tuple[dict | None, str]:
+    """The checkpointed run's settings and where they were read: the checkpoint's ``extra`` when it records
+    the schedule, else ``--out/config.json`` (older checkpoints); ``(None, ...)`` when neither has them."""
+    extra = dict(meta.extra or {})
+    if "steps" in extra:
+        return extra, f"checkpoint {meta.step}"
+    source = Path(cfg.out) / "config.json"
+    try:
+        doc = json.loads(source.read_text())
+    except (OSError, ValueError):
+        return None, str(source)
+    return (doc if isinstance(doc, dict) else None), str(source)

@@ -536,7 +536,7 @@ def build_layout(
 
 # ---------------------------------------------------------------------------------------------------- report
 def waste_table(
-    models: Sequence[str] = ("gpt2", "gpt2-medium", "llama-1b"),
+    models: Sequence[str] = ("hf-gpt2", "hf-gpt2-medium", "llama-1b"),
     world_sizes: Sequence[int] = (2, 3, 4, 8),
 ) -> list[dict]:
     """Gemini's search (its defaults, interval = the model's hidden size) and chunkzero's, per model

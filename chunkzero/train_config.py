@@ -34,6 +34,7 @@ from .errors import ConfigError
 PRECISIONS = ("fp32", "bf16", "fp16")
 ENGINES = ("zero", "ddp")
 DEVICES = ("auto", "cpu", "cuda")
+SCHEDULES = ("keep", "stretch")
 
 CPU_DEFAULTS = {"model": "gpt-mini", "mixed_precision": "fp32", "lr": 3e-3}
 """What ``--model``, ``--mixed-precision`` and ``--lr`` default to on a machine without a GPU: a byte-level
@@ -145,7 +146,8 @@ class TrainConfig:
             "minimum loss scale (fp16 that cannot make progress; bf16 and fp32 always run at scale 1, their "
             "minimum); 0 never stops", "optimization", metavar="N", minimum=0)
     seed: int = option(1337, "seed of the initialisation and the data stream; the same seed and world size give "
-                             "the same loss sequence", "optimization", metavar="N")
+                             "the same loss sequence, bit for bit, on the same kind of machine (CPU model or GPU, "
+                             "torch build)", "optimization", metavar="N")
     # workers
     nproc: int | None = option(None, "workers to launch on this machine (ignored under torchrun)", "workers",
                                metavar="N", minimum=1, default_help="one per GPU, or 2 on CPU")
@@ -172,12 +174,18 @@ class TrainConfig:
            "--out/checkpoints/<step>, keeping the newest 3; 0 saves none", "checkpoints", metavar="N", minimum=0)
     resume: bool = option(False, "continue the run in --out from its latest checkpoint: parameters, optimizer "
                                  "state, loss scaler, RNG states and data position (any world size); --steps is "
-                                 "the total", "checkpoints")
+                                 "the total and must exceed the checkpoint's step", "checkpoints")
+    schedule: str = option(
+        "keep", "with --resume and a larger --steps: keep follows the checkpointed run's LR schedule (warm-up + "
+                "cosine decay over its steps, then its final LR, constant); stretch re-stretches the decay to the "
+                "new --steps (the LR jumps up at the resumed step)", "checkpoints", choices=SCHEDULES)
     # resolved on the machine (torch_backend.train.resolve.validate); a worker that finds ``validated`` skips the checks
     validated: bool = resolved("whether the run was checked on its machine (the launcher did)", False)
     world_size: int | None = resolved("workers of the run, all nodes together")
     model_kind: str | None = resolved('"gpt" (a byte-level GPT of torch_backend.train.gpt) or "hf" (a directory)')
     block_size: int | None = resolved("the model's longest sequence, in tokens")
+    schedule_steps: int | None = resolved("the steps the LR schedule's warm-up + cosine decay span (``steps`` "
+                                          "unless ``--resume --schedule keep`` kept a checkpoint's)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -267,33 +275,65 @@ def with_device_defaults(cfg: TrainConfig, device: str, *, bf16_supported: bool 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine decay to
-    ``lr · min_lr_ratio`` at the last step (nanoGPT's ``get_lr``)."""
+    ``lr · min_lr_ratio`` at step ``schedule_steps - 1`` (default ``steps``; nanoGPT's ``get_lr``), constant after."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / (cfg.warmup + 1)
     min_lr = cfg.lr * cfg.min_lr_ratio
-    span = max(1, cfg.steps - 1 - cfg.warmup)
+    span = max(1, (cfg.schedule_steps or cfg.steps) - 1 - cfg.warmup)
     progress = min(1.0, (step - cfg.warmup) / span)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
 
 
 SCHEDULE_KEYS = ("steps", "warmup", "lr", "min_lr_ratio")
-"""The settings of :func:`lr_at`: changing one at ``--resume`` changes the LR schedule mid-run."""
+"""The settings of :func:`lr_at` a checkpoint records (with ``schedule_steps``): changing one at ``--resume``
+may change the LR schedule mid-run."""
+
+
+def saved_schedule_steps(previous: dict) -> int | None:
+    """The steps the checkpointed run's schedule spans: its ``schedule_steps``, else its ``steps``."""
+    for key in ("schedule_steps", "steps"):
+        if isinstance(previous.get(key), int) and not isinstance(previous.get(key), bool):
+            return previous[key]
+    return None
+
+
+def resumed_schedule_steps(cfg: TrainConfig, previous: dict | None) -> int:
+    """``schedule_steps`` of a run resumed from a checkpoint with settings ``previous`` (its ``extra``, or
+    the run's ``config.json``): with ``--schedule keep``, the checkpoint's; with ``stretch`` (or unknown
+    settings), ``--steps``."""
+    saved = saved_schedule_steps(previous or {})
+    return saved if cfg.schedule == "keep" and saved is not None else cfg.steps
 
 
 def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, step: int) -> None:
-    """Warn (logger ``chunkzero.train``) when ``--resume`` at ``step`` runs with another LR schedule
-    (``--steps``, ``--warmup``, ``--lr``, ``--min-lr-ratio``) than the checkpointed run's ``previous``
-    settings, read from ``source``: :func:`lr_at` re-stretches warm-up + cosine decay to the new total,
-    so the LR jumps at the resumed step. Silent when the schedule is the same or ``previous`` unknown."""
+    """Say (logger ``chunkzero.train``) what ``--resume`` at ``step`` does to the LR schedule when its
+    settings (``--steps``, ``--warmup``, ``--lr``, ``--min-lr-ratio``) differ from the checkpointed run's
+    ``previous`` ones, read from ``source``. With ``--schedule keep`` and only ``--steps`` grown the LR
+    goes on as saved (an info line, naming the choice); with ``stretch`` or another changed setting the LR
+    jumps at the resumed step (a warning, naming both LRs and the choice). Silent when nothing changed or
+    ``previous`` is unknown."""
     if not previous:
         return
     changed = [f"--{k.replace('_', '-')} {getattr(cfg, k):g} (was {previous[k]:g})" for k in SCHEDULE_KEYS
                if isinstance(previous.get(k), (int, float)) and previous[k] != getattr(cfg, k)]
     if not changed:
         return
-    old = dataclasses.replace(cfg, **{k: previous[k] for k in SCHEDULE_KEYS if k in previous})
+    old = dataclasses.replace(cfg, **{k: previous[k] for k in SCHEDULE_KEYS if k in previous},
+                              schedule_steps=saved_schedule_steps(previous))
     before = lr_at(step - 1, old) if step >= 1 else 0.0
-    logging.getLogger("chunkzero.train").warning(
-        "warning: --resume with %s differs from the checkpointed run's settings (%s): the LR schedule (warmup + "
-        "cosine decay) is re-stretched to the new total of %d steps, so the LR jumps from %.3g at step %d to %.3g "
-        "at step %d", ", ".join(changed), source, cfg.steps, before, step, lr_at(step, cfg), step + 1)
+    after = lr_at(step, cfg)
+    span = cfg.schedule_steps or cfg.steps
+    if cfg.schedule == "keep":
+        choice = (f"--schedule keep: the LR follows the saved warm-up + cosine decay over {span} steps"
+                  + (f", then stays at its final {cfg.lr * cfg.min_lr_ratio:.3g} to step {cfg.steps}"
+                     if cfg.steps > span else "")
+                  + f" (--schedule stretch would re-stretch the decay to {cfg.steps} steps)")
+    else:
+        choice = (f"--schedule stretch: the LR schedule (warm-up + cosine decay) is re-stretched to the new total "
+                  f"of {cfg.steps} steps (--schedule keep would follow the saved one)")
+    jumps = not math.isclose(before, after, rel_tol=0.05)
+    logging.getLogger("chunkzero.train").log(
+        logging.WARNING if jumps else logging.INFO,
+        "%s--resume with %s differs from the checkpointed run's settings (%s); %s: the LR goes from %.3g at step %d "
+        "to %.3g at step %d", "warning: " if jumps else "", ", ".join(changed), source, choice, before, step, after,
+        step + 1)

@@ -18,10 +18,11 @@ Programs:
   names and ``nn.Linear`` ``(out, in)`` shapes, as :func:`chunkzero.configs.model_specs` lists them):
   RMSNorm, rotary position embeddings (``rotate_half`` convention), SwiGLU MLP, untied head. Used for
   the sharding-layout comparison; it has no torch twin in this repository.
-- :func:`model_program` — either, by a :mod:`chunkzero.configs` name (``"gpt2"``, ``"gpt2-medium"``,
-  ``"llama-1b"``, ``"gpt-tiny"``, ``"gpt-small"``) or a :class:`chunkzero.configs.GPTConfig`.
+- :func:`model_program` — either, by a :mod:`chunkzero.configs` name (``"hf-gpt2"``, ``"hf-gpt2-medium"``,
+  ``"llama-1b"``, or a byte-level ``chunkzero train`` name: ``"gpt-tiny"``, ``"gpt-mini"``, ``"gpt-small"``,
+  ``"gpt2"``, ``"gpt2-medium"``) or a :class:`chunkzero.configs.GPTConfig`.
 
-Note on names: in :mod:`chunkzero.configs`, ``"gpt2"``/``"gpt2-medium"`` are Hugging Face GPT-2
+Note on names: in :mod:`chunkzero.configs`, ``"hf-gpt2"``/``"hf-gpt2-medium"`` are Hugging Face GPT-2
 (vocab 50257, ``Conv1D`` ``(in, out)`` weights). :func:`model_program` runs them as this repository's
 GPT with the same sizes (vocab 50257, 1024 positions), whose linear weights are ``nn.Linear``
 ``(out, in)``: the same tensors in the same order with the same numels (so the same chunk layout),

@@ -297,7 +297,9 @@ def export_checkpoint(
             raise ConfigError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
     max_shard_bytes = parse_size(max_shard_size)
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output {str(out)!r} is an existing file, not a directory; refusing to overwrite it")
+    if out.exists() and any(out.iterdir()):
         raise ConfigError(f"output {str(out)!r} already exists and is not an empty directory; refusing to overwrite it")
     step_dir = orbax_store.committed_step_dir(path, step)
     meta = read_meta(step_dir)

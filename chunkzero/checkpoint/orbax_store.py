@@ -328,6 +328,18 @@ def _without_small_chunk_warning(record: logging.LogRecord) -> bool:
     return "target_byte_size too small" not in record.getMessage()
 
 
+_EXPECTED_ABSL_WARNINGS = (
+    "Given directory is read only",  # every read manager is read-only on purpose (it never saves)
+    "No jax.Array in TypeHandlerRegistry",  # an export registers its numpy leaves' handler only, on purpose
+)
+
+
+def _without_expected_warnings(record: logging.LogRecord) -> bool:
+    """Drop Orbax's absl warnings about choices made here on purpose (:data:`_EXPECTED_ABSL_WARNINGS`)."""
+    message = record.getMessage()
+    return not any(w in message for w in _EXPECTED_ABSL_WARNINGS)
+
+
 def _save_args(meta: CheckpointMeta, tree: Mapping[str, Any]) -> dict[str, Any]:
     """Orbax ``SaveArgs`` per array: storage chunks of the array's storage block
     (:meth:`CheckpointMeta.storage_block_numel`, which divides what each process writes, so Orbax's
@@ -365,6 +377,7 @@ def _read_manager(root: Path) -> Iterator[Any]:
     # read-only managers never save: save_interval_steps=0 as Orbax would set it, without its warning
     options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, multiprocessing_options=alone)
     handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
+    logging.getLogger("absl").addFilter(_without_expected_warnings)  # (kept once however often added)
     with ocp.CheckpointManager(root.absolute(), item_handlers=handlers, options=options) as manager:
         yield manager
 
@@ -500,6 +513,7 @@ def write_param_tree(out: str | os.PathLike, tree: Mapping[str, Any], leaf_type:
     """
     ocp = _ocp()
     registry = ocp.type_handlers.create_type_handler_registry((leaf_type, _streaming_numpy_handler()))
+    logging.getLogger("absl").addFilter(_without_expected_warnings)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as checkpointer:
         checkpointer.save(Path(out), args=ocp.args.PyTreeSave(dict(tree)))
 

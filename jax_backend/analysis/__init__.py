@@ -2,7 +2,7 @@
 
 ```python
 from jax_backend.analysis import compare_layouts
-cmp = compare_layouts("gpt2", 8, measure=True)   # needs 8 devices (simulated: XLA_FLAGS)
+cmp = compare_layouts("hf-gpt2", 8, measure=True)  # needs 8 devices (simulated: XLA_FLAGS)
 print(cmp.table())                               # markdown: predicted / measured, with errors
 cmp.plot("layouts.png")                          # chunk map + per-device memory bars
 ```

@@ -14,12 +14,14 @@ def nanogpt_numel(vocab, block, n_layer, d):
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("gpt2", 124_439_808),  # Hugging Face GPT2LMHeadModel.num_parameters()
-    ("gpt2-medium", 354_823_168),
+    ("hf-gpt2", 124_439_808),  # Hugging Face GPT2LMHeadModel.num_parameters()
+    ("hf-gpt2-medium", 354_823_168),
     # 2 · 32000·2048 + 16 · (4·2048² + 3·2048·5632 + 2·2048) + 2048
     ("llama-1b", 2 * 32000 * 2048 + 16 * (4 * 2048**2 + 3 * 2048 * 5632 + 2 * 2048) + 2048),
     ("gpt-tiny", nanogpt_numel(256, 128, 2, 64)),
     ("gpt-small", nanogpt_numel(256, 256, 6, 384)),
+    ("gpt-mini", nanogpt_numel(256, 256, 2, 256)),  # chunkzero train's CPU default: 1,711,104
+    ("gpt2", nanogpt_numel(256, 1024, 12, 768)),  # the byte-level GPT-2 shape train builds: 86.0M
 ])
 def test_parameter_counts(name, expected):
     assert param_numel(name) == expected
@@ -27,7 +29,7 @@ def test_parameter_counts(name, expected):
 
 
 def test_gpt2_names_and_hf_conv1d_shapes():
-    specs = {s.name: s for s in model_specs("gpt2")}
+    specs = {s.name: s for s in model_specs("hf-gpt2")}
     assert specs["transformer.wte.weight"].shape == (50257, 768)
     assert specs["transformer.wte.weight"].aliases == ("lm_head.weight",)
     assert specs["transformer.wpe.weight"].shape == (1024, 768)
@@ -72,4 +74,17 @@ def test_specs_build_a_layout_with_aliases():
 def test_unknown_model():
     with pytest.raises(ConfigError, match="'gpt5'.*gpt2"):
         model_specs("gpt5")
-    assert set(MODEL_CONFIGS) == {"gpt2", "gpt2-medium", "llama-1b", "gpt-tiny", "gpt-small"}
+    assert set(MODEL_CONFIGS) == {"hf-gpt2", "hf-gpt2-medium", "llama-1b", "gpt-tiny", "gpt-mini", "gpt-small", "gpt2",
+                                  "gpt2-medium"}
+
+
+def test_one_vocabulary_with_train():
+    """Every ``chunkzero train --model`` name is a size-only config with the shapes train builds: the byte-level
+    GPT's (vocab 256), not Hugging Face GPT-2's, which is ``hf-gpt2``."""
+    from chunkzero.configs import GPT_CONFIGS
+
+    for name, c in GPT_CONFIGS.items():
+        specs = {s.name: s for s in model_specs(name)}
+        assert specs["transformer.wte.weight"].shape == (c.vocab_size, c.n_embd) == (256, c.n_embd), name
+        assert specs["transformer.wpe.weight"].shape == (c.block_size, c.n_embd), name
+    assert param_numel("gpt2") == 86_039_040 != param_numel("hf-gpt2")

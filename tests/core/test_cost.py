@@ -110,9 +110,9 @@ def test_ddp_by_hand():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_zero_paper_16_psi_over_n(world_size):
-    """gpt2 and llama-1b layouts: model states are 16 bytes per stored element (mixed-precision Adam),
+    """hf-gpt2 and llama-1b layouts: model states are 16 bytes per stored element (mixed-precision Adam),
     and exactly 16Ψ/N_d where the layout has no padding; the wire is (n−1)/n·(Ψ + padding)·(2·2 + 2)."""
-    for name in ("gpt2", "llama-1b"):
+    for name in ("hf-gpt2", "llama-1b"):
         specs = model_specs(name)
         layout = build_layout(specs, world_size)
         c = chunk_zero3_cost(layout, "bf16", "adam")
@@ -148,7 +148,7 @@ def test_per_element_accounting(specs, chunk_size, world_size, precision, optimi
 
 
 def test_compare_strategies_and_table():
-    costs = compare_strategies(model_specs("gpt2"), 8)
+    costs = compare_strategies(model_specs("hf-gpt2"), 8)
     assert [c.strategy for c in costs] == ["chunk-zero3", "fsdp", "ddp"]
     zero, fsdp, ddp = costs
     assert zero.model_state_bytes < ddp.model_state_bytes / 7

@@ -208,7 +208,7 @@ def test_bad_sizes():
 
 
 # ------------------------------------------------------------------ the goal: <= 1 % on real configs
-MODELS = ["gpt2", "gpt2-medium", "llama-1b"]
+MODELS = ["hf-gpt2", "hf-gpt2-medium", "llama-1b"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
@@ -228,7 +228,7 @@ def test_waste_table_figures():
     rows = waste_table(world_sizes=(2, 8))
     assert len(rows) == 3 * 2 * 2
     by = {(r["model"], r["world_size"], r["method"]): r for r in rows}
-    assert by[("gpt2", 8, "gemini")]["overhead_pct"] > 1  # Gemini's grid misses exact packings
+    assert by[("hf-gpt2", 8, "gemini")]["overhead_pct"] > 1  # Gemini's grid misses exact packings
     assert all(r["overhead_pct"] <= 1 for r in rows if r["method"] == "chunkzero")
     table = format_waste_table(rows)
-    assert table.count("\n") == len(rows) + 1 and "| gpt2 | 2 | chunkzero |" in table
+    assert table.count("\n") == len(rows) + 1 and "| hf-gpt2 | 2 | chunkzero |" in table

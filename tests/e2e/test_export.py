@@ -256,20 +256,32 @@ def test_train_save_interval_resume_and_export(tmp_path):
     assert bad.returncode == 2 and "holds no checkpoint" in bad.stderr
 
 
-def test_resume_warns_when_the_lr_schedule_changes(caplog):
-    """``--resume`` with another ``--steps`` (or ``--warmup``/``--lr``) than the checkpointed run re-stretches
-    the cosine schedule: a warning says so, with the LR jump; the same settings warn nothing."""
+def test_resume_says_what_happens_to_the_lr_schedule(caplog):
+    """``--resume`` with a larger ``--steps``: ``--schedule keep`` follows the saved schedule (an info line naming
+    the choice, no LR jump); ``--schedule stretch`` re-stretches the cosine (a warning with the LR jump); another
+    ``--lr`` warns either way; the same settings say nothing."""
+    import dataclasses
     import logging
 
     from torch_backend.train.loop import TrainConfig, lr_at, warn_schedule_change
 
-    cfg = TrainConfig(steps=300, warmup=10, lr=3e-3)
-    with caplog.at_level(logging.WARNING, logger="chunkzero.train"):
-        warn_schedule_change({"steps": 300, "warmup": 10, "lr": 3e-3}, "checkpoint 200", cfg, 200)
+    saved = {"steps": 200, "warmup": 10, "lr": 3e-3}
+    keep = TrainConfig(steps=300, warmup=10, lr=3e-3, schedule="keep", schedule_steps=200)
+    stretch = dataclasses.replace(keep, schedule="stretch", schedule_steps=300)
+    with caplog.at_level(logging.INFO, logger="chunkzero.train"):
+        warn_schedule_change({**saved, "steps": 300}, "checkpoint 200", stretch, 200)
         assert not caplog.records
-        warn_schedule_change({"steps": 200, "warmup": 10, "lr": 3e-3}, "checkpoint 200", cfg, 200)
-    (record,) = caplog.records
-    text = record.getMessage()
-    assert "--steps 300 (was 200)" in text and "re-stretched" in text and "checkpoint 200" in text
-    assert f"{lr_at(199, TrainConfig(steps=200, warmup=10, lr=3e-3)):.3g} at step 200" in text
-    assert f"{lr_at(200, cfg):.3g} at step 201" in text
+        warn_schedule_change(saved, "checkpoint 200", keep, 200)
+        warn_schedule_change(saved, "checkpoint 200", stretch, 200)
+        warn_schedule_change(saved, "checkpoint 200", dataclasses.replace(keep, lr=1e-3), 200)
+    kept, stretched, other_lr = caplog.records
+    before = lr_at(199, TrainConfig(steps=200, warmup=10, lr=3e-3))
+    assert lr_at(200, keep) == lr_at(299, keep) == before  # the saved schedule's final LR, constant
+    assert kept.levelno == logging.INFO and "--steps 300 (was 200)" in kept.getMessage()
+    assert "--schedule keep" in kept.getMessage() and "--schedule stretch would" in kept.getMessage()
+    assert f"{before:.3g} at step 200 to {before:.3g} at step 201" in kept.getMessage()
+    text = stretched.getMessage()
+    assert stretched.levelno == logging.WARNING and "--schedule stretch" in text and "checkpoint 200" in text
+    assert f"{before:.3g} at step 200 to {lr_at(200, stretch):.3g} at step 201" in text
+    assert lr_at(200, stretch) > 3 * before
+    assert other_lr.levelno == logging.WARNING and "--lr 0.001 (was 0.003)" in other_lr.getMessage()

@@ -97,7 +97,7 @@ def test_comparison_table_and_plots(comparison, tmp_path):
     assert comparison.row("ddp").measured.replicated_numel == (WORLD - 1) * comparison.layout.utilized_numel
     fig = plot_comparison(comparison, str(tmp_path / "cmp.png"))
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
-    rows = chunk_size_sweep("gpt2-medium", 8)
+    rows = chunk_size_sweep("hf-gpt2-medium", 8)
     assert sum(r["searched"] for r in rows) == 1
     assert rows[0]["num_chunks"] >= rows[-1]["num_chunks"]
     assert all(r["allgathers"] == 2 * r["num_chunks"] for r in rows)
@@ -127,9 +127,10 @@ def test_gathered_chunks_are_not_kept_from_forward_to_backward():
 
 
 def test_cli_layout_predicted(capsys):
-    assert cli_main(["layout", "--model", "gpt2-medium", "--world-size", "8"]) == 0
+    assert cli_main(["layout", "--model", "hf-gpt2-medium", "--world-size", "8"]) == 0
     out = capsys.readouterr().out
     assert "| chunk-zero3 |" in out and "| fsdp |" in out and "| ddp |" in out
+    assert "(86 chunks)" in out  # Hugging Face GPT-2 medium's layout (the README's table)
     assert cli_main(["layout", "--model", "gpt-9000"]) == 2
     assert "unknown model 'gpt-9000'" in capsys.readouterr().err
     assert cli_main(["layout", "--model", "gpt-tiny", "--world-size", "4", "--batch-size", "6", "--measure"]) == 2

@@ -48,9 +48,9 @@ def test_llama_program_equals_hugging_face():
 
 
 def test_model_program_by_config_name():
-    p = model_program("gpt2")
+    p = model_program("hf-gpt2")
     assert p.vocab_size == 50257 and p.max_seq_len == 1024
-    assert [s.numel for s in p.specs] == [s.numel for s in model_specs("gpt2")]  # same layout as HF GPT-2
+    assert [s.numel for s in p.specs] == [s.numel for s in model_specs("hf-gpt2")]  # same layout as HF GPT-2
     assert [s.name for s in model_program("llama-1b").specs] == [s.name for s in model_specs("llama-1b")]
     with pytest.raises(ConfigError, match="unknown model config 'gpt5'"):
         model_program("gpt5")

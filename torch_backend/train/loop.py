@@ -13,7 +13,7 @@ What is written, and where, is :mod:`torch_backend.train.report`'s; the model an
 Determinism: the model is initialised from ``torch.manual_seed(seed)`` (the same on every rank), the
 data stream is a pure function of ``(seed, world size, batch size, step)`` (:mod:`torch_backend.train.data`),
 and each rank's torch RNG is re-seeded with ``seed + 1 + rank`` for dropout, so the same seed and world
-size give the same loss sequence.
+size give the same loss sequence on the same kind of machine (another CPU's kernels sum in another order).
 
 Hooks: ``train(..., on_step_end=[hook, ...])`` calls each ``hook(StepEnd(...))`` after every optimizer
 step, on every rank, once the step's metrics, checkpoint and evaluation are done.
@@ -77,7 +77,7 @@ def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: Tr
     save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim, step=step, async_save=True,
                     max_to_keep=CHECKPOINTS_KEPT, timeout_s=cfg.timeout_s, data_position={"sampler": sampler.state_dict()},
                     extra={"model": cfg.model, "seed": cfg.seed, "world_size": cfg.world_size,
-                           "steps": cfg.steps, "warmup": cfg.warmup, "lr": cfg.lr,
+                           "steps": cfg.steps, "schedule_steps": cfg.schedule_steps, "warmup": cfg.warmup, "lr": cfg.lr,
                            "min_lr_ratio": cfg.min_lr_ratio, "counters": counters})
 
 

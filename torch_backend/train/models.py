@@ -60,8 +60,10 @@ def model_block_size(model: str) -> tuple[str, int, int]:
         return "gpt", c.block_size, c.vocab_size
     if os.sep in model or "/" in model or model.startswith("."):
         raise ConfigError(f"--model directory {model} does not exist")
+    hint = (f" ({model} is a size-only shape of chunkzero layout; train a Hugging Face model from its directory)"
+            if model.startswith("hf-") or model == "llama-1b" else "")
     raise ConfigError(f"unknown model {model!r}; known: {', '.join(GPT_CONFIGS)}, "
-                      "or a local Hugging Face model directory (config.json + safetensors)")
+                      f"or a local Hugging Face model directory (config.json + safetensors){hint}")
 
 
 def build_module(cfg: TrainConfig) -> nn.Module:

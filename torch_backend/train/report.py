@@ -53,7 +53,11 @@ class Report:
         self.start, self.tokens_per_step = start, tokens_per_step
         path = Path(cfg.out) / "metrics.jsonl"
         history = read_metrics_history(path, start - 1) if self.is_main and cfg.resume else None
+        if history is not None:  # an earlier try of this same resume is replaced by this session's record
+            history = [r for r in history if not (r.get("kind") == "session" and r["step"] == start - 1)]
         self.metrics = Metrics(path if self.is_main else None, history)
+        if self.is_main:  # where each session (the first, every resume) began, and on how many workers
+            self.metrics.write({"kind": "session", "step": start - 1, "world_size": world_size})
         if counters is None:
             last = next((r for r in reversed(history or []) if r.get("kind") == "train" and r["step"] == start - 1), {})
             counters = {"tokens": last.get("tokens", (start - 1) * tokens_per_step),
@@ -158,8 +162,10 @@ class Report:
         self.metrics.close()
         prompt, sample = summary["sample"]["prompt"], summary["sample"]["text"]
         (out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
+        sizes = sorted({w for _, w in self.metrics.sessions} | {self.world_size})
+        workers = (f"{self.world_size}" if len(sizes) == 1 else "/".join(map(str, sizes)))
         plot_loss(out / "loss.png", self.metrics,
-                  f"{cfg.model} · {self.world_size} × {self.device.type} · {cfg.mixed_precision} · seed {cfg.seed}")
+                  f"{cfg.model} · {workers} × {self.device.type} · {cfg.mixed_precision} · seed {cfg.seed}")
         table = summary_table(summary)
         (out / "summary.txt").write_text(table + "\n", encoding="utf-8")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
@@ -226,6 +232,7 @@ class Metrics:
         self.path = path
         self.train: list[tuple[int, float]] = []
         self.val: list[tuple[int, float]] = []
+        self.sessions: list[tuple[int, int]] = []  # (step the session began after, world size)
         for r in history or ():
             self._record(r)
         if path is not None and history is not None:
@@ -239,6 +246,8 @@ class Metrics:
             self.train.append((record["step"], record["loss"]))
         elif record.get("kind") == "val" and "val_loss" in record:
             self.val.append((record["step"], record["val_loss"]))
+        elif record.get("kind") == "session" and isinstance(record.get("world_size"), int):
+            self.sessions.append((record["step"], record["world_size"]))
 
     def val_at(self, step: int) -> float | None:
         """The logged validation loss at ``step``, if any."""
@@ -255,7 +264,8 @@ class Metrics:
 
 
 def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
-    """The loss curve: training loss per step (and its running mean) and validation loss points."""
+    """The loss curve: training loss per step (and its running mean) and validation loss points; a dashed
+    line where each resumed session began, labelled with its world size (and the first session's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -271,11 +281,18 @@ def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
     if metrics.val:
         vs, vl = zip(*metrics.val)
         ax.plot(vs, vl, "o-", color="tab:orange", lw=1.4, ms=4, label="validation")
+    for step, world in sorted(metrics.sessions):
+        label = f"{world} worker{'s' if world != 1 else ''}"
+        if step > 0:  # a resume from the checkpoint of ``step``
+            ax.axvline(step + 0.5, color="0.35", ls="--", lw=0.9)
+            label = f"resume at {step}: {label}"
+        ax.annotate(label, xy=(step + 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                    textcoords="offset points", ha="left", va="top", fontsize=7, color="0.25", rotation=90)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="lower left" if metrics.sessions else "best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -6,8 +6,11 @@ this one — a CUDA device for ``--device cuda``, ``--nproc`` within the devices
 the cores the workers run oversubscribed, with a warning), the defaults of the device
 (:func:`chunkzero.train_config.with_device_defaults`), a model that
 exists with a block size that holds ``--seq-len``, kernels for ``--mixed-precision``, a usable
-``--out`` and a corpus of at least one sequence. It returns the config with its resolved fields
-(``device``, ``nproc``/``world_size``, ``out``, ``model_kind``, ``block_size``) and the corpus.
+``--out`` and a corpus of at least one sequence; with ``--resume``, a checkpoint whose step is below
+``--steps`` and whose tensors are the model's, by name and shape (:func:`check_resume_model`, from the
+checkpoint's metadata and a meta-device build of the model: no array is read). It returns the config
+with its resolved fields (``device``, ``nproc``/``world_size``, ``out``, ``model_kind``, ``block_size``,
+``schedule_steps``) and the corpus.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chunkzero.errors import ConfigError
-from chunkzero.run_dir import check_out_dir, fresh_run_dir
-from chunkzero.train_config import TrainConfig, with_device_defaults
+from chunkzero.checkpoint import CheckpointMeta
+from chunkzero.checkpoint.plan import check_compatible
+from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
+from chunkzero.layout import ChunkLayout, TensorSpec
+from chunkzero.run_dir import CHECKPOINT_DIR, check_out_dir, check_resume, fresh_run_dir, previous_settings
+from chunkzero.train_config import TrainConfig, resumed_schedule_steps, with_device_defaults
 
 from . import data as data_mod
-from .models import load_run_corpus, model_block_size
+from .models import hf_config, load_run_corpus, model_block_size
 
 log = logging.getLogger("chunkzero.train")
 
@@ -128,12 +134,50 @@ def resolve_workers(cfg: TrainConfig) -> int:
     return nproc
 
 
+def model_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
+    """The model's parameters as :class:`chunkzero.TensorSpec` (names, tied names as aliases, shapes), from a
+    build on the meta device: no memory, no weights read. ``cfg.model_kind`` must be resolved."""
+    with torch.device("meta"):
+        if cfg.model_kind == "hf":
+            from transformers import AutoModelForCausalLM
+
+            module = AutoModelForCausalLM.from_config(hf_config(cfg.model))
+        else:
+            from .gpt import GPT, GPT_CONFIGS
+
+            module = GPT(GPT_CONFIGS[cfg.model])
+    names: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (p, []))[1].append(name)
+    return [TensorSpec(ns[0], tuple(p.shape), aliases=tuple(ns[1:])) for p, ns in names.values()]
+
+
+def check_resume_model(cfg: TrainConfig, meta: CheckpointMeta) -> None:
+    """Refuse a ``--resume`` whose ``--model`` does not hold exactly the checkpoint's tensors (by name or
+    alias) with the same shapes, before any worker starts.
+
+    Raises:
+        ConfigError: naming the checkpoint, its model (when it recorded one) and the tensor at fault.
+    """
+    specs = model_tensor_specs(cfg)
+    target = ChunkLayout.build(specs, max(s.numel for s in specs), 1)
+    root = Path(cfg.out) / CHECKPOINT_DIR
+    try:
+        check_compatible(meta.layout, target, source=f"checkpoint {meta.step}")
+    except (ShapeMismatchError, CheckpointError) as e:
+        saved = (meta.extra or {}).get("model")
+        trained = f", trained with --model {saved}" if isinstance(saved, str) and saved != cfg.model else ""
+        raise ConfigError(f"--resume: --model {cfg.model} does not fit the checkpoint in {root} (step {meta.step}"
+                          f"{trained}): {e}") from None
+
+
 def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, data_mod.Corpus]:
     """Check every user input before any worker starts; return the resolved config and the corpus.
 
     Resolves ``device``, ``nproc``/``world_size`` (from the environment under ``torchrun``), ``out``
-    (``runs/<timestamp>`` by default; only with ``check_out``, which also checks it), ``model_kind`` and
-    ``block_size``, and sets ``validated``.
+    (``runs/<timestamp>`` by default; only with ``check_out``, which also checks it and, with ``--resume``,
+    the checkpoint's step and tensors and the kept ``schedule_steps``), ``model_kind`` and ``block_size``,
+    and sets ``validated``.
 
     Raises:
         ConfigError / DataError: one line naming the input at fault.
@@ -154,6 +198,11 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
         if cfg.out is None:
             cfg.out = str(fresh_run_dir(Path("runs")))
         check_out_dir(cfg)
+        cfg.schedule_steps = cfg.steps
+        if cfg.resume:
+            meta = check_resume(cfg)
+            check_resume_model(cfg, meta)
+            cfg.schedule_steps = resumed_schedule_steps(cfg, previous_settings(cfg, meta)[0])
     corpus = load_run_corpus(cfg)
     cfg.validated = True
     return cfg, corpus

@@ -77,7 +77,8 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def _check_together(cfg: TrainConfig, rank: int, group):
     """Every rank checks its inputs at once (under torchrun nobody did yet; a launched run's were checked
-    by the launcher, so only the corpus is loaded); rank 0 alone resolves and checks ``--out``. The
+    by the launcher, so only the corpus is loaded); rank 0 alone resolves and checks ``--out`` (and, with
+    ``--resume``, the checkpoint), and its ``out`` and ``schedule_steps`` are every rank's. The
     verdicts are exchanged, so either all ranks train or all stop with one error.
 
     Returns ``(error message or None, resolved config, corpus)``."""
@@ -89,10 +90,10 @@ def _check_together(cfg: TrainConfig, rank: int, group):
             cfg, corpus = validate(cfg, check_out=rank == 0)
     except ChunkZeroError as e:
         error = str(e)
-    verdicts = all_gather_json([error, cfg.out], group)
-    errors = [e for e, _ in verdicts if e is not None]
+    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps], group)
+    errors = [e for e, _, _ in verdicts if e is not None]
     if not errors:
-        cfg.out = verdicts[0][1]
+        cfg.out, cfg.schedule_steps = verdicts[0][1], verdicts[0][2]  # rank 0 resolved them (with the checkpoint)
     return (errors[0] if errors else None), cfg, corpus
 
 
