@@ -70,6 +70,8 @@ def test_safetensors_export_loads_with_from_pretrained(trained, tmp_path, capsys
     ref = transformers.GPT2LMHeadModel(_hf_config())
     ref.load_state_dict(want)
     hf.eval(), ref.eval()
+    # bitwise: the same weights through the same attention kernel on both sides
+    assert hf.config._attn_implementation == ref.config._attn_implementation
     assert torch.equal(hf(x).logits, ref(x).logits)
 
     sharded = tmp_path / "hf-sharded"

@@ -136,7 +136,7 @@ def worker_lora(rank: int, world: int):
     for name, value in base.items():
         peft_name = "base_model.model." + name.replace("c_attn.", "c_attn.base_layer.").replace(
             "c_proj.", "c_proj.base_layer.").replace("c_fc.", "c_fc.base_layer.")
-        torch.testing.assert_close(got[peft_name], value, rtol=0, atol=0)
+        torch.testing.assert_close(got[peft_name], value, rtol=0, atol=0)  # bitwise: frozen, never stepped
     assert all(got[n].abs().max() > 0 for n in trainable if ".lora_B." in n)
     assert model.gathered_chunks() == []
 

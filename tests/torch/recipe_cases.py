@@ -413,7 +413,7 @@ def worker_meta_init(rank: int, world: int, weights_path: str):
     model = ZeroDDP(lazy, chunk_size=400, device="cpu")
     assert len(model.chunks) >= 3 and lazy.head.weight is lazy.emb.weight
     assert not any(p.is_meta for p in lazy.parameters())
-    assert_state_close(model.state_dict(), eager.state_dict(), rtol=0, atol=0)
+    assert_state_close(model.state_dict(), eager.state_dict(), rtol=0, atol=0)  # bitwise: same init kernels, same seed
 
     optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
     ref_opt = torch.optim.AdamW(eager.parameters(), **ADAMW)
@@ -432,7 +432,7 @@ def worker_meta_init(rank: int, world: int, weights_path: str):
     assert report.missing_keys == [] and report.unexpected_keys == []
     from safetensors.torch import load_file
 
-    loaded, saved = model2.state_dict(), load_file(weights_path)
+    loaded, saved = model2.state_dict(), load_file(weights_path)  # bitwise: copied from the file
     for k, v in saved.items():
         torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
     torch.testing.assert_close(loaded["head.weight"], saved["emb.weight"], rtol=0, atol=0)  # tied

@@ -208,6 +208,7 @@ def test_checkpoint_keeps_a_never_stepped_tensor_without_state(tmp_path):
     for m, o in ((model, optim), (other, other_optim)):
         o.backward(zero_cases.odd_loss(m, data[2]))
         o.step()
+    # bitwise: the same engine and kernels step the restored state on the same batch
     zero_cases.assert_state_close(other.state_dict(), model.state_dict(), rtol=0, atol=0)
 
     # groups of other tensors are refused before anything is loaded (or kept with load_hyperparameters=False)
@@ -216,7 +217,7 @@ def test_checkpoint_keeps_a_never_stepped_tensor_without_state(tmp_path):
     before = model3.state_dict()
     with pytest.raises(CheckpointError, match="param group 0 differs"):
         load_checkpoint(tmp_path, model3, optim3)
-    zero_cases.assert_state_close(model3.state_dict(), before, rtol=0, atol=0)
+    zero_cases.assert_state_close(model3.state_dict(), before, rtol=0, atol=0)  # a refused load writes nothing
     load_checkpoint(tmp_path, model3, optim3, load_hyperparameters=False)
     assert optim3.param_groups[0]["lr"] == ADAMW["lr"]
 
@@ -274,7 +275,7 @@ def test_pieces_follow_a_replaced_master():
             optim.step()
             optim.zero_grad()
         runs.append(model.state_dict())
-    zero_cases.assert_state_close(runs[1], runs[0], rtol=0, atol=0)
+    zero_cases.assert_state_close(runs[1], runs[0], rtol=0, atol=0)  # bitwise: the same engine on the same values
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

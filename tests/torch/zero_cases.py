@@ -205,6 +205,7 @@ def worker_fp32_equivalence(rank: int, world: int):
         report[f"{name}-{opt_cls.__name__}"] = losses
     if name == "odd":
         frozen_before = CASES["odd"][0]().frozen.weight
+        # bitwise: a frozen tensor is never stepped
         torch.testing.assert_close(model.state_dict()["frozen.weight"], frozen_before, rtol=0, atol=0)
     return report
 
@@ -269,7 +270,7 @@ def worker_features(rank: int, world: int):
     fresh = ZeroDDP(build(), chunk_size=cs, keep_gathered=kg)
     result = fresh.load_state_dict(sd)
     assert result.missing_keys == [] and result.unexpected_keys == []
-    assert_state_close(fresh.state_dict(), sd, rtol=0, atol=0)
+    assert_state_close(fresh.state_dict(), sd, rtol=0, atol=0)  # bitwise: a copy in and out
     only_one_alias = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     assert fresh.load_state_dict(only_one_alias).missing_keys == []
     try:
@@ -304,10 +305,11 @@ def worker_features(rank: int, world: int):
     osd2 = optim.state_dict()
     for n in names:
         for k in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(osd2["state"][n][k], osd["state"][n][k], rtol=0, atol=0)
+            torch.testing.assert_close(osd2["state"][n][k], osd["state"][n][k], rtol=0, atol=0)  # copies only
     del ref_osd
 
     # training continues identically after a torch-format optimizer round trip into a fresh model
+    # (bitwise: the same engine, layout and kernels step the same state on the same data)
     model3 = ZeroDDP(build(), chunk_size=cs, keep_gathered=kg)
     model3.load_state_dict(model.state_dict())
     optim3 = ZeroOptimizer(model3, torch.optim.AdamW, **ADAMW)
@@ -317,7 +319,7 @@ def worker_features(rank: int, world: int):
     zero_run(model3, optim3, loss_fn, nxt, rank, world)
     assert_state_close(model3.state_dict(), model.state_dict(), rtol=0, atol=0)
 
-    # --- shard-level API round trip (what a checkpoint does)
+    # --- shard-level API round trip (what a checkpoint does); bitwise for the same reason as model3
     model4 = ZeroDDP(build(), chunk_size=cs, keep_gathered=kg)
     optim4 = ZeroOptimizer(model4, torch.optim.AdamW, **ADAMW)
     for c in model.chunks:
@@ -350,6 +352,7 @@ def worker_features(rank: int, world: int):
         lopt.backward(odd_loss_fn(lenient, micro(batch, rank, world)))
         assert lopt.step()
         lopt.zero_grad()
+    # bitwise: Adam without weight decay moves nothing on a zero gradient (0 / (0 + eps) = 0)
     torch.testing.assert_close(lenient.state_dict()["unused"], torch.ones(3), rtol=0, atol=0)
 
     # --- offload decisions: made and reported on a CPU-only machine
