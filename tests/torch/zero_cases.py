@@ -155,6 +155,44 @@ def reference_run(module, loss_fn, data, optimizer_class, hyper, max_norm=None):
     return losses, opt
 
 
+def micro_batch_reference_run(module, loss_fn, data, world, optimizer_class, hyper):
+    """:func:`reference_run` with data parallelism's summation order: each step's gradient is the sum
+    of the ``world`` micro-batches' gradients in rank order, then divided by ``world`` (what the
+    averaging reduction computes): the same mathematics as the full batch, rounded differently.
+    ``module`` is trained in place."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = optimizer_class(params, **hyper)
+    for batch in data:
+        for r in range(world):
+            loss_fn(module, micro(batch, r, world)).backward()
+        average_grads(params, world)
+        opt.step()
+        opt.zero_grad()
+
+
+def average_grads(params, world: int) -> None:
+    """Divide each accumulated ``.grad`` by ``world``."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(world)
+
+
+def assert_state_within_noise(got: dict, want: dict, other: dict, *, factor: float = 4.0, **tol):
+    """:func:`assert_state_close` with each tensor's ``atol`` raised to ``factor`` × the reference's own
+    noise there: the largest ``|want - other|``, where ``other`` is the reference trained with data
+    parallelism's summation order (:func:`micro_batch_reference_run`). AdamW normalizes each gradient element, so an
+    element whose gradient is mostly rounding noise moves by a noise-sized fraction of ``lr``: that
+    is the floor any data-parallel run shares with the reference, whatever its kernels (which vary
+    with the CPU's vector units). A wrong update (a skipped step, lr × 0.5) moves elements by ~``lr``,
+    far above it."""
+    assert list(got) == list(want), (list(got), list(want))
+    for k in want:
+        noise = (want[k].float() - other[k].float()).abs().max().item()
+        atol = max(tol.get("atol", 0.0), factor * noise)
+        torch.testing.assert_close(got[k].float(), want[k].float(), rtol=tol.get("rtol", 0.0), atol=atol,
+                                   msg=lambda m, k=k, n=noise: f"{k} (reference noise {n:.3g}): {m}")
+
+
 def zero_run(model, optim, loss_fn, data, rank, world):
     losses = []
     for batch in data:
