@@ -275,7 +275,9 @@ def with_device_defaults(cfg: TrainConfig, device: str, *, bf16_supported: bool 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine decay to
-    ``lr · min_lr_ratio`` at step ``schedule_steps - 1`` (default ``steps``; nanoGPT's ``get_lr``), constant after."""
+    ``lr · min_lr_ratio`` at step ``schedule_steps - 1`` (default ``steps``; nanoGPT's ``get_lr``); after
+    that step, the LR it had, constant (also when the warm-up had not ended there)."""
+    step = min(step, max(1, cfg.schedule_steps or cfg.steps) - 1)
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / (cfg.warmup + 1)
     min_lr = cfg.lr * cfg.min_lr_ratio
@@ -325,7 +327,7 @@ def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, s
     span = cfg.schedule_steps or cfg.steps
     if cfg.schedule == "keep":
         choice = (f"--schedule keep: the LR follows the saved warm-up + cosine decay over {span} steps"
-                  + (f", then stays at its final {cfg.lr * cfg.min_lr_ratio:.3g} to step {cfg.steps}"
+                  + (f", then stays at its final {lr_at(span - 1, cfg):.3g} to step {cfg.steps}"
                      if cfg.steps > span else "")
                   + f" (--schedule stretch would re-stretch the decay to {cfg.steps} steps)")
     else:

@@ -113,6 +113,23 @@ def test_lr_schedule_warmup_then_cosine():
     assert lrs[-1] == pytest.approx(1e-4)
 
 
+@pytest.mark.parametrize("warmup", [5, 30])
+def test_kept_schedule_stays_at_its_last_lr(warmup):
+    """A run resumed with --schedule keep past its saved schedule (20 steps) stays at the LR of the
+    schedule's last step, also when the warm-up (30 steps) was still going on there: no climb to the
+    peak, no drop to the floor."""
+    import dataclasses
+
+    from chunkzero.train_config import TrainConfig, lr_at
+
+    first = TrainConfig(steps=20, warmup=warmup, lr=3e-3, min_lr_ratio=0.1)
+    resumed = dataclasses.replace(first, steps=34, schedule_steps=20)
+    last = lr_at(19, first)
+    assert [lr_at(s, resumed) for s in range(20)] == [lr_at(s, first) for s in range(20)]
+    assert [lr_at(s, resumed) for s in range(20, 34)] == [last] * 14
+    assert last == pytest.approx(3e-4 if warmup < 20 else 3e-3 * 20 / 31)
+
+
 def test_defaults_follow_the_device(monkeypatch, tmp_path):
     """Left unset, --model, --mixed-precision and --lr take the device's defaults: gpt-mini in fp32 on CPU,
     the GPT-2 124M shape in bf16 on a GPU (fp16 before compute capability 8.0, fp32 for --engine ddp);

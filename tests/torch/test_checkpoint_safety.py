@@ -191,17 +191,16 @@ def test_bad_save_arguments_change_nothing(saved, tmp_path):
 
 
 def test_bf16_model_and_frozen_chunk_roundtrip(tmp_path):
-    """bf16 compute: fp32 masters and the frozen bf16 chunk come back exactly, into bf16 and fp32 models."""
+    """bf16 compute: fp32 masters and the frozen chunk (fp32, as it came in) come back exactly, into
+    bf16 and fp32 models."""
     model, optim = build(mixed_precision="bf16")
     train_step(model, optim, 1, 0)
     save_checkpoint(tmp_path / "c", model, optim, step=1)
     meta = read_meta(tmp_path / "c")
     frozen = meta.layout.tensor("transformer.wpe.weight").chunk
-    assert meta.mixed_precision == "bf16" and meta.expected_arrays()[("params", f"chunk_{frozen:04d}")][1] == "bfloat16"
+    # a frozen chunk is saved in the dtype its tensors came in (fp32 here), not the compute dtype
+    assert meta.mixed_precision == "bf16" and meta.expected_arrays()[("params", f"chunk_{frozen:04d}")][1] == "float32"
     want = full_state(model, optim)
-    # a frozen chunk is saved in its own dtype (bf16): its value in compute is exactly that
-    key = "param/transformer.wpe.weight"
-    want[key] = torch.from_numpy(want[key]).bfloat16().float().numpy()
     for mp in ("bf16", "fp32"):
         other, other_optim = build(mixed_precision=mp, seed=15)
         load_checkpoint(tmp_path / "c", other, other_optim)
@@ -213,9 +212,8 @@ def test_bf16_model_and_frozen_chunk_roundtrip(tmp_path):
 def test_never_unpickles():
     """Static check of the checkpoint code: no pickle, no torch.load without weights_only=True."""
     paths = sorted((REPO / "chunkzero" / "checkpoint").glob("*.py")) + [REPO / "jax_backend" / "checkpoint.py"]
-    paths += [REPO / "torch_backend" / f"{m}.py" for m in
-              ("checkpoint", "collectives", "export", "numpy_bridge", "optim_shards", "parallel_write", "pretrained", "rng")]
-    assert len(paths) > 10
+    paths += sorted((REPO / "torch_backend" / "checkpoint").glob("*.py")) + [REPO / "torch_backend" / "zero" / "collectives.py"]
+    assert len(paths) > 10 and all(p.exists() for p in paths)
     for path in paths:
         src = path.read_text()
         assert not re.search(r"^\s*(import|from)\s+(pickle|cPickle|dill|cloudpickle)\b", src, re.MULTILINE), path

@@ -109,7 +109,7 @@ def test_add_param_group_of_no_parameters_without_a_default_group():
     optim.load_state_dict(optim.state_dict())
 
 
-@pytest.mark.parametrize("spelling", ["model.parameters()", "model.module.parameters()", "group dicts"])
+@pytest.mark.parametrize("spelling", ["model.parameters()", "model.module.parameters()", "group dicts", "positional"])
 def test_params_takes_torchs_meaning(spelling):
     """``params=`` is torch's ``Optimizer(params)``: ``model.parameters()`` (frozen ones included, as
     torch skips them) or group dicts; 3 AdamW steps equal torch's fused AdamW on the same groups bitwise."""
@@ -124,7 +124,10 @@ def test_params_takes_torchs_meaning(spelling):
     else:
         params = model.parameters() if spelling == "model.parameters()" else model.module.parameters()
         ref_params = ref.parameters()
-    optim = ZeroOptimizer(model, torch.optim.AdamW, params=params, **ADAMW)
+    if spelling == "positional":  # torch's own order: Optimizer(params, lr=...)
+        optim = ZeroOptimizer(model, torch.optim.AdamW, model.parameters(), **ADAMW)
+    else:
+        optim = ZeroOptimizer(model, torch.optim.AdamW, params=params, **ADAMW)
     ropt = torch.optim.AdamW(ref_params, fused=True, **ADAMW)
     assert len(optim.param_groups) == len(ropt.param_groups)
     assert all(g["lr"] == r["lr"] and g["weight_decay"] == r["weight_decay"] for g, r in zip(optim.param_groups, ropt.param_groups))

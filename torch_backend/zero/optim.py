@@ -96,7 +96,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ``param_groups`` both given, or ``params`` that leaves out a trainable parameter.
     """
 
-    def __init__(self, model: ZeroDDP, optimizer_class=torch.optim.AdamW, *, param_groups=None, params=None,
+    def __init__(self, model: ZeroDDP, optimizer_class=torch.optim.AdamW, params=None, *, param_groups=None,
                  max_norm: float | None = None, initial_scale: float = 2.0**16, growth_interval: int = 1000,
                  hysteresis: int = 2, min_scale: float = 1.0, max_skipped_at_min_scale: int | None = 10, **defaults):
         if not isinstance(model, ZeroDDP):
