@@ -112,6 +112,10 @@ class ChunkStates:
                 if state is not to_state:
                     self.transition(name, to_state)
 
+    def names_in(self, *states: TensorState) -> list[str]:
+        """The tensors now in any of ``states``, in chunk order."""
+        return [name for name, state in self._states.items() if state in states]
+
     def count(self, state: TensorState) -> int:
         return self._counts[state]
 

@@ -39,7 +39,7 @@ TAKEN_BY = {
     (S.HOLD, S.READY_FOR_REDUCE): {"grad_ready"},
     (S.COMPUTE, S.READY_FOR_REDUCE): {"grad_ready"},
     (S.READY_FOR_REDUCE, S.HOLD): {"rest"},
-    (S.READY_FOR_REDUCE, S.FREE): {"release", "rest"},
+    (S.READY_FOR_REDUCE, S.FREE): {"rest"},  # release keeps a final gradient READY_FOR_REDUCE
 }
 
 

@@ -51,6 +51,7 @@ class ChunkShardIO:
         self.shard = copied(self.shard, device, self.device, non_blocking=True)
         self.param_device = torch.device(device)
         self.param_offloaded = bool(offloaded)
+        self.account_persistent()
         return self.shard.numel() * self.shard.element_size()
 
     def move_master(self, device: torch.device) -> int:
@@ -71,9 +72,10 @@ class ChunkShardIO:
         self.master.data = copied(self.master.detach(), device, self.device, non_blocking=True)
         moved = self.master.numel() * 4
         if grad is not None:
-            self.master.grad = copied(grad, device, self.device, non_blocking=True)
+            self.master.grad = self.tracker.track(copied(grad, device, self.device, non_blocking=True), "fp32_gradients")
             moved += grad.numel() * 4
         self.master_device = torch.device(device)
+        self.account_persistent()
         return moved
 
     # ------------------------------------------------------------------ state I/O
@@ -115,8 +117,8 @@ class ChunkShardIO:
         if self.keep_gathered or self.world_size == 1:
             return shard
         src = shard.to(self.device)
-        out = torch.empty(self.size, dtype=shard.dtype, device=self.device)
-        collectives.all_gather_flat(out, src, self.group)
+        out = self.tracker.track(torch.empty(self.size, dtype=shard.dtype, device=self.device), "staging")
+        collectives.all_gather_flat(out, src, self.group, tracker=self.tracker)
         return out
 
     def shard_from_full(self, tensors: dict[str, torch.Tensor], dtype=torch.float32, base: torch.Tensor | None = None) -> torch.Tensor:

@@ -63,6 +63,7 @@ from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
 
 from . import collectives
 from .chunk_io import ChunkShardIO, copied, host_empty
+from .memory import AllocationTracker
 from .torch_internals import storage_key
 
 S = TensorState
@@ -107,6 +108,8 @@ class Chunk(ChunkShardIO):
             on every rank.
         compute_dtype: dtype of the gathered buffer and gradients (default: the layout chunk's dtype);
             a frozen chunk's layout dtype is its storage dtype and may differ from it.
+        tracker: the engine's :class:`~torch_backend.zero.memory.AllocationTracker`, told of every
+            buffer the chunk allocates and frees (default: one of its own).
     """
 
     def __init__(
@@ -125,8 +128,13 @@ class Chunk(ChunkShardIO):
         initial: torch.Tensor,
         movable: bool = False,
         compute_dtype: torch.dtype | None = None,
+        tracker: AllocationTracker | None = None,
     ):
         info = layout.chunks[index]
+        self.tracker = tracker if tracker is not None else AllocationTracker()
+        """Where the chunk's allocations are counted (:class:`~torch_backend.zero.memory.AllocationTracker`)."""
+        self._persistent_keys: dict[str, int] = {}
+        self._gathered_key: int | None = None
         self.index = index
         self.info = info
         self.layout = layout
@@ -203,6 +211,24 @@ class Chunk(ChunkShardIO):
             params[t.name].data = self.buffer[t.offset : t.end].view(t.shape)
         if not self.resident:
             self.buffer.untyped_storage().resize_(0)
+        self.account_persistent()
+
+    def account_persistent(self) -> None:
+        """(Re)count the persistent tensors in the tracker — the parameter shard (the master itself in
+        fp32), the master when apart, a resident compute-dtype copy — on the devices they are on now
+        (called at construction and after a placement move)."""
+        for key in self._persistent_keys.values():
+            self.tracker.free(key)
+        self._persistent_keys = {}
+        shared = self.shard is not None and self.master is not None and self.shard.data_ptr() == self.master.data_ptr()
+        held = [("shard", "parameters", self.shard)]
+        if self.master is not None and not shared:
+            held.append(("master", "fp32_master", self.master))
+        if self.resident and self.casts_frozen:
+            held.append(("buffer", "parameters", self.buffer))
+        for slot, kind, t in held:
+            if t is not None:
+                self._persistent_keys[slot] = self.tracker.add(kind, t.device, t.numel() * t.element_size())
 
     # ------------------------------------------------------------------ gather / release
     @property
@@ -217,9 +243,9 @@ class Chunk(ChunkShardIO):
 
     def _gather_source(self) -> torch.Tensor:
         if self.shard is None:
-            return self.master.detach().to(self.device, self.dtype)
+            return self.tracker.track(self.master.detach().to(self.device, self.dtype), "staging")
         if self.shard.dtype != self.dtype:  # a frozen chunk in its storage dtype: move (async), then cast there
-            return self.shard.to(self.device, non_blocking=True).to(self.dtype)
+            return self.tracker.track(self.shard.to(self.device, non_blocking=True).to(self.dtype), "staging")
         return self.shard  # on the host when parameter-offloaded: the collective copies it over first
 
     def begin_gather(self, *, async_op: bool) -> None:
@@ -233,8 +259,11 @@ class Chunk(ChunkShardIO):
         if self._gather is not None:
             self.finish_gather()
         if not self._gathered:
-            self.buffer.untyped_storage().resize_(self.size * self.buffer.element_size())
-        self._gather = collectives.all_gather_flat(self.buffer, self._gather_source(), self.group, async_op=async_op)
+            nbytes = self.size * self.buffer.element_size()
+            self.buffer.untyped_storage().resize_(nbytes)
+            self._gathered_key = self.tracker.add("gathered_buffers", self.buffer.device, nbytes)
+        self._gather = collectives.all_gather_flat(self.buffer, self._gather_source(), self.group, async_op=async_op,
+                                                   tracker=self.tracker)
 
     def finish_gather(self) -> None:
         """Wait for the issued gather; tensors move FREE → HOLD."""
@@ -248,11 +277,15 @@ class Chunk(ChunkShardIO):
 
     def release(self) -> bool:
         """Free the gathered buffer's storage (sharded chunks only), also of a gather still in flight
-        (waited for first: never free a buffer a collective is writing); tensors HOLD → FREE.
-        Returns whether there was a buffer to free.
+        (waited for first: never free a buffer a collective is writing); tensors HOLD → FREE. A
+        tensor whose gradient is already final stays READY_FOR_REDUCE: readiness is about the
+        gradient, not the gathered data, and a chunk released in the middle of its backward (its
+        last saved weight freed before its last gradient arrived) must still become reducible when
+        its other tensors' gradients arrive — else its gradient buffer waits for the end of the
+        backward. Returns whether there was a buffer to free.
 
         Raises:
-            IllegalTransitionError: a tensor is still in use (COMPUTE, HOLD_AFTER_BWD).
+            IllegalTransitionError: a tensor is still in use (COMPUTE).
         """
         if self.resident:
             return False
@@ -260,8 +293,11 @@ class Chunk(ChunkShardIO):
             self.finish_gather()
         if not self._gathered:
             return False
-        self.states.transition_all(S.FREE)
+        for name in self.states.names_in(S.HOLD, S.COMPUTE):
+            self.states.transition(name, S.FREE)
         self.buffer.untyped_storage().resize_(0)
+        self.tracker.free(self._gathered_key)
+        self._gathered_key = None
         self._gathered = False
         self._used_since_gather = False
         self._pin = None
@@ -393,7 +429,8 @@ class Chunk(ChunkShardIO):
     # ------------------------------------------------------------------ gradients
     def _grad_buffer(self) -> torch.Tensor:
         if self.grad_buffer is None:
-            self.grad_buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
+            self.grad_buffer = self.tracker.track(torch.empty(self.size, dtype=self.dtype, device=self.device),
+                                                  "gradient_buffers")
             self._grad_written.clear()
         return self.grad_buffer
 
@@ -410,16 +447,18 @@ class Chunk(ChunkShardIO):
         """
         if (self.grad_buffer is None and placement.offset == 0 and placement.end == self.size
                 and grad.is_contiguous() and grad.dtype == self.dtype and grad.device == self.device):
-            self.grad_buffer = grad.detach().view(-1)
+            self.grad_buffer = self.tracker.track(grad.detach().view(-1), "gradient_buffers")
             self._grad_written = {name}
             return
         buf = self._grad_buffer()[placement.offset : placement.end]
+        handed = self.tracker.add("autograd_grads", grad.device, grad.numel() * grad.element_size())
         g = grad.reshape(-1)
         if name in self._grad_written:
             buf.add_(g)
         else:
             buf.copy_(g)
             self._grad_written.add(name)
+        self.tracker.free(handed)  # the caller drops it on return
 
     def begin_reduce(self, *, async_op: bool) -> None:
         """Issue the averaging of the gradient buffer over ranks (zeros where nothing was accumulated).
@@ -436,13 +475,15 @@ class Chunk(ChunkShardIO):
             buf[self.info.utilized :].zero_()
         self.grad_buffer = None
         self._grad_written = set()
+        self.tracker.track(buf, "reduce_inputs")
         if self.keep_gathered:
             out, pending = buf, collectives.all_reduce_avg(buf, self.group, divide_first=self.divide_first, async_op=async_op)
         elif self.world_size == 1:
             out, pending = buf, collectives.all_reduce_avg(buf, None)
         else:
-            out = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-            pending = collectives.reduce_scatter_avg(out, buf, self.group, divide_first=self.divide_first, async_op=async_op)
+            out = self.tracker.track(torch.empty(self.shard_numel, dtype=self.dtype, device=self.device), "reduce_outputs")
+            pending = collectives.reduce_scatter_avg(out, buf, self.group, divide_first=self.divide_first, async_op=async_op,
+                                                     tracker=self.tracker)
         self._reduces.append((pending, out))
 
     def finish_reduces(self) -> None:
@@ -456,7 +497,7 @@ class Chunk(ChunkShardIO):
                 # the compute stream does not wait for it (finish_host_gradients does, at the step)
                 with collectives.communication_stream(out):
                     pending.wait()
-                    staging = host_empty(out.numel(), out.dtype, self.device)
+                    staging = self.tracker.track(host_empty(out.numel(), out.dtype, self.device), "staging")
                     staging.copy_(out, non_blocking=True)
                     done = torch.cuda.Event()
                     done.record()
@@ -480,7 +521,7 @@ class Chunk(ChunkShardIO):
 
     def _accumulate(self, g: torch.Tensor) -> None:
         if self.master.grad is None:
-            self.master.grad = g
+            self.master.grad = self.tracker.track(g, "fp32_gradients")
         else:
             self.master.grad.add_(g)
 

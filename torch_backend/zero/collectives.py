@@ -145,7 +145,14 @@ def _finish(work, epilogue, keep, async_op: bool) -> Pending:
     return _DONE
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_op: bool = False) -> Pending:
+def _tracked(tensor: torch.Tensor, tracker, kind: str) -> torch.Tensor:
+    """``tensor``, counted as ``kind`` by ``tracker`` (a :class:`~torch_backend.zero.memory.AllocationTracker`,
+    or ``None``) for as long as it lives."""
+    return tensor if tracker is None else tracker.track(tensor, kind)
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_op: bool = False,
+                    tracker=None) -> Pending:
     """Gather equal 1-D shards from every rank into ``output`` (rank order).
 
     Args:
@@ -155,6 +162,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_o
             ``output``'s device, on the communication stream on CUDA.
         group: process group, or ``None`` for a single process (``output`` becomes a copy of ``shard``).
         async_op: return before the data has arrived; ``output`` is valid after ``wait()``.
+        tracker: counts the device copy of an off-device shard (``staging``); ``None``: not counted.
     """
     if _world(group) == 1:
         if output.data_ptr() != shard.data_ptr():
@@ -162,7 +170,8 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_o
         return _DONE
     copy_in = shard.device != output.device
     # allocated here, on the compute stream, so that its memory is reused only after the wait
-    source = torch.empty(shard.shape, dtype=shard.dtype, device=output.device) if copy_in else shard.contiguous()
+    source = (_tracked(torch.empty(shard.shape, dtype=shard.dtype, device=output.device), tracker, "staging")
+              if copy_in else shard.contiguous())
     with _issue_context(output, async_op):
         if copy_in:
             source.copy_(shard, non_blocking=True)  # the host→device copy runs on the communication stream
@@ -171,7 +180,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_o
 
 
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divide_first: bool = False,
-                       async_op: bool = False) -> Pending:
+                       async_op: bool = False, tracker=None) -> Pending:
     """Average ``full`` over the ranks and keep this rank's shard in ``output``.
 
     Args:
@@ -180,6 +189,7 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
             divided in place by ``W`` before the reduction (fp16: keeps the sum in range).
         group: process group, or ``None`` for a single process.
         async_op: return at once; ``output`` holds the mean after ``wait()``.
+        tracker: counts the receive buffer of gloo's all-to-all (``exchange_buffers``); ``None``: not counted.
     """
     world = _world(group)
     if world == 1:
@@ -191,7 +201,7 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
     epilogue = None if divide_first else (lambda: output.div_(world))
     backend = dist.get_backend(group)
     if backend == "gloo" and full.device.type == "cpu":
-        return _exchange_and_sum(output, full, group, world, epilogue, async_op)
+        return _exchange_and_sum(output, full, group, world, epilogue, async_op, tracker)
     if backend not in _NO_FLAT_REDUCE_SCATTER:
         try:
             with _issue_context(output, async_op):
@@ -214,13 +224,32 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
     return _finish(work, copy_out, (output, full), async_op)
 
 
-def _exchange_and_sum(output, full, group, world: int, epilogue, async_op: bool) -> Pending:
+def _exchange_and_sum(output, full, group, world: int, epilogue, async_op: bool, tracker=None) -> Pending:
     """gloo's reduce-scatter: an all-to-all (rank ``r`` receives every rank's slice ``r``) and a local
     sum in rank order. gloo implements the flat reduce-scatter as a whole all-reduce, which moves twice
     the bytes and sums the whole chunk on its own threads; this moves ``(W-1)/W`` of the chunk and sums
     only this rank's slice (half the CPU time of gloo's reduce-scatter on 2 ranks:
-    ``benchmarks/bench_collectives.py``)."""
-    received = torch.empty_like(full)
+    ``benchmarks/bench_collectives.py``).
+
+    At 2 ranks nothing is allocated: each rank sends only the other's slice and receives the other's
+    slice straight into ``output`` (uneven splits, the own slice sent to itself with size 0), then adds
+    its own slice (``a + b == b + a`` exactly, so the result is the rank-order sum). With more ranks the
+    own slice sits between the others', which one contiguous all-to-all input cannot skip: a receive
+    buffer of the whole chunk holds every rank's slice (``exchange_buffers`` in ``tracker``)."""
+    if world == 2:
+        rank, n = dist.get_rank(group), output.numel()
+        mine, other = full[rank * n : (rank + 1) * n], full[(1 - rank) * n : (2 - rank) * n]
+        splits = [0, n] if rank == 0 else [n, 0]
+        work = dist.all_to_all_single(output, other, output_split_sizes=splits, input_split_sizes=splits,
+                                      group=group, async_op=async_op)
+
+        def add_own():
+            output.add_(mine)
+            if epilogue is not None:
+                epilogue()
+
+        return _finish(work, add_own, (output, full), async_op)
+    received = _tracked(torch.empty_like(full), tracker, "exchange_buffers")
     work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
 
     def sum_slices():

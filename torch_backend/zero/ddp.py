@@ -52,7 +52,7 @@ from .materialize import MetaMaterializer, training_device
 from .config import (AutoPlacementPolicy, MixedPrecision, PlacementPolicy, PrefetchPolicy, resolve_mixed_precision,
                      resolve_placement, resolve_prefetch)
 from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
-from .memory import MemoryReport
+from .memory import AllocationTracker, MemoryReport
 from .module_layout import ParamGroups, build_layout, collect_parameters
 from .runtime import ChunkRuntime, Entry
 from .torch_internals import under_torch_compile
@@ -254,9 +254,12 @@ class ZeroDDP(nn.Module):
         auto = isinstance(self.placement_policy, AutoPlacementPolicy)
         chunks: list[Chunk] = []
         entries: list[Entry] = []
+        self.allocations = AllocationTracker()
+        """Every buffer the engine allocates, now and at its peak (:class:`~torch_backend.zero.memory.AllocationTracker`;
+        read through :meth:`memory_report`)."""
         for info in self.layout.chunks:
             tensors = self.layout.chunk_tensors(info.index)
-            initial = torch.zeros(info.size, dtype=torch.float32, device=self.device)
+            initial = self.allocations.track(torch.zeros(info.size, dtype=torch.float32, device=self.device), "staging")
             with torch.no_grad():
                 for t in tensors:
                     if materializer is not None:
@@ -268,7 +271,7 @@ class ZeroDDP(nn.Module):
                           device=self.device, param_device=where[start.param], master_device=where[start.master],
                           param_offloaded=start.param_offloaded, group=self.process_group,
                           divide_first=self.mixed_precision == "fp16", initial=initial, movable=auto,
-                          compute_dtype=self.compute_dtype)
+                          compute_dtype=self.compute_dtype, tracker=self.allocations)
             del initial
             chunks.append(chunk)
             entries += [Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t) for t in tensors]
@@ -450,7 +453,9 @@ class ZeroDDP(nn.Module):
     # ================================================================== memory
     def memory_report(self, optimizer=None) -> MemoryReport:
         """Bytes this rank holds now, per device and kind (see :class:`MemoryReport`), with the
-        offload decisions and the peak number of gathered chunks.
+        offload decisions, the peak number of gathered chunks, and what the engine's own allocations
+        hold now and held at their peak (``allocated``, ``peak_allocated``, ``peak_allocated_total``:
+        counted at each allocation and free, since construction or :meth:`reset_peak_memory`).
 
         Args:
             optimizer: the :class:`~torch_backend.ZeroOptimizer` over this model, whose state shards
@@ -459,7 +464,12 @@ class ZeroDDP(nn.Module):
         """
         return MemoryReport.collect(self.chunks, self.device, optimizer, offload_optim_chunks=self.offload_optim_chunks,
                                     offload_param_chunks=self.offload_param_chunks,
-                                    peak_gathered_chunks=self._runtime.sched.peak_gathered)
+                                    peak_gathered_chunks=self._runtime.sched.peak_gathered, tracker=self.allocations)
+
+    def reset_peak_memory(self) -> None:
+        """Start :meth:`memory_report`'s allocation peaks again from what is allocated now (as
+        ``torch.cuda.reset_peak_memory_stats`` does for the allocator's)."""
+        self.allocations.reset_peak()
 
     def gathered_chunks(self) -> list[int]:
         """Indices of sharded chunks gathered, or being gathered, right now (resident chunks —

@@ -28,7 +28,7 @@ order), re-recorded whenever the order changes; a chunk used out of that order i
 With ``prefetch > 0`` all-gathers and reduce-scatters are issued asynchronously (gloo work handles;
 CUDA: a communication stream, see :mod:`torch_backend.zero.collectives`) so the prefetched gathers and
 the reductions of finished chunks overlap the computation; at most ``max(1, prefetch)`` reductions
-are in flight (the oldest is completed first), which bounds the gradient memory. The prefetch votes
+are in flight (the oldest is completed before the next is issued), which bounds the gradient memory. The prefetch votes
 are asynchronous too: a vote cast at chunk ``k``'s first use is decided at the next chunk's, so it
 asks for the chunks up to ``prefetch + 1`` ahead, and the gathers it decides are issued a chunk ahead
 of their use (``late_gathers`` counts those issued only at their use).
@@ -286,9 +286,13 @@ class Scheduler:
     def _reduce(self, index: int) -> None:
         self.ready.discard(index)
         c = self.chunks[index]
+        # the oldest reductions are completed before the next is issued, so that at most
+        # max(1, prefetch) are ever in flight (their gradient buffers included)
+        while len(self._reducing) >= max(1, self.prefetch):
+            self.chunks[self._reducing.popleft()].finish_reduces()
         c.begin_reduce(async_op=self.async_op and self.world_size > 1)
         self._reducing.append(index)
-        while len(self._reducing) > max(1, self.prefetch) or (self._reducing and not self.async_op):
+        while self._reducing and not self.async_op:
             self.chunks[self._reducing.popleft()].finish_reduces()
 
     # ------------------------------------------------------------------ rounds
