@@ -153,6 +153,11 @@ class CudaStreams:
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         tensor.record_stream(stream)
 
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D pinned host tensor (torch's caching host allocator reuses its block only after the
+        events it recorded on the streams that copied it)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
     def wait_work(self, work, issued_on) -> None:
         """The current stream waits for an issued collective (NCCL's ``work.wait()`` does exactly that;
         ``issued_on``, the stream it was issued from, is for stand-ins that have no NCCL stream)."""
