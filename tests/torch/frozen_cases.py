@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from zero_cases import ADAMW, batches, gpt2_loss, hf_gpt2, micro, zero_run
+from zero_cases import ADAMW, batches, gpt2_loss, hf_gpt2, zero_run
 
 
 def frozen_half_gpt2(seed_shift: float = 0.0):

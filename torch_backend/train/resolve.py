@@ -54,7 +54,8 @@ def max_cpu_workers() -> int:
 
 
 def threads_per_worker(local_workers: int) -> int:
-    """Intra-op threads of each of ``local_workers`` CPU workers on this machine: ``max(1, cores // workers)``."""
+    """Intra-op threads of each of ``local_workers`` workers on this machine, CPU or CUDA (a CUDA
+    worker's host threads run its offloaded optimizer): ``max(1, cores // workers)``."""
     return max(1, available_cpu_cores() // max(1, local_workers))
 
 

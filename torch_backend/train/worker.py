@@ -46,7 +46,8 @@ PEER_LOST_GRACE_S = 3.0
 def init_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
     """``(rank, world_size, local_rank, device)``; joins the process group given by the environment
     (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``… set by ``torchrun`` or our launcher) with a collective
-    timeout of ``cfg.timeout_s``, so a vanished peer ends the run instead of hanging for 30 minutes."""
+    timeout of ``cfg.timeout_s``, so a vanished peer ends the run instead of hanging for 30 minutes. Every
+    worker, CPU or CUDA, runs ``cores // local workers`` intra-op threads (:func:`threads_per_worker`)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -57,7 +58,9 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(threads_per_worker(local_world))
+    # CUDA workers too: each runs its offloaded optimizer on the host, and 8 ranks each using every core
+    # would oversubscribe the machine 8 times
+    torch.set_num_threads(threads_per_worker(local_world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}

@@ -11,12 +11,37 @@ import torch
 
 from . import collectives
 
-__all__ = ["ChunkShardIO", "copied", "host_empty"]
+__all__ = ["ChunkShardIO", "copied", "held_bytes", "host_empty", "pinned_block_bytes"]
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The bytes torch's caching host allocator holds for a pinned request of ``nbytes``: the block is
+    rounded up to a power of two (up to twice the request; 0 stays 0).
+
+    Raises:
+        ValueError: ``nbytes`` is negative.
+    """
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return 0 if nbytes == 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def held_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t``'s memory really takes: its own for device and pageable host memory, the allocator's
+    rounded block (:func:`pinned_block_bytes`) for a pinned host tensor that owns its storage."""
+    n = t.numel() * t.element_size()
+    if t.device.type == "cpu" and t.is_pinned() and t.untyped_storage().nbytes() == n:
+        return pinned_block_bytes(n)
+    return n
 
 
 def host_empty(numel: int, dtype: torch.dtype, like_device: torch.device) -> torch.Tensor:
-    """An empty 1-D host tensor, pinned when the compute device is CUDA (so copies can be async)."""
-    return torch.empty(numel, dtype=dtype, pin_memory=like_device.type == "cuda")
+    """An empty 1-D host tensor, pinned when the compute device has streams (CUDA; so copies can be
+    async): allocated by the stream layer (:func:`collectives.stream_layer`), whose pinned memory is
+    reused only after the streams that copied it are done."""
+    if collectives.uses_streams(like_device):
+        return collectives.stream_layer().host_empty(numel, dtype)
+    return torch.empty(numel, dtype=dtype)
 
 
 def copied(t: torch.Tensor, device: torch.device, compute_device: torch.device, dtype: torch.dtype | None = None,
@@ -133,23 +158,28 @@ class ChunkShardIO:
 
     # ------------------------------------------------------------------ memory
     def bytes_by_kind(self) -> list[tuple[torch.device, str, int]]:
-        """``(device, kind, bytes)`` of everything this chunk holds now, on the device each tensor is on."""
+        """``(device, kind, bytes)`` of everything this chunk holds now, on the device each tensor is on;
+        pinned host tensors at the size of the allocator's block (:func:`held_bytes`), device→host
+        gradient copies in flight (their device shard and pinned staging buffer) included."""
         out = []
         shared = self.shard is not None and self.master is not None and self.shard.data_ptr() == self.master.data_ptr()
         if self.shard is not None:
-            out.append((self.shard.device, "parameters", self.shard.numel() * self.shard.element_size()))
+            out.append((self.shard.device, "parameters", held_bytes(self.shard)))
         if self.resident and self.casts_frozen:  # keep-gathered frozen in another dtype: its compute copy
             out.append((self.buffer.device, "parameters", self.size * self.buffer.element_size()))
         if self.master is not None and not shared:
-            out.append((self.master.device, "fp32_master", self.master.numel() * 4))
+            out.append((self.master.device, "fp32_master", held_bytes(self.master.detach())))
         if (self._gathered or self._gather is not None) and not self.resident:
             out.append((self.buffer.device, "gathered_buffers", self.size * self.buffer.element_size()))
         if self.grad_buffer is not None:
             out.append((self.grad_buffer.device, "gradients", self.grad_buffer.numel() * self.grad_buffer.element_size()))
         for _, t in self._reduces:
             out.append((t.device, "gradients", t.numel() * t.element_size()))
+        for staging, _, t in self._to_host:
+            out.append((t.device, "gradients", t.numel() * t.element_size()))
+            out.append((staging.device, "gradients", held_bytes(staging)))
         if self.master is not None and self.master.grad is not None:
-            out.append((self.master.grad.device, "gradients", self.master.grad.numel() * 4))
+            out.append((self.master.grad.device, "gradients", held_bytes(self.master.grad)))
         return out
 
     def frozen_bytes_by_dtype(self) -> list[tuple[torch.device, str, int]]:

@@ -409,12 +409,17 @@ class Chunk(ChunkShardIO):
             self.release()
 
     def refresh_from_master(self) -> None:
-        """Copy the fp32 master shard into the low-precision shard (and drop the stale gathered copy)."""
+        """Copy the fp32 master shard into the low-precision shard (and drop the stale gathered copy).
+
+        The gathered copy is released first: a gather still in flight may be reading the shard on the
+        communication stream, and its wait (on the compute stream) must come before the shard is
+        overwritten there."""
         if self.master is None:
             return
+        self.release()  # the gathered (or being gathered) copy is stale; the next use gathers the new values
         if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
             master = self.master.detach()
-            if master.device.type == "cuda" and self.shard.device.type == "cpu":
+            if collectives.uses_streams(master) and master.device.type != "cpu" and self.shard.device.type == "cpu":
                 # device → host (placement="auto": master on the device, shard evicted): cast on the
                 # device, then one stream-ordered copy into the pinned shard. (``.to("cpu",
                 # non_blocking=True)`` followed by a host copy would read the staging buffer before
@@ -424,7 +429,6 @@ class Chunk(ChunkShardIO):
                 # host → device: move first (async from pinned memory) and cast on the device: a copy
                 # that also casts would go through a pageable host buffer
                 self.shard.copy_(master.to(self.shard.device, non_blocking=True))
-        self.release()  # the gathered (or being gathered) copy is stale; the next use gathers the new values
 
     # ------------------------------------------------------------------ gradients
     def _grad_buffer(self) -> torch.Tensor:
@@ -488,19 +492,26 @@ class Chunk(ChunkShardIO):
 
     def finish_reduces(self) -> None:
         """Wait for the issued reductions and add each result into ``master.grad`` (fp32, master device);
-        :attr:`grad_sq_norm` is recomputed over the valid elements."""
+        :attr:`grad_sq_norm` is recomputed over the valid elements.
+
+        An optimizer-offloaded chunk on a device with streams (:func:`collectives.uses_streams`) waits on
+        the communication stream and copies the gradient shard there into pinned host memory, so the
+        compute stream does not wait (:meth:`finish_host_gradients` does, at the step). The buffers the
+        reduction used were allocated on the compute stream, which then has not waited for it: they are
+        freed only after the communication stream's work (:meth:`collectives.Pending.free_after`), else
+        the next chunk's gradient buffer could get their memory while the reduction still reads it.
+        """
         if not self._reduces:
             return
         for pending, out in self._reduces:
-            if out.device.type == "cuda" and self.master_device.type == "cpu":
-                # optimizer-offloaded: device→host on the communication stream, into pinned memory;
-                # the compute stream does not wait for it (finish_host_gradients does, at the step)
+            if self._reduces_to_host(out):
                 with collectives.communication_stream(out):
+                    comm = collectives.compute_stream(out)  # the current stream: the communication one
+                    pending.free_after(comm)
                     pending.wait()
                     staging = self.tracker.track(host_empty(out.numel(), out.dtype, self.device), "staging")
                     staging.copy_(out, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record()
+                    done = collectives.record_event(comm)
                 self._to_host.append((staging, done, out))
                 continue
             pending.wait()
@@ -509,12 +520,20 @@ class Chunk(ChunkShardIO):
         if not self._to_host:
             self._update_norm()
 
+    def _reduces_to_host(self, out: torch.Tensor) -> bool:
+        """Whether the reduced shard ``out`` goes to a host master through the communication stream
+        (a device with streams and the master on the host; where host and device are one memory, as on
+        CPU under a stand-in stream layer, a master on ``cpu`` counts as on the host)."""
+        return collectives.uses_streams(out) and self.master_device.type == "cpu"
+
     def finish_host_gradients(self) -> None:
-        """Complete the device→host gradient copies of an optimizer-offloaded chunk (CUDA)."""
+        """Complete the device→host gradient copies of an optimizer-offloaded chunk (a device with
+        streams): the host waits for each copy's event, then adds the staged shard into ``master.grad``
+        and drops the staging buffer and the device shard it was copied from."""
         if not self._to_host:
             return
         for staging, done, _ in self._to_host:
-            done.synchronize()
+            collectives.synchronize_event(done)
             self._accumulate(staging.float())
         self._to_host.clear()
         self._update_norm()

@@ -15,10 +15,25 @@ Chunks are flat 1-D buffers, so the only collectives needed are the flat ones:
 The three chunk collectives take ``async_op``: with ``True`` they return at once a :class:`Pending`
 whose :meth:`Pending.wait` completes them. On gloo the work runs on the process group's background
 threads; on CUDA the collective is issued from a dedicated communication stream that first waits
-for the compute stream (an event recorded where the inputs were written), and ``wait()`` makes the
-*current* (compute) stream wait for it — FSDP2's pattern. All buffers are allocated on the compute
-stream and kept alive by the ``Pending`` until it is waited for, so no ``record_stream`` is needed:
-after the compute stream has waited for the collective, its allocator may reuse them.
+for the compute stream (everything queued where the inputs were written), and ``wait()`` makes the
+*current* stream wait for it — FSDP2's pattern.
+
+**Streams.** Every cross-stream hand-over of the engine goes through this module's stream layer
+(:class:`CudaStreams`, the one instance :func:`stream_layer`), never through ``torch.cuda`` directly:
+:func:`uses_streams` (does this device have a separate communication stream), :func:`compute_stream`,
+:func:`communication_stream` (a context on it, after it waited for the compute stream),
+:func:`hand_over` (an event recorded on the producer, the consumer waits for it), :func:`free_after`
+(``record_stream``: the caching allocator reuses a buffer only after that stream's work queued so
+far), :func:`record_event` / :func:`synchronize_event` (the host waits). The rule for a buffer: it is
+allocated on one stream; a use on another stream comes after that stream waited for the writes it
+reads; and before its last reference goes, either its allocation stream (or the host) waited for every
+other stream that used it, or :func:`free_after` was called for that stream. A collective's buffers
+are allocated on the compute stream and kept alive by its :class:`Pending` until :meth:`Pending.wait`,
+which makes the *current* stream wait for the work: waited for on the compute stream, nothing more is
+needed; waited for on the communication stream (an optimizer-offloaded chunk's device→host gradient
+copy), :meth:`Pending.free_after` that stream first. A
+recording stand-in for the layer (``tests/torch/stream_recorder.py``) runs this same code on CPU and
+checks that order per buffer.
 
 Averaging is always ``SUM`` followed by an explicit division by the world size — never
 ``PREMUL_SUM`` or ``AVG``, which not every backend (gloo) or torch version (2.5–2.13) supports.
@@ -38,6 +53,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .torch_internals import process_group_timeout
+
 __all__ = [
     "Pending",
     "agree",
@@ -50,8 +67,16 @@ __all__ = [
     "barrier",
     "broadcast_from_first",
     "broadcast_int",
+    "CudaStreams",
     "communication_stream",
+    "compute_stream",
     "default_backend",
+    "free_after",
+    "hand_over",
+    "record_event",
+    "stream_layer",
+    "synchronize_event",
+    "uses_streams",
     "reduce_scatter_avg",
     "world_group",
 ]
@@ -82,25 +107,156 @@ def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+class CudaStreams:
+    """The stream and event layer on CUDA: the only place the engine asks ``torch.cuda`` for streams and
+    events (module docstring, **Streams**). A stand-in with the same methods may replace it
+    (:func:`set_stream_layer`), e.g. a recorder that treats the CPU as a device with streams."""
+
+    def __init__(self):
+        self._communication: dict[int, torch.cuda.Stream] = {}
+
+    def active(self, device: torch.device) -> bool:
+        """Whether ``device`` has streams (a separate communication stream, pinned host copies)."""
+        return device.type == "cuda"
+
+    def current(self, device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    def communication(self, device: torch.device):
+        """The device's communication stream (one per device; FSDP2 keeps one per collective kind)."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._communication.get(index)
+        if stream is None:
+            stream = self._communication[index] = torch.cuda.Stream(device=index)
+        return stream
+
+    def enter(self, stream):
+        """Context: kernels queued inside it go to ``stream``."""
+        return torch.cuda.stream(stream)
+
+    def wait_stream(self, consumer, producer) -> None:
+        """``consumer``'s later work waits for everything queued on ``producer`` so far."""
+        consumer.wait_stream(producer)
+
+    def record_event(self, stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait_event(self, consumer, event) -> None:
+        consumer.wait_event(event)
+
+    def synchronize(self, event) -> None:
+        """The host waits for ``event``."""
+        event.synchronize()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D pinned host tensor (torch's caching host allocator reuses its block only after the
+        events it recorded on the streams that copied it)."""
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def wait_work(self, work, issued_on) -> None:
+        """The current stream waits for an issued collective (NCCL's ``work.wait()`` does exactly that;
+        ``issued_on``, the stream it was issued from, is for stand-ins that have no NCCL stream)."""
+        work.wait()
+
+
+_STREAMS = CudaStreams()
+
+
+def stream_layer():
+    """The stream layer in use (:class:`CudaStreams` unless a stand-in was set)."""
+    return _STREAMS
+
+
+def set_stream_layer(layer):
+    """Use ``layer`` (an object with :class:`CudaStreams`'s methods) for every stream operation;
+    returns the previous one. For tests: a recording stand-in on CPU."""
+    global _STREAMS
+    previous, _STREAMS = _STREAMS, layer
+    return previous
+
+
+def _device_of(where) -> torch.device:
+    return where.device if isinstance(where, torch.Tensor) else torch.device(where)
+
+
+def uses_streams(where) -> bool:
+    """Whether the device of ``where`` (a tensor or a device) has a separate communication stream."""
+    return _STREAMS.active(_device_of(where))
+
+
+def compute_stream(where):
+    """The current (compute) stream of ``where``'s device; ``None`` without streams."""
+    device = _device_of(where)
+    return _STREAMS.current(device) if _STREAMS.active(device) else None
+
+
+def hand_over(from_stream, to_stream):
+    """A buffer written on ``from_stream`` is used next on ``to_stream``: an event recorded on the
+    producer, the consumer waits for it (nothing when either is ``None``, or they are the same).
+    Returns the event (``None`` when nothing was recorded)."""
+    if from_stream is None or to_stream is None or from_stream is to_stream:
+        return None
+    event = _STREAMS.record_event(from_stream)
+    _STREAMS.wait_event(to_stream, event)
+    return event
+
+
+def free_after(tensor: torch.Tensor, stream) -> None:
+    """``tensor``'s memory may be reused only after the work queued on ``stream`` so far (a buffer
+    allocated on another stream and used on ``stream``; ``record_stream``). Nothing for ``None``."""
+    if stream is not None:
+        _STREAMS.record_stream(tensor, stream)
+
+
+def record_event(stream):
+    """An event recorded on ``stream`` (``None`` for ``None``), for :func:`synchronize_event`."""
+    return None if stream is None else _STREAMS.record_event(stream)
+
+
+def synchronize_event(event) -> None:
+    """The host waits for ``event`` (nothing for ``None``)."""
+    if event is not None:
+        _STREAMS.synchronize(event)
+
+
 class Pending:
-    """An issued collective. :meth:`wait` completes it once: it waits for the work (on CUDA it makes
-    the current stream wait), then runs the epilogue (a division, a copy-out) and drops the buffers
-    it kept alive."""
+    """An issued collective. :meth:`wait` completes it once: it makes the current stream wait for the
+    work (gloo: the host waits), runs the epilogue (a division, a copy-out) on the current stream, and
+    drops the buffers it kept alive. Those were allocated on the compute stream: waited for there, their
+    memory is reused only after the collective; waited for on another stream, call :meth:`free_after`
+    that stream first (module docstring, **Streams**)."""
 
-    __slots__ = ("_epilogue", "_keep", "_work")
+    __slots__ = ("_epilogue", "_issue_stream", "_keep", "_work")
 
-    def __init__(self, work=None, epilogue: Callable[[], None] | None = None, keep: tuple = ()):
+    def __init__(self, work=None, epilogue: Callable[[], None] | None = None, keep: tuple = (), issue_stream=None):
         self._work, self._epilogue, self._keep = work, epilogue, keep
+        self._issue_stream = issue_stream
+        """The communication stream it was issued from (``None``: no streams, or issued synchronously)."""
 
     @property
     def done(self) -> bool:
         """Whether :meth:`wait` has run (a completed collective that was never waited for is not done)."""
         return self._work is None and self._epilogue is None
 
+    def free_after(self, stream) -> None:
+        """The buffers the collective uses are freed, when :meth:`wait` drops them, only after the work
+        queued on ``stream`` by then (:func:`free_after` each: the stream that will wait for the
+        collective, when it is not their allocation stream)."""
+        for t in self._keep:
+            free_after(t, stream)
+
     def wait(self) -> None:
         work, self._work = self._work, None
         if work is not None:
-            work.wait()
+            if self._issue_stream is not None:
+                _STREAMS.wait_work(work, self._issue_stream)
+            else:
+                work.wait()
         epilogue, self._epilogue = self._epilogue, None
         if epilogue is not None:
             epilogue()
@@ -109,35 +265,33 @@ class Pending:
 
 _DONE = Pending()
 
-# One communication stream per CUDA device (FSDP2 keeps one per collective kind; one suffices here).
-_COMM_STREAMS: dict[int, torch.cuda.Stream] = {}
-
 
 @contextlib.contextmanager
-def _issue_context(tensor: torch.Tensor, async_op: bool):
-    """Where an async collective on ``tensor`` is issued: on CUDA the communication stream, after it
-    waits for everything the compute stream has queued so far; elsewhere (or sync) right here."""
-    if not async_op or tensor.device.type != "cuda":
+def _issue_context(tensor: torch.Tensor, async_op: bool, issued: list | None = None):
+    """Where an async collective on ``tensor`` is issued: on a device with streams the communication
+    stream, after it waits for everything the compute stream has queued so far; elsewhere (or sync)
+    right here. ``issued`` receives the communication stream, for the :class:`Pending`."""
+    if not async_op or not uses_streams(tensor):
         yield
         return
-    index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-    stream = _COMM_STREAMS.get(index)
-    if stream is None:
-        stream = _COMM_STREAMS[index] = torch.cuda.Stream(device=index)
-    stream.wait_stream(torch.cuda.current_stream(index))
-    with torch.cuda.stream(stream):
+    device = tensor.device
+    compute, comm = _STREAMS.current(device), _STREAMS.communication(device)
+    _STREAMS.wait_stream(comm, compute)
+    if issued is not None:
+        issued.append(comm)
+    with _STREAMS.enter(comm):
         yield
 
 
 def communication_stream(tensor: torch.Tensor):
-    """Context that runs on ``tensor``'s device's communication stream (CUDA), after everything the
-    compute stream has queued; elsewhere it does nothing."""
+    """Context that runs on ``tensor``'s device's communication stream (a device with streams), after
+    everything the compute stream has queued; elsewhere it does nothing."""
     return _issue_context(tensor, True)
 
 
-def _finish(work, epilogue, keep, async_op: bool) -> Pending:
+def _finish(work, epilogue, keep, async_op: bool, issued: list | None = None) -> Pending:
     if async_op:
-        return Pending(work, epilogue, keep)
+        return Pending(work, epilogue, keep, issued[0] if issued else None)
     if work is not None:
         work.wait()
     if epilogue is not None:
@@ -172,11 +326,12 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_o
     # allocated here, on the compute stream, so that its memory is reused only after the wait
     source = (_tracked(torch.empty(shard.shape, dtype=shard.dtype, device=output.device), tracker, "staging")
               if copy_in else shard.contiguous())
-    with _issue_context(output, async_op):
+    issued: list = []
+    with _issue_context(output, async_op, issued):
         if copy_in:
             source.copy_(shard, non_blocking=True)  # the host→device copy runs on the communication stream
         work = _ALL_GATHER_FLAT(output, source, group=group, async_op=async_op)
-    return _finish(work, None, (output, source, shard), async_op)
+    return _finish(work, None, (output, source, shard), async_op, issued)
 
 
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divide_first: bool = False,
@@ -202,11 +357,12 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
     backend = dist.get_backend(group)
     if backend == "gloo" and full.device.type == "cpu":
         return _exchange_and_sum(output, full, group, world, epilogue, async_op, tracker)
+    issued: list = []
     if backend not in _NO_FLAT_REDUCE_SCATTER:
         try:
-            with _issue_context(output, async_op):
+            with _issue_context(output, async_op, issued):
                 work = _REDUCE_SCATTER_FLAT(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-            return _finish(work, epilogue, (output, full), async_op)
+            return _finish(work, epilogue, (output, full), async_op, issued)
         except (RuntimeError, NotImplementedError) as e:  # old gloo: flat reduce-scatter unsupported
             if "not supported" not in str(e).lower() and "unimplemented" not in str(e).lower():
                 raise
@@ -219,9 +375,10 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
         if epilogue is not None:
             epilogue()
 
-    with _issue_context(output, async_op):
+    issued.clear()
+    with _issue_context(output, async_op, issued):
         work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, copy_out, (output, full), async_op)
+    return _finish(work, copy_out, (output, full), async_op, issued)
 
 
 def _exchange_and_sum(output, full, group, world: int, epilogue, async_op: bool, tracker=None) -> Pending:
@@ -229,35 +386,39 @@ def _exchange_and_sum(output, full, group, world: int, epilogue, async_op: bool,
     sum in rank order. gloo implements the flat reduce-scatter as a whole all-reduce, which moves twice
     the bytes and sums the whole chunk on its own threads; this moves ``(W-1)/W`` of the chunk and sums
     only this rank's slice (half the CPU time of gloo's reduce-scatter on 2 ranks:
-    ``benchmarks/bench_collectives.py``).
+    ``benchmarks/bench_collectives.py``). Issued like the other collectives (a no-op context on a
+    plain CPU; the communication stream under a stand-in stream layer).
 
     At 2 ranks nothing is allocated: each rank sends only the other's slice and receives the other's
     slice straight into ``output`` (uneven splits, the own slice sent to itself with size 0), then adds
     its own slice (``a + b == b + a`` exactly, so the result is the rank-order sum). With more ranks the
     own slice sits between the others', which one contiguous all-to-all input cannot skip: a receive
     buffer of the whole chunk holds every rank's slice (``exchange_buffers`` in ``tracker``)."""
+    issued: list = []
     if world == 2:
         rank, n = dist.get_rank(group), output.numel()
         mine, other = full[rank * n : (rank + 1) * n], full[(1 - rank) * n : (2 - rank) * n]
         splits = [0, n] if rank == 0 else [n, 0]
-        work = dist.all_to_all_single(output, other, output_split_sizes=splits, input_split_sizes=splits,
-                                      group=group, async_op=async_op)
+        with _issue_context(output, async_op, issued):
+            work = dist.all_to_all_single(output, other, output_split_sizes=splits, input_split_sizes=splits,
+                                          group=group, async_op=async_op)
 
         def add_own():
             output.add_(mine)
             if epilogue is not None:
                 epilogue()
 
-        return _finish(work, add_own, (output, full), async_op)
+        return _finish(work, add_own, (output, full), async_op, issued)
     received = _tracked(torch.empty_like(full), tracker, "exchange_buffers")
-    work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
+    with _issue_context(output, async_op, issued):
+        work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
 
     def sum_slices():
         torch.sum(received.view(world, -1), dim=0, out=output)
         if epilogue is not None:
             epilogue()
 
-    return _finish(work, sum_slices, (output, full, received), async_op)
+    return _finish(work, sum_slices, (output, full, received), async_op, issued)
 
 
 def all_reduce_avg(tensor: torch.Tensor, group, *, divide_first: bool = False, async_op: bool = False) -> Pending:
@@ -267,19 +428,27 @@ def all_reduce_avg(tensor: torch.Tensor, group, *, divide_first: bool = False, a
         return _DONE
     if divide_first:
         tensor.div_(world)
-    with _issue_context(tensor, async_op):
+    issued: list = []
+    with _issue_context(tensor, async_op, issued):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, None if divide_first else (lambda: tensor.div_(world)), (tensor,), async_op)
+    return _finish(work, None if divide_first else (lambda: tensor.div_(world)), (tensor,), async_op, issued)
 
 
-def agreement_group(group):
+def agreement_group(group, *, timeout=None):
     """The group on which :func:`agree` runs: ``group`` itself on gloo, else a gloo group over the same
     ranks (votes are read on the host, so they must not queue behind the device's work). Collective
     over ``group`` only: every rank of it calls it, in the same order; ranks outside it (another
-    data-parallel group of a larger job) need not (``use_local_synchronization``)."""
+    data-parallel group of a larger job) need not (``use_local_synchronization``).
+
+    ``timeout`` (``datetime.timedelta``) bounds every vote of the new group; by default the timeout
+    ``group`` itself was created with (a job's ``--timeout``), never torch's 30-minute default."""
     if group is None or dist.get_backend(group) == "gloo":
         return group
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+    if timeout is None:
+        timeout = process_group_timeout(group)
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True,
+                          **kwargs)
 
 
 def agree(votes: torch.Tensor, group, *, async_op: bool = False) -> Pending:

@@ -1,7 +1,7 @@
 """Every question the engine asks torch that torch's public API does not answer, in one place:
 whether a call runs under ``torch.compile``, a compiled module's original, the autograd node being
-run, the torch-function mode stack, the autograd engine's entry, a storage's identity and a
-data-less tensor subclass. A torch upgrade that moves one of these breaks here alone."""
+run, the torch-function mode stack, the autograd engine's entry, a storage's identity, a
+data-less tensor subclass and a process group's collective timeout. A torch upgrade that moves one of these breaks here alone."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["compiled_original", "current_autograd_node", "engine_run_backward", "pop_torch_function_mode",
+           "process_group_timeout",
            "push_torch_function_mode", "storage_key", "tensors_in", "under_torch_compile", "wrapper_tensor"]
 
 
@@ -73,3 +74,16 @@ def wrapper_tensor(cls, like: torch.Tensor) -> torch.Tensor:
     """A data-less instance of tensor subclass ``cls`` with ``like``'s shape, strides, dtype and device."""
     return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device,
                                                strides=like.stride(), requires_grad=False)
+
+
+def process_group_timeout(group):
+    """The collective timeout (``datetime.timedelta``) ``group`` was created with (the ``timeout=`` of
+    ``init_process_group`` / ``new_group``), read from its backend's options; ``None`` when this torch
+    does not tell."""
+    import torch.distributed as dist
+
+    try:
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
