@@ -88,7 +88,7 @@ def render(rows: list[dict]) -> str:
     parts = list(dict.fromkeys(r["part"] for r in rows if r.get("kind") not in ("env", "note", "part")))
     for part in parts:
         out += [f"### {part}", ""]
-        mine = [r for r in rows if r["part"] == part and r.get("kind") not in ("part",)]
+        mine = [r for r in rows if r["part"] == part and r.get("kind") not in ("env", "note", "part")]
         for kind in dict.fromkeys(r.get("kind", "") for r in mine):
             block = [r for r in mine if r.get("kind", "") == kind]
             cols = COLUMNS.get(kind) or list(dict.fromkeys(k for r in block for k in r if k not in ("part", "kind")))
