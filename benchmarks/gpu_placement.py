@@ -232,9 +232,12 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - reported as the configuration's result
             print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"}))
         return
-    import torch
+    if args.smoke:
+        device = "cpu"  # no torch import here: the configurations' own processes import it
+    else:
+        import torch
 
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.n_layer, args.n_embd, args.n_head, args.seq, args.batch, args.steps = 4, 128, 4, 64, 2, 2
         args.ladder, args.largest_n_embd, args.largest_n_head = "1,2,3", 64, 2
