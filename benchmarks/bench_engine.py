@@ -51,7 +51,11 @@ times the largest chunk's bytes. The machine's load average is printed before an
         --seq 1024 --batch 8 --json out.json                                     # one GPU (see gpu_check.sh)
 
 Run it in its own process group with a timeout (``setsid timeout 3600 ...``); ``--timeout`` bounds
-the whole run too (every rank process is killed past it).
+the whole run too (every rank process is killed past it). Within it the run stops early rather than be
+killed: no system is built once less than ``REPORT_MARGIN_S`` is left, and no repeat starts that the
+last one's duration says would not end before that margin; the rows then come from fewer repeats.
+``--jsonl PATH`` appends one row per system (``kind: engine``, ``part: --part``) to a JSON-lines file
+(``benchmarks/gpu_rows.py``) as soon as its block is done, failures included.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import gpu_rows  # noqa: E402
 from engine_systems import ADAMW_KERNELS, BYTES_PER_PARAM_ZERO, EngineProfile, System, label, parse_system  # noqa: E402
 
 
@@ -132,6 +137,10 @@ def rank_main(conn, spec: str, precision: str, rank: int, world: int, init_file:
 # ============================================================================ coordinator
 class RunError(RuntimeError):
     pass
+
+
+REPORT_MARGIN_S = 15.0
+"""Seconds kept before the deadline for the reports (peak memory, stats) and the tables."""
 
 
 class Group:
@@ -208,6 +217,10 @@ def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, load
         try:
             for i, spec in enumerate(specs):  # built one after another: construction never overlaps
                 results[spec] = {"steps": []}
+                if deadline - time.monotonic() < 2 * REPORT_MARGIN_S:
+                    results[spec]["error"] = "not built: too little of --timeout left"
+                    print(f"# {precision} {spec}: not built (time)", file=sys.stderr, flush=True)
+                    continue
                 g = Group(ctx, spec, precision, cfg["world_size"], os.path.join(tmp, f"store{i}"), cfg)
                 live.append(g)
                 ready = ask(g, None)
@@ -217,7 +230,13 @@ def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, load
                           flush=True)
             for g in list(live):  # noqa: PERF101 - ask() removes a failed system from live
                 ask(g, {"op": "run", "steps": cfg["warmup"], "measure_state": True})
+            rep_s = 0.0
             for rep in range(cfg["repeats"]):
+                if rep and deadline - time.monotonic() < 1.5 * rep_s + REPORT_MARGIN_S:
+                    print(f"# {precision}: stopped after {rep} of {cfg['repeats']} repeats (--timeout)", file=sys.stderr,
+                          flush=True)
+                    break
+                rep_t0 = time.monotonic()
                 loads.append(os.getloadavg()[0])
                 order = list(live)
                 k = rep % max(1, len(order))
@@ -228,6 +247,7 @@ def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, load
                     if replies:  # CPU seconds per step of the main thread and of the others, the busiest rank
                         results[g.spec].setdefault("cpu", []).append(
                             [max(r["cpu_s"][j] for r in replies) / cfg["steps"] for j in range(2)])
+                rep_s = time.monotonic() - rep_t0
                 print(f"# {precision} repeat {rep + 1}/{cfg['repeats']} done, load {os.getloadavg()[0]:.2f}",
                       file=sys.stderr, flush=True)
             for g in list(live):  # noqa: PERF101 - as above
@@ -324,6 +344,18 @@ def print_profile(rows: list[dict]) -> None:
         print(f"| {label(r['system'])} | {r['precision']} | {r['median_s']:.3f} | {cells} |")
 
 
+def _append_rows(args, block: list[dict], errors: list[tuple[str, str]]) -> None:
+    shape = f"{args.n_layer}x{args.n_embd}"
+    for r in block:
+        z = r.get("zero", {})
+        gpu_rows.add(args.jsonl, {"part": args.part, "kind": "engine", "label": label(r["system"]), "shape": shape,
+                                  "gathers_per_step": z.get("gathers_per_step"),
+                                  "late_gathers_per_step": z.get("late_gathers_per_step"), **r})
+    for spec, error in errors:
+        gpu_rows.add(args.jsonl, {"part": args.part, "kind": "engine", "label": label(spec), "system": spec, "shape": shape,
+                                  "error": (error.strip().splitlines() or ["?"])[-1][:200]})
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", default="floor,ddp,fsdp2,zero:prefetch=0,zero:prefetch=1",
@@ -349,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
     ap.add_argument("--profile", action="store_true", help="time ZeroDDP's engine functions (adds a little overhead)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--jsonl", help="append one row per system to this JSON-lines file as each block ends")
+    ap.add_argument("--part", default="engine", help="the rows' part name (with --jsonl)")
     args = ap.parse_args(argv)
     specs = args.systems.split(",")
     for s in specs:
@@ -373,7 +407,10 @@ def main(argv=None) -> int:
         if done and args.backend == "nccl":
             n_params = res[done[0]]["ready"][0]["n_params"]
             cfg["flops_per_token"] = 6 * n_params + 12 * args.n_layer * args.seq * args.n_embd
-        rows += [summarize(precision, spec, res[spec], cfg) for spec in done]
+        block = [summarize(precision, spec, res[spec], cfg) for spec in done]
+        rows += block
+        if args.jsonl:
+            _append_rows(args, block, [(spec, r["error"]) for spec, r in res.items() if "error" in r])
     load_after = _load()
     import torch
 

@@ -1,21 +1,35 @@
 #!/usr/bin/env bash
-# One prepared GPU check for chunkzero's ZeroDDP (issue 11, item 5): one GPU, NCCL at world size 1, bf16.
+# One prepared GPU check of chunkzero's ZeroDDP on one CUDA GPU (bf16, world size 1), sized to return
+# its table on the first try: about 8 minutes on an H200, so that a 15-minute device budget leaves room
+# to rerun it (or some of its parts, GPU_CHECK_PARTS) once.
 #
-#   bash benchmarks/gpu_check.sh            # on a machine with one CUDA GPU: at most ~8 minutes
-#   bash benchmarks/gpu_check.sh --smoke    # anywhere (CPU, gloo, tiny models): checks the plumbing
+#   bash benchmarks/gpu_check.sh            # one CUDA GPU; the interpreter: $PYTHON, else python3 (installs nothing)
+#   bash benchmarks/gpu_check.sh --smoke    # anywhere: CPU, gloo, tiny models, the same parts and files (< 1 min idle)
 #
-# Parts (each under its own timeout, so the whole script ends within its budget even if one hangs):
-#   1. GPT-2 124M shape (12 x 768, vocab 50257, 1024 positions), 8 x 1024 tokens per step
-#   2. GPT-2 355M shape (24 x 1024, 16 heads), 8 x 1024 tokens per step
-#      each: plain torch bf16 autocast + AdamW(fused=True), FSDP2 (fully_shard per block) and ZeroDDP
-#      (prefetch=1; offload_optim_frac 0.5 and 1.0), interleaved by benchmarks/bench_engine.py:
-#      tokens/s, peak torch.cuda.max_memory_allocated (after construction), MFU against 989 TFLOP/s.
-#   3. The largest byte-level GPT (vocab 256, sequence 1024, batch 1) that trains one step with full
-#      optimizer offload (offload_optim_frac=1.0): sizes from a ladder, the largest that host memory
-#      (16 bytes per parameter on the host) should hold tried first, then smaller ones until one trains.
-# GPU_CHECK_BUDGET_S (default 470) is the whole script's budget in seconds; GPU_CHECK_LADDER overrides the
-# ladder of part 3. Results: gpu_check.md (markdown tables), gpu_check.json (every measurement) and gpu_check.log under
-# $OUT when set, else runs/gpu_check/. PYTHON picks the interpreter (default python3).
+# Budget per part, seconds (outer = the part's process group is killed; inner = the part's own limit,
+# below it, within which it stops early and still writes its rows):
+#   part          outer  inner  what
+#   env             30     -    torch, CUDA, GPU, host memory (one row)
+#   streams         70     60   gpu_streams.py: prefetch=1 vs prefetch=0 bitwise, 20 steps, on every stream path
+#                               one GPU runs (offload_optim_frac, offload_param_frac, placement="auto"), + a control
+#   gpt2-124M       90     80   bench_engine.py: torch autocast + fused AdamW, FSDP2, ZeroDDP, offload_optim 0.5 / 1.0
+#   placement       90     80   gpu_placement.py --part speed: static vs auto at 50% / 25% of the model data
+#   gpt2-355M       90     80   as gpt2-124M, the GPT-2 medium shape
+#   largest        120   per rung  the largest byte-level GPT with offload_optim_frac=1.0, sized from MemAvailable and
+#                               the GPU's free memory now (>= 22 bytes per parameter on the host), down the ladder
+#   total          490 s, plus ~1 s per part to rebuild the table
+#
+# World size 1 only: one GPU cannot run NCCL at W > 1 (NCCL needs one device per rank), so no NCCL
+# collective beyond a one-rank barrier runs and no reduction on the communication stream; at W = 1 the
+# engine's gathers and reductions are local copies. What one GPU exercises: the device<->host copies of
+# the offloaded optimizer (gradients device->host on the communication stream) and parameters (host->device
+# at each gather), prefetch, and placement="auto"'s moves.
+#
+# Output folder: $OUT when set, else runs/gpu_check/: gpu_check.jsonl (every row, appended as measured),
+# gpu_check.md (the tables, rebuilt from the JSONL after every part: a killed part keeps the rows it wrote),
+# gpu_check.log (every part's output).
+# Environment: PYTHON, GPU_CHECK_PARTS (comma-separated subset of the parts above), GPU_CHECK_LADDER
+# ("n_layer n_embd n_head;..." smallest first), GPU_CHECK_HOST_BYTES_PER_PARAM (default 24, at least 22).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -24,153 +38,183 @@ SMOKE=0
 PY=${PYTHON:-python3}
 DEST=${OUT:-$ROOT/runs/gpu_check}
 mkdir -p "$DEST"
-WORK=$(mktemp -d)
-trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+JSONL=$DEST/gpu_check.jsonl
 MD=$DEST/gpu_check.md
 LOG=$DEST/gpu_check.log
-: >"$MD"
+: >"$JSONL"
 : >"$LOG"
 START=$(date +%s)
-BUDGET_S=${GPU_CHECK_BUDGET_S:-470}
+PARTS=${GPU_CHECK_PARTS:-env,streams,gpt2-124M,placement,gpt2-355M,largest}
+HOST_BPP=${GPU_CHECK_HOST_BYTES_PER_PARAM:-24}
+((HOST_BPP < 22)) && HOST_BPP=22
+HEADER="# chunkzero GPU check ($(date -u +%Y-%m-%dT%H:%MZ)$( ((SMOKE)) && echo ', --smoke: CPU plumbing only'))
+
+World size 1: one GPU cannot run NCCL at W > 1, so no NCCL collective (beyond a one-rank barrier) and no
+reduction on the communication stream is measured here; gathers and reductions are local copies at W = 1."
 
 log() { echo "[gpu_check +$(($(date +%s) - START))s] $*" | tee -a "$LOG" >&2; }
-left() { echo $((BUDGET_S - ($(date +%s) - START))); }
+want() { [[ ",$PARTS," == *",$1,"* ]]; }
+row() { printf '%s\n' "$1" >>"$JSONL"; }  # one whole line per write (the rows written here are plain JSON)
+table() { "$PY" benchmarks/gpu_rows.py table "$JSONL" "$MD" "$HEADER" 2>>"$LOG" || log "could not write $MD"; }
 
-# A part: `part NAME SECONDS cmd...` runs cmd in its own process group under a timeout capped by the
-# time left; its stdout (a markdown table) goes into gpu_check.md, stderr into the log.
-part() {
-  local name=$1 secs=$2
+# A part: `run_part NAME OUTER_S cmd...`. cmd runs in a process group of its own (setsid) under
+# `timeout`, which signals the whole group at OUTER_S (TERM, then KILL 5 s later); whatever is left in
+# the group afterwards is killed too, so no child outlives its part holding the GPU. Then a `part` row
+# (status, seconds, rows written) and the table rebuilt from the JSONL.
+CHILD=0
+kill_child() { ((CHILD)) && kill -KILL -- "-$CHILD" 2>/dev/null; CHILD=0; }
+trap 'kill_child; table; exit 130' INT TERM
+trap 'kill_child' EXIT
+run_part() {
+  local name=$1 outer=$2 t0 rc status
   shift 2
-  local cap=$(($(left) - 10))
-  ((secs > cap)) && secs=$cap
-  if ((secs < 20)); then
-    log "$name: skipped (budget spent)"
-    echo -e "\n### $name\n\nskipped: the time budget was spent\n" >>"$MD"
-    return 2
-  fi
-  log "$name: start (timeout ${secs}s)"
-  setsid timeout -k 5 "$secs" "$@" >"$WORK/$name.md" 2>>"$LOG"
-  local rc=$?
-  { echo -e "\n### $name\n"; cat "$WORK/$name.md"; } >>"$MD"
-  if ((rc != 0)); then
-    log "$name: failed (exit $rc$( ((rc == 124)) && echo ', timed out'))"
-    echo -e "\n$name: **failed** (exit $rc; see gpu_check.log)\n" >>"$MD"
-  else
-    log "$name: done"
-  fi
+  t0=$(date +%s)
+  log "$name: start (outer limit ${outer}s)"
+  setsid timeout -k 5 "$outer" "$@" >>"$LOG" 2>&1 </dev/null &
+  CHILD=$!
+  wait "$CHILD"
+  rc=$?
+  kill_child
+  case $rc in
+    0) status=done ;;
+    124 | 137) status="killed at the outer limit" ;;
+    *) status="failed" ;;
+  esac
+  local n
+  n=$(grep -c "\"part\": \"$name\"" "$JSONL" 2>/dev/null)
+  row "{\"part\": \"$name\", \"kind\": \"part\", \"status\": \"$status\", \"rc\": $rc, \"seconds\": $(($(date +%s) - t0)), \"limit_s\": $outer, \"rows\": ${n:-0}}"
+  table
+  log "$name: $status (exit $rc, ${n:-0} rows)"
   return $rc
 }
 
-HAS_CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>>"$LOG" || echo 0)
-{
-  echo "# chunkzero GPU check ($(date -u +%Y-%m-%dT%H:%MZ))"
-  echo
-  echo '```'
-  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
-  torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' 2>&1
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  echo "cpus $(nproc), host memory $(awk '/MemTotal/ {printf "%.0f GiB", $2 / 2^20}' /proc/meminfo)"
-  uptime
-  echo '```'
-} >>"$MD" 2>&1
+# ---- env (always): one row; tells whether CUDA is there
+ENV_PY='
+import json, os, platform, sys
+import torch
+sys.path.insert(0, "benchmarks")
+import gpu_rows
+cuda = torch.cuda.is_available()
+row = {"part": "env", "kind": "env", "python": sys.executable, "torch": torch.__version__, "cuda": torch.version.cuda,
+       "device": torch.cuda.get_device_name(0) if cuda else "no GPU", "cpus": os.cpu_count(), "host": platform.node()}
+if cuda:
+    free, total = torch.cuda.mem_get_info(0)
+    row.update(gpu_free_gib=round(free / 2**30, 1), gpu_total_gib=round(total / 2**30, 1))
+mem = dict(l.split(":", 1) for l in open("/proc/meminfo"))
+row.update({k + "_gib": round(int(mem[k].split()[0]) / 2**20, 1) for k in ("MemTotal", "MemAvailable")})
+row["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+gpu_rows.add(sys.argv[1], row)
+print(int(cuda))'
+HAS_CUDA=$(setsid timeout -k 5 30 "$PY" -c "$ENV_PY" "$JSONL" 2>>"$LOG" | tail -1)
+[[ $HAS_CUDA == 1 ]] || HAS_CUDA=0
+table
 
 if ((SMOKE)); then
   [[ $HAS_CUDA == 1 ]] && BACKEND=nccl || BACKEND=gloo
   SHAPE_124M=(--n-layer 1 --n-embd 64 --n-head 2 --vocab 512 --seq 64 --batch 2)
   SHAPE_355M=(--n-layer 2 --n-embd 64 --n-head 2 --vocab 512 --seq 64 --batch 2)
-  REPS=(--warmup 1 --repeats 2 --steps 1)
-  LADDER=("1 64 2" "2 64 2" "2 128 4")
+  REPS=(--warmup 1 --repeats 1 --steps 1)
+  SYSTEMS_124M=zero:prefetch=1:offload_optim_frac=1.0  # one system each: the smoke checks the plumbing
+  SYSTEMS_355M=zero:prefetch=1:offload_optim_frac=0.5
+  STREAMS_ARGS=(--smoke)
+  PLACEMENT_ARGS=(--smoke --configs auto:0.5)
+  LADDER=("1 64 2" "2 128 4")
   LARGE_SEQ=64
-  T1=240 T2=240 TRY=150
+  EXTRA=(--threads 1)
 else
   if [[ $HAS_CUDA != 1 ]]; then
     log "no CUDA device: run with --smoke off a GPU"
-    echo -e "\nno CUDA device found: nothing measured (use --smoke to check the plumbing)\n" >>"$MD"
+    row '{"part": "env", "kind": "note", "text": "no CUDA device found: nothing measured (use --smoke to check the plumbing)"}'
+    table
     exit 1
   fi
   BACKEND=nccl
   SHAPE_124M=(--n-layer 12 --n-embd 768 --n-head 12 --vocab 50257 --seq 1024 --batch 8)
   SHAPE_355M=(--n-layer 24 --n-embd 1024 --n-head 16 --vocab 50257 --seq 1024 --batch 8)
-  REPS=(--warmup 3 --repeats 4 --steps 3)
-  # byte-level GPTs, "n_layer n_embd n_head": 1.2B, 2.5B, 4.1B, 6.4B, 8.1B, 9.7B parameters
-  LADDER=("24 2048 16" "32 2560 20" "36 3072 24" "32 4096 32" "40 4096 32" "48 4096 32")
+  REPS=(--warmup 2 --repeats 3 --steps 2)
+  SYSTEMS_124M=autocast,fsdp2,zero:prefetch=1,zero:prefetch=1:offload_optim_frac=0.5,zero:prefetch=1:offload_optim_frac=1.0
+  SYSTEMS_355M=$SYSTEMS_124M
+  STREAMS_ARGS=(--steps 20 --n-layer 6 --n-embd 768 --n-head 12 --seq 256 --batch 4)
+  PLACEMENT_ARGS=(--n-layer 12 --n-embd 1536 --n-head 12 --batch 4 --seq 1024 --steps 3 --try-timeout 40)
+  # byte-level GPTs "n_layer n_embd n_head", smallest first: 1.2B, 2.5B, 4.1B, 6.4B, 8.1B, 9.7B, 12.6B
+  LADDER=("24 2048 16" "32 2560 20" "36 3072 24" "32 4096 32" "40 4096 32" "48 4096 32" "40 5120 40")
   LARGE_SEQ=1024
-  T1=110 T2=140 TRY=180
+  EXTRA=()
 fi
-if [[ -n ${GPU_CHECK_LADDER:-} ]]; then  # e.g. "1 64 2;2 64 3": rungs "n_layer n_embd n_head", smallest first
+if [[ -n ${GPU_CHECK_LADDER:-} ]]; then
   IFS=';' read -ra LADDER <<<"$GPU_CHECK_LADDER"
 fi
-SYSTEMS=autocast,fsdp2,zero:prefetch=1,zero:prefetch=1:offload_optim_frac=0.5,zero:prefetch=1:offload_optim_frac=1.0
 # every system steps with torch's fused AdamW (on the host too: 6x the for-loop kernel, bench_cpu_adam.py)
-COMMON=(--backend "$BACKEND" --world-size 1 --precisions bf16 --model gpt --peak-tflops 989 --adamw fused)
+COMMON=(--backend "$BACKEND" --world-size 1 --precisions bf16 --model gpt --peak-tflops 989 --adamw fused "${EXTRA[@]}")
 
-part gpt2-124M "$T1" "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS" "${SHAPE_124M[@]}" \
-  "${REPS[@]}" --timeout "$T1" --json "$WORK/gpt2-124M.json"
-part gpt2-355M "$T2" "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS" "${SHAPE_355M[@]}" \
-  "${REPS[@]}" --timeout "$T2" --json "$WORK/gpt2-355M.json"
+want streams && run_part streams 70 "$PY" benchmarks/gpu_streams.py "${STREAMS_ARGS[@]}" --budget-s 60 \
+  --jsonl "$JSONL" --part streams
+want gpt2-124M && run_part gpt2-124M 90 "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS_124M" \
+  "${SHAPE_124M[@]}" "${REPS[@]}" --timeout 80 --jsonl "$JSONL" --part gpt2-124M
+want placement && run_part placement 90 "$PY" benchmarks/gpu_placement.py --part speed "${PLACEMENT_ARGS[@]}" \
+  --budget-s 80 --jsonl "$JSONL" --part-name placement
+want gpt2-355M && run_part gpt2-355M 90 "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS_355M" \
+  "${SHAPE_355M[@]}" "${REPS[@]}" --timeout 80 --jsonl "$JSONL" --part gpt2-355M
 
-# ---- 3. the largest byte-level GPT with full optimizer offload: the biggest rung host memory should
-# hold (16 bytes per parameter on the host, 80% of MemTotal) first, then down the ladder.
-HOST_BYTES=$(awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo)
-fits() { # n_layer n_embd -> 0 if 16 * params <= 0.8 * host memory
-  awk -v l="$1" -v d="$2" -v h="$HOST_BYTES" 'BEGIN { exit !(16 * (12 * l * d * d + 1280 * d) <= 0.8 * h) }'
-}
-CANDIDATES=()
-for ((i = ${#LADDER[@]} - 1; i >= 0; i--)); do
-  read -r L D H <<<"${LADDER[$i]}"
-  fits "$L" "$D" && CANDIDATES+=("${LADDER[$i]}")
-done
-echo -e "\n### largest byte-level GPT with offload_optim_frac=1.0 (sequence $LARGE_SEQ, batch 1)\n" >>"$MD"
-LARGEST=none
-for rung in "${CANDIDATES[@]}"; do
-  read -r L D H <<<"$rung"
-  name="offload-${L}x${D}"
-  if part "$name" "$TRY" "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems zero:prefetch=1:offload_optim_frac=1.0 \
-    --n-layer "$L" --n-embd "$D" --n-head "$H" --vocab 256 --seq "$LARGE_SEQ" --batch 1 --warmup 1 --repeats 1 --steps 1 \
-    --timeout "$TRY" --json "$WORK/$name.json"; then
-    LARGEST="$L layers x $D ($name)"
-    break
-  elif (($? == 2)); then
-    break # the budget is spent
+# ---- largest: sized now, from the host's MemAvailable and the GPU's free memory
+if want largest; then
+  LADDER_S=120
+  L_START=$(date +%s)
+  HOST_AVAIL=$(awk '/MemAvailable/ {print $2 * 1024}' /proc/meminfo)
+  DEV_FREE=0
+  if ((HAS_CUDA)); then
+    DEV_FREE=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i 0 2>/dev/null | awk '{print $1 * 2^20}')
+    [[ -n $DEV_FREE ]] || DEV_FREE=$(timeout 30 "$PY" -c 'import torch; print(torch.cuda.mem_get_info(0)[0])' 2>>"$LOG")
+    [[ -n $DEV_FREE ]] || DEV_FREE=0
   fi
-done
-echo -e "\n**largest that trained with full optimizer offload: $LARGEST**\n" >>"$MD"
-log "largest with full offload: $LARGEST"
+  # host: HOST_BPP bytes per parameter (fp32 master, gradient and Adam moments, pinned, rounded up), within
+  # 85% of MemAvailable; device: 8 bytes per parameter (the fp32 module built there, then the bf16
+  # shards) + 4 GiB, within 90% of the free memory (CPU: no device limit).
+  CANDIDATES=()
+  for ((i = ${#LADDER[@]} - 1; i >= 0; i--)); do
+    read -r L D H <<<"${LADDER[$i]}"
+    verdict=$(awk -v l="$L" -v d="$D" -v s="$LARGE_SEQ" -v bpp="$HOST_BPP" -v host="$HOST_AVAIL" -v dev="$DEV_FREE" -v cuda="$HAS_CUDA" 'BEGIN {
+      n = l * (12 * d * d + 13 * d) + (256 + s) * d + 2 * d
+      hn = bpp * n; dn = 8 * n + 4 * 2^30
+      ok = (hn <= 0.85 * host) && (!cuda || dn <= 0.9 * dev)
+      printf "%d %d %.1f %.1f %.1f %.1f\n", ok, n, hn / 2^30, host / 2^30, dn / 2^30, dev / 2^30 }')
+    read -r ok n hn ha dn df <<<"$verdict"
+    if ((ok)); then
+      CANDIDATES+=("$L $D $H $n $hn $ha $dn $df")
+    else
+      row "{\"part\": \"largest\", \"kind\": \"rung\", \"n_layer\": $L, \"n_embd\": $D, \"n_params\": $n, \"host_need_gib\": $hn, \"host_available_gib\": $ha, \"device_need_gib\": $dn, \"device_free_gib\": $df, \"result\": \"not tried: does not fit\"}"
+    fi
+  done
+  LARGEST=none
+  for cand in "${CANDIDATES[@]}"; do
+    read -r L D H n hn ha dn df <<<"$cand"
+    left=$((LADDER_S - ($(date +%s) - L_START)))
+    base="\"part\": \"largest\", \"kind\": \"rung\", \"n_layer\": $L, \"n_embd\": $D, \"n_params\": $n, \"host_need_gib\": $hn, \"host_available_gib\": $ha, \"device_need_gib\": $dn, \"device_free_gib\": $df"
+    if ((left < 25)); then
+      row "{$base, \"result\": \"not tried: the part's time is spent\"}"
+      continue
+    fi
+    inner=$((left - 10))
+    ((inner > 100)) && inner=100
+    t0=$(date +%s)
+    run_part largest $((inner + 8)) "$PY" benchmarks/bench_engine.py "${COMMON[@]}" \
+      --systems zero:prefetch=1:offload_optim_frac=1.0 --n-layer "$L" --n-embd "$D" --n-head "$H" --vocab 256 \
+      --seq "$LARGE_SEQ" --batch 1 --warmup 1 --repeats 1 --steps 1 --timeout "$inner" --jsonl "$JSONL" \
+      --part largest
+    rc=$?
+    result=$( ((rc == 0)) && echo trains || echo "failed (exit $rc; see gpu_check.log)")
+    row "{$base, \"result\": \"$result\", \"seconds\": $(($(date +%s) - t0))}"
+    if ((rc == 0)); then
+      LARGEST="$L x $D ($n parameters)"
+      break
+    fi
+  done
+  row "{\"part\": \"largest\", \"kind\": \"note\", \"text\": \"largest byte-level GPT that trained with offload_optim_frac=1.0 (sequence $LARGE_SEQ, batch 1): $LARGEST\"}"
+  table
+  log "largest with full offload: $LARGEST"
+fi
 
-# ---- 4. placement="auto" (issue 13's own figures, benchmarks/gpu_placement.py), with the time left
-PLACEMENT_ARGS=(--part speed --try-timeout 100)
-((SMOKE)) && PLACEMENT_ARGS+=(--smoke)
-part placement-auto 240 "$PY" benchmarks/gpu_placement.py "${PLACEMENT_ARGS[@]}"
-
-# ---- summary: offload's drop in device memory and tokens/s against ZeroDDP without offload; one JSON
-"$PY" - "$WORK" "$DEST/gpu_check.json" "$LARGEST" >>"$MD" 2>>"$LOG" <<'EOF'
-import glob, json, os, sys
-work, dest, largest = sys.argv[1:4]
-runs = {os.path.basename(p)[:-5]: json.load(open(p)) for p in sorted(glob.glob(os.path.join(work, "*.json")))}
-size = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-json.dump(runs, open(dest, "w"), indent=1)
-for name, run in runs.items():
-    if largest.endswith(f"({name})") and run["rows"]:
-        r = run["rows"][0]
-        print(f"largest with full offload: {r['n_params']:,} parameters, {r['tokens_per_s']:.0f} tokens/s, "
-              f"peak CUDA {r['peak_cuda_mib'] or 0:.0f} MiB, peak host RSS {r['peak_rss_mib']:.0f} MiB, "
-              f"MFU {100 * r.get('mfu', 0.0):.1f}%")
-print("\n### offload against ZeroDDP without offload\n")
-print("| model | offload_optim_frac | peak CUDA MiB | drop MiB | tokens/s | × tokens/s without offload | MFU |")
-print("|---|---:|---:|---:|---:|---:|---:|")
-for name, run in runs.items():
-    rows = {r["system"]: r for r in run["rows"]}
-    base = rows.get("zero:prefetch=1")
-    for frac in ("0.5", "1.0"):
-        r = rows.get(f"zero:prefetch=1:offload_optim_frac={frac}")
-        if r is None:
-            continue
-        peak = r["peak_cuda_mib"] or 0.0
-        drop = f"{(base['peak_cuda_mib'] or 0.0) - peak:.0f}" if base else "–"
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "–"
-        print(f"| {name} ({size(r['n_params'])}) | {frac} | {peak:.0f} | {drop} | {r['tokens_per_s']:.0f} | {ratio} | "
-              f"{100 * r.get('mfu', 0.0):.1f}% |")
-EOF
+row "{\"part\": \"total\", \"kind\": \"part\", \"status\": \"finished\", \"seconds\": $(($(date +%s) - START)), \"rows\": $(wc -l <"$JSONL")}"
+table
 log "finished in $(($(date +%s) - START))s; results in $DEST"
-echo -e "\nfinished in $(($(date +%s) - START)) s\n" >>"$MD"

@@ -15,6 +15,9 @@ as one of its parts, or by hand):
   after one trains, the next larger is tried too, while ``--budget-s`` lasts.
 
 Every configuration runs in its own process, so an out-of-memory (device or host) is a row, not the end.
+That process stays in this script's process group (a timeout that kills the group kills it too, and
+never leaves it holding the device) and is killed past ``--try-timeout`` or the ``--budget-s`` left.
+``--jsonl PATH`` appends each configuration's row (``kind: placement``) as soon as it is measured.
 ``--smoke`` runs the same code on the CPU with tiny shapes (checks the plumbing anywhere).
 
     python benchmarks/gpu_placement.py --part speed --n-layer 24 --n-embd 2048 --n-head 16
@@ -101,16 +104,27 @@ def run_one(cfg: dict) -> dict:
 def _try(cfg: dict, timeout: float) -> dict:
     """``run_one(cfg)`` in a fresh process (its own process group), killed after ``timeout`` seconds."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(cfg)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, start_new_session=True,
-                              env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # same process group as this script: whoever kills the group (gpu_check.sh's part timeout) kills it
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    tail = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    tail = (stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
     return {"error": tail[:160] + (" (killed: host out of memory?)" if proc.returncode == -9 else "")}
+
+
+def _row(args, row: dict) -> None:
+    if args.jsonl:
+        import gpu_rows
+
+        gpu_rows.add(args.jsonl, {"part": args.part_name, "kind": "placement", **row})
 
 
 # ------------------------------------------------------------------------------ parts
@@ -122,9 +136,18 @@ def part_speed(args, base: dict) -> None:
     print("| placement | model data on the device | tokens/s | peak device GiB | budget GiB | param MiB moved / step "
           "| optimizer chunks on the host |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for placement, fraction in (("static", None), ("auto", 0.5), ("auto", 0.25)):
-        r = _try({**cfg, "placement": placement, "fraction": fraction}, args.try_timeout)
+    deadline = time.monotonic() + args.budget_s
+    for config in args.configs.split(","):
+        placement, _, frac = config.partition(":")
+        fraction = float(frac) if frac else None
         share = "100% (no offload)" if fraction is None else f"{100 * fraction:.0f}%"
+        left = deadline - time.monotonic() - 2
+        if left < 10:
+            print(f"| {placement} | {share} | not tried: --budget-s spent | | | | |")
+            _row(args, {"placement": placement, "share": share, "error": "not tried: --budget-s spent"})
+            continue
+        r = _try({**cfg, "placement": placement, "fraction": fraction}, min(args.try_timeout, left))
+        _row(args, {"placement": placement, "share": share, "shape": f"{args.n_layer}x{args.n_embd}", **r})
         if "error" in r:
             print(f"| {placement} | {share} | failed: {r['error']} | | | | |")
             continue
@@ -195,7 +218,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--try-timeout", type=float, default=240.0, help="seconds per configuration")
-    p.add_argument("--budget-s", type=float, default=400.0, help="seconds for --part largest")
+    p.add_argument("--budget-s", type=float, default=400.0, help="seconds for each part (its tries are cut to fit)")
+    p.add_argument("--configs", default="static,auto:0.5,auto:0.25",
+                   help="--part speed: placement[:share of the model data on the device], comma-separated")
+    p.add_argument("--jsonl", help="append each configuration's row to this JSON-lines file")
+    p.add_argument("--part-name", default="placement", help="the rows' part name (with --jsonl)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -205,9 +232,12 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - reported as the configuration's result
             print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:150]}"}))
         return
-    import torch
+    if args.smoke:
+        device = "cpu"  # no torch import here: the configurations' own processes import it
+    else:
+        import torch
 
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
         args.n_layer, args.n_embd, args.n_head, args.seq, args.batch, args.steps = 4, 128, 4, 64, 2, 2
         args.ladder, args.largest_n_embd, args.largest_n_head = "1,2,3", 64, 2
