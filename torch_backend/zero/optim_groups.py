@@ -67,6 +67,21 @@ def _lookup(layout, name: str, where: str) -> str:
     raise ConfigError(f"{where}: the wrapped module has no parameter named {name!r}{hint}")
 
 
+def _entries(params: Any, where: str):
+    """A group's ``params`` as an iterable of entries (one parameter or name is a list of one).
+
+    Raises:
+        ConfigError: a set (unordered), or neither parameters nor names.
+    """
+    if isinstance(params, (torch.Tensor, str)):
+        return [params]
+    if isinstance(params, (set, frozenset)):
+        raise ConfigError(f"{where}: 'params' is a set; give a list (a set's order changes between runs)")
+    if not isinstance(params, Iterable):
+        raise ConfigError(f"{where}: 'params' must be parameters or names, got {type(params).__name__}")
+    return params
+
+
 def resolve_params(model, params: Any, where: str, objects: Mapping[int, str] | None = None) -> list[str]:
     """Primary layout names of a group's ``params``: parameters, ``(name, parameter)`` pairs or names.
 
@@ -74,12 +89,7 @@ def resolve_params(model, params: Any, where: str, objects: Mapping[int, str] | 
         ConfigError: a set (unordered), an unknown name, a tensor that is not a parameter of
             ``model.module``, a frozen parameter, or an entry of another type (each named).
     """
-    if isinstance(params, (torch.Tensor, str)):
-        params = [params]
-    if isinstance(params, (set, frozenset)):
-        raise ConfigError(f"{where}: 'params' is a set; give a list (a set's order changes between runs)")
-    if not isinstance(params, Iterable):
-        raise ConfigError(f"{where}: 'params' must be parameters or names, got {type(params).__name__}")
+    params = _entries(params, where)
     objects = _object_names(model) if objects is None else objects
     names = []
     for item in params:
@@ -155,13 +165,7 @@ def _is_frozen(model, item: Any, objects: Mapping[int, str]) -> bool:
 
 
 def _without_frozen(model, params: Any, where: str, objects: Mapping[int, str]) -> list:
-    if isinstance(params, (torch.Tensor, str)):
-        params = [params]
-    if isinstance(params, (set, frozenset)):
-        raise ConfigError(f"{where}: 'params' is a set; give a list (a set's order changes between runs)")
-    if not isinstance(params, Iterable):
-        raise ConfigError(f"{where}: 'params' must be parameters or names, got {type(params).__name__}")
-    return [item for item in params if not _is_frozen(model, item, objects)]
+    return [item for item in _entries(params, where) if not _is_frozen(model, item, objects)]
 
 
 def torch_params_specs(model, params: Any) -> list[GroupSpec]:
