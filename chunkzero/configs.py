@@ -17,7 +17,14 @@ Registered names (:data:`MODEL_CONFIGS`), one vocabulary with ``chunkzero train 
 - ``"hf-gpt2-medium"`` — the same with 24 layers, d 1024, 16 heads; 354,823,168 parameters;
 - ``"llama-1b"`` — a Llama-style 1B config (Touvron et al. 2023; HF ``LlamaForCausalLM`` names):
   vocab 32000, d 2048, 16 layers, 32 heads and 32 key/value heads (no GQA), SwiGLU intermediate
-  5632, RMSNorm (weight only, no biases), untied ``lm_head``; 953,223,168 parameters.
+  5632, RMSNorm (weight only, no biases), untied ``lm_head``; 953,223,168 parameters;
+- ``"hf-gpt2-xl"`` — HF GPT-2 XL: 48 layers, d 1600, 25 heads; 1,557,611,200 parameters;
+- ``"llama-7b"`` — the Llama 2 7B shape: d 4096, 32 layers, 32 heads, intermediate 11008, vocab 32000;
+  6,738,415,616 parameters;
+- ``"llama-70b"`` — the Llama 2 70B shape: d 8192, 80 layers, 64 heads with 8 key/value heads (GQA),
+  intermediate 28672, vocab 32000; 68,976,648,192 parameters.
+
+The last three are for the cost model only (``chunkzero layout --nodes``): far too big to build here.
 """
 
 from __future__ import annotations
@@ -66,6 +73,9 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "hf-gpt2": ModelConfig("hf-gpt2", 50257, 1024, 12, 12, 768, 4 * 768),
     "hf-gpt2-medium": ModelConfig("hf-gpt2", 50257, 1024, 24, 16, 1024, 4 * 1024),
     "llama-1b": ModelConfig("llama", 32000, 0, 16, 32, 2048, 5632, n_kv_head=32, tie_embeddings=False),
+    "hf-gpt2-xl": ModelConfig("hf-gpt2", 50257, 1024, 48, 25, 1600, 4 * 1600),
+    "llama-7b": ModelConfig("llama", 32000, 0, 32, 32, 4096, 11008, n_kv_head=32, tie_embeddings=False),
+    "llama-70b": ModelConfig("llama", 32000, 0, 80, 64, 8192, 28672, n_kv_head=8, tie_embeddings=False),
 }
 """Every named size-only model config (the one registry of names)."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,6 +47,33 @@ def make_mesh(n_devices: int | None = None, *, axis: str = DEFAULT_AXIS, devices
             f"more by setting XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax is imported"
         )
     return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=pool[:n])
+
+
+REPLICA_AXIS, SHARD_AXIS = "replica", "shard"
+"""Axis names of the 2-D hybrid mesh (:func:`make_hybrid_mesh`)."""
+
+
+def make_hybrid_mesh(replicas: int, shard_group_size: int, *, axes: tuple[str, str] = (REPLICA_AXIS, SHARD_AXIS),
+                     devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 2-D mesh ``(replicas, shard_group_size)`` named ``("replica", "shard")``, ``AxisType.Auto`` on both.
+
+    Device ``i·S + j`` (of ``devices``, default ``jax.devices()``) is replica ``i``, shard ``j``: the shard
+    groups are contiguous devices, as torchrun's ranks put a node's GPUs in one group
+    (``ZeroDDP(..., shard_group_size=S)``).
+
+    Raises:
+        ConfigError: a count not positive, or more devices asked for than there are.
+    """
+    for name, v in (("replicas", replicas), ("shard_group_size", shard_group_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive int, got {v!r}")
+    pool = list(jax.devices() if devices is None else devices)
+    n = replicas * shard_group_size
+    if n > len(pool):
+        raise ConfigError(f"a {replicas} x {shard_group_size} mesh needs {n} devices but only {len(pool)} are available; "
+                          f"on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax is imported")
+    grid = np.array(pool[:n], dtype=object).reshape(replicas, shard_group_size)  # in device order, not reordered
+    return Mesh(grid, axes, axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def mesh_world_size(mesh: Mesh, axis: str = DEFAULT_AXIS) -> int:

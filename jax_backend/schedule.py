@@ -238,9 +238,13 @@ class ShardedTrainer:
         max_norm: clip the global gradient L2 norm to it (one scalar all-reduce), as
             :class:`torch_backend.ZeroOptimizer`'s ``max_norm``; ``None`` (default) does not clip.
         donate: donate the state to the step (its buffers are reused for the new state).
+        replica_axis: a second mesh axis the state is replicated over (hybrid sharding,
+            :class:`jax_backend.hybrid.HybridZeroTrainer`): the batch is split over
+            ``(replica_axis, axis)``, replica-major, and the units' ``reduce`` must also reduce across
+            it. ``None`` (default): one data axis.
 
     Raises:
-        ConfigError: an unknown precision or a mesh without ``axis``.
+        ConfigError: an unknown precision or a mesh without ``axis`` (or ``replica_axis``).
         LayoutError: a tensor read by a stage is in no unit, or a unit's tensor is read by none.
     """
 
@@ -248,13 +252,17 @@ class ShardedTrainer:
 
     def __init__(self, program: Program, units: Sequence[GatherUnit], mesh: Mesh, tx: optax.GradientTransformation,
                  *, mixed_precision: str = "fp32", max_norm: float | None = None, axis: str = DEFAULT_AXIS,
-                 donate: bool = True):
+                 donate: bool = True, replica_axis: str | None = None):
         if mixed_precision not in COMPUTE_DTYPES:
             raise ConfigError(f"mixed_precision must be one of {sorted(COMPUTE_DTYPES)}, got {mixed_precision!r}")
         if max_norm is not None and not max_norm > 0:
             raise ConfigError(f"max_norm must be positive or None, got {max_norm!r}")
         self.program, self.mesh, self.tx, self.axis = program, mesh, tx, axis
-        self.world_size = mesh_world_size(mesh, axis)
+        self.replica_axis = replica_axis
+        self.replicas = 1 if replica_axis is None else mesh_world_size(mesh, replica_axis)
+        self.world_size = mesh_world_size(mesh, axis) * self.replicas
+        """Data-parallel devices: the batch is split over all of them."""
+        self.batch_axis = axis if replica_axis is None else (replica_axis, axis)
         self.mixed_precision = mixed_precision
         self.compute_dtype = COMPUTE_DTYPES[mixed_precision]
         self.max_norm = max_norm
@@ -307,7 +315,7 @@ class ShardedTrainer:
             ConfigError: ``batch_size`` not divisible by the world size.
         """
         self._check_batch_size(batch_size)
-        s = NamedSharding(self.mesh, P(self.axis))
+        s = NamedSharding(self.mesh, P(self.batch_axis))
         return {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=s) for k in ("idx", "targets")}
 
     def _check_batch_size(self, batch_size: int) -> None:
@@ -363,7 +371,7 @@ class ShardedTrainer:
         """
         self.program.check_batch(batch)
         self._check_batch_size(np.shape(batch["idx"])[0])
-        s = NamedSharding(self.mesh, P(self.axis))
+        s = NamedSharding(self.mesh, P(self.batch_axis))
         return {k: jax.device_put(jnp.asarray(batch[k], jnp.int32), s) for k in ("idx", "targets")}
 
     # ------------------------------------------------------------------ step
@@ -388,7 +396,7 @@ class ShardedTrainer:
         return self._step.lower(self.abstract_state(), self.abstract_batch(batch_size, seq_len))
 
     def _build(self) -> Callable:
-        program, units, unit_of, axis = self.program, self.units, self.unit_of, self.axis
+        program, units, unit_of, axis, batch_axis = self.program, self.units, self.unit_of, self.axis, self.batch_axis
         world, tx, max_norm = self.world_size, self.tx, self.max_norm
         low, dtype, trainable = self.low_precision, self.compute_dtype, self.trainable
 
@@ -413,8 +421,8 @@ class ShardedTrainer:
             return TrainState(master, params, opt_state), (loss_sum / n_tokens).reshape(1)
 
         specs = self.state_specs()
-        batch_specs = {"idx": P(axis), "targets": P(axis)}
-        return jax.shard_map(local_step, mesh=self.mesh, in_specs=(specs, batch_specs), out_specs=(specs, P(axis)),
+        batch_specs = {"idx": P(batch_axis), "targets": P(batch_axis)}
+        return jax.shard_map(local_step, mesh=self.mesh, in_specs=(specs, batch_specs), out_specs=(specs, P(batch_axis)),
                              check_vma=False)
 
 

@@ -83,12 +83,16 @@ class ChunkUnit(GatherUnit):
         full = jax.lax.all_gather(local, axis, tiled=True) if self.sharded else local
         return {t.name: full[t.offset : t.end].reshape(t.shape) for t in self.placements}
 
-    def reduce(self, grads, axis):
+    def full_grad(self, grads):
+        """The tensors' gradients in one zero-padded buffer of the chunk's size."""
         dtype = grads[self.tensors[0]].dtype
         parts = [grads[t.name].reshape(-1).astype(dtype) for t in self.placements]
         if self.info.padding:
             parts.append(jnp.zeros((self.info.padding,), dtype))
-        full = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def reduce(self, grads, axis):
+        full = self.full_grad(grads)
         if not self.sharded:
             return jax.lax.psum(full, axis)
         return jax.lax.psum_scatter(full, axis, scatter_dimension=0, tiled=True)
@@ -146,7 +150,11 @@ class ZeroTrainer(ShardedTrainer):
         self.source: CheckpointMeta | None = None
         """The metadata of the checkpoint :meth:`from_checkpoint` started from (``data_position``,
         ``model_config``, the loss scaler …), or ``None``."""
-        super().__init__(program, [ChunkUnit(layout, c.index) for c in layout.chunks], mesh, tx, **kwargs)
+        super().__init__(program, self._chunk_units(layout), mesh, tx, **kwargs)
+
+    def _chunk_units(self, layout: ChunkLayout) -> list[ChunkUnit]:
+        """One gather unit per chunk (a subclass may reduce them otherwise)."""
+        return [ChunkUnit(layout, c.index) for c in layout.chunks]
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, mesh: Mesh, *, step: int | None = None, program: Program | None = None,

@@ -33,3 +33,4 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
     text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/markdown", ""))
                    for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "| chunk-zero3 |" in text and "gpt2-medium" in text and "llama-1b" in text
+    assert "| all-reduce | 2 |" in text and "| hybrid S=8 |" in text  # the 2-D mesh and the two-level table

@@ -74,8 +74,17 @@ def test_specs_build_a_layout_with_aliases():
 def test_unknown_model():
     with pytest.raises(ConfigError, match="'gpt5'.*gpt2"):
         model_specs("gpt5")
-    assert set(MODEL_CONFIGS) == {"hf-gpt2", "hf-gpt2-medium", "llama-1b", "gpt-tiny", "gpt-mini", "gpt-small", "gpt2",
-                                  "gpt2-medium"}
+    assert set(MODEL_CONFIGS) == {"hf-gpt2", "hf-gpt2-medium", "llama-1b", "hf-gpt2-xl", "llama-7b", "llama-70b",
+                                  "gpt-tiny", "gpt-mini", "gpt-small", "gpt2", "gpt2-medium"}
+
+
+def test_scaling_shapes_have_their_published_sizes():
+    """GPT-2 XL 1.5B (Radford et al. 2019), Llama 2 7B and 70B (Touvron et al. 2023; 70B with GQA)."""
+    assert param_numel("hf-gpt2-xl") == 1_557_611_200
+    assert param_numel("llama-7b") == 6_738_415_616
+    assert param_numel("llama-70b") == 68_976_648_192
+    specs = {s.name: s for s in model_specs("llama-70b")}
+    assert specs["model.layers.79.self_attn.k_proj.weight"].shape == (1024, 8192)
 
 
 def test_one_vocabulary_with_train():
