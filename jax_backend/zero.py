@@ -10,7 +10,7 @@ chunk: a chunk is gathered with ``all_gather(tiled=True)`` before the first stag
 its tensors (keep-gathered chunks are already whole) and its tensors sliced out at their offsets; in
 backward their gradients are written into one zero-padded full-size chunk buffer, reduced after the
 last stage that reads the chunk with ``psum_scatter(tiled=True)`` (the transpose of the tiled
-all-gather) to the device's gradient shard, or ``psum`` for a keep-gathered chunk. AdamW then
+all-gather, through :func:`jax_backend.collectives.reduce_scatter_sum`) to the device's gradient shard, or ``psum`` for a keep-gathered chunk. AdamW then
 updates the fp32 master shards locally.
 
 Per step and per sharded chunk: one all-gather in forward, one in backward, one reduce-scatter
@@ -41,6 +41,7 @@ from chunkzero.layout import ChunkLayout
 
 from . import checkpoint as jax_checkpoint
 from .blocks import Program, gpt_program
+from .collectives import reduce_scatter_sum
 from .gpt import GPTConfig
 from .layout import check_chunks
 from .mesh import DEFAULT_AXIS, mesh_world_size
@@ -91,7 +92,7 @@ class ChunkUnit(GatherUnit):
         full = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
         if not self.sharded:
             return jax.lax.psum(full, axis)
-        return jax.lax.psum_scatter(full, axis, scatter_dimension=0, tiled=True)
+        return reduce_scatter_sum(full, axis)
 
 
 class ZeroTrainer(ShardedTrainer):
