@@ -96,4 +96,24 @@ def process_mesh(axis: str | None = None):
     return Mesh(np.array(devices), (axis or DEFAULT_AXIS,), axis_types=(AxisType.Auto,))
 
 
-__all__ = ["ProcessPlace", "join_processes", "process_mesh", "process_place"]
+def all_gather_json(obj):
+    """Every process's JSON-able ``obj``, by process index (a collective; ``[obj]`` when alone). Sent as
+    UTF-8 JSON bytes, never pickled."""
+    import json
+
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental.multihost_utils import process_allgather
+
+    data = np.frombuffer(json.dumps(obj).encode("utf-8"), dtype=np.uint8)
+    sizes = np.asarray(process_allgather(np.asarray([data.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(rows[i, :sizes[i]]).decode("utf-8")) for i in range(len(sizes))]
+
+
+__all__ = ["ProcessPlace", "all_gather_json", "join_processes", "process_mesh", "process_place"]

@@ -191,7 +191,7 @@ class ZeroTrainer(ShardedTrainer):
 
     def save_checkpoint(self, directory: str | os.PathLike, state: TrainState, *, step: int,
                         data_position: dict | None = None, extra: dict | None = None, model_config: dict | None = None,
-                        timeout_s: float = DEFAULT_TIMEOUT_S) -> Path:
+                        timeout_s: float = DEFAULT_TIMEOUT_S, options: Any = None) -> Path:
         """Save ``state`` as step ``step`` of a chunkzero checkpoint that torch resumes with nothing built by hand.
 
         Writes the fp32 master chunks and the AdamW state (:meth:`opt_state_chunks`) at this trainer's
@@ -199,7 +199,8 @@ class ZeroTrainer(ShardedTrainer):
         ``optimizer_meta`` (every param group's, as restored) with this trainer's ``max_norm``, the step (optax's ``count``), and
         the loss scaler — :attr:`source`'s with ``step_count`` advanced by the steps taken here (the
         JAX step never skips one), or ``{"step_count": count, "skipped_steps": 0}`` without a source.
-        ``model_config`` defaults to the source's; the compute precision is the trainer's.
+        ``model_config`` defaults to the source's; the compute precision is the trainer's. ``options``:
+        ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep`` …).
 
         Returns:
             The committed step directory.
@@ -225,7 +226,7 @@ class ZeroTrainer(ShardedTrainer):
         return jax_checkpoint.save_checkpoint(
             directory, self.chunks(state), self.layout, step=step, opt_state_chunks=opt_state, optimizer_meta=optim,
             mixed_precision=self.mixed_precision, loss_scaler=scaler, model_config=model_config,
-            data_position=data_position, extra=extra, timeout_s=timeout_s)
+            data_position=data_position, extra=extra, timeout_s=timeout_s, options=options)
 
     @property
     def sharded_chunks(self) -> list[int]:
