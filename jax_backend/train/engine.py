@@ -117,7 +117,9 @@ class JaxEngine:
                                    mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None)
         if resume_from is not None:
             self.trainer.source = restored.meta
-            self.state = self.trainer.from_chunks(restored.chunks, restored.opt_state_chunks, restored.meta.optimizer.step)
+            state = self.trainer.from_chunks(restored.chunks, restored.opt_state_chunks, restored.meta.optimizer.step)
+            # one buffer per leaf: the step donates its state, and the restored Adam and schedule counts share one
+            self.state = jax.tree.map(jnp.copy, state)
         else:
             self.state = self.trainer.init(initial_params(cfg))
         self.layout = layout
