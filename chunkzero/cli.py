@@ -141,6 +141,10 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     from chunkzero.errors import ChunkZeroError
     from chunkzero.train_config import TrainConfig, option_fields
 
+    if getattr(args, "backend", "torch") == "jax":  # the JAX engine has its own launcher (no step hooks)
+        from jax_backend.train.run import main as train_jax
+
+        return train_jax(TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()}))
     prog = "chunkzero train"
     from torch_backend.train import launch as launcher  # lazily: imports torch
     from torch_backend.train.process_exit import exit_without_finalization_at_exit

@@ -35,6 +35,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 ENGINES = ("zero", "ddp")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("keep", "stretch")
+BACKENDS = ("torch", "jax")
 
 CPU_DEFAULTS = {"model": "gpt-mini", "mixed_precision": "fp32", "lr": 3e-3}
 """What ``--model``, ``--mixed-precision`` and ``--lr`` default to on a machine without a GPU: a byte-level
@@ -152,6 +153,13 @@ class TrainConfig:
     nproc: int | None = option(None, "workers to launch on this machine (ignored under torchrun)", "workers",
                                metavar="N", minimum=1, default_help="one per GPU, or 2 on CPU")
     device: str = option("auto", "auto: CUDA when available, else CPU", "workers", choices=DEVICES)
+    backend: str = option(
+        "torch", "the engine: torch (ZeroDDP workers over gloo/NCCL) or jax (the same chunk ZeRO-3 step in JAX: "
+                 "--nproc processes joined by jax.distributed, CPU only); both read and write the same checkpoints",
+        "workers", choices=BACKENDS)
+    devices_per_process: int = option(
+        1, "--backend jax: CPU devices of each JAX process; the run's world size is --nproc × this", "workers",
+        metavar="K", minimum=1)
     timeout_s: float = option(
         45.0, "collective timeout: a worker waiting longer for the others (in a collective, or in a checkpoint "
               "save's barriers and commit) gives up, so a dead worker ends the run", "workers", flag="--timeout", metavar="SECONDS", above=0)
@@ -209,6 +217,15 @@ class TrainConfig:
             raise ConfigError("--engine ddp (the plain-PyTorch baseline) trains in fp32 only")
         if self.engine == "ddp" and (self.save_interval or self.resume):
             raise ConfigError("--save-interval and --resume need --engine zero (chunk checkpoints of ZeroDDP)")
+        if self.backend == "jax" and self.engine != "zero":
+            raise ConfigError("--backend jax runs chunk ZeRO-3 only (--engine zero)")
+        if self.backend == "jax" and self.mixed_precision == "fp16":
+            raise ConfigError("--mixed-precision fp16 is not supported by --backend jax (it trains in fp32 or bf16, "
+                              "without loss scaling)")
+        if self.backend == "jax" and self.device == "cuda":
+            raise ConfigError("--backend jax runs on CPU only (--device cpu or auto)")
+        if self.backend == "torch" and self.devices_per_process != 1:
+            raise ConfigError("--devices-per-process is for --backend jax (a torch worker drives one device)")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
 

@@ -32,6 +32,7 @@ from chunkzero.cost import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_buc
 from chunkzero.layout import TensorSpec
 
 from .blocks import Program
+from .collectives import reduce_scatter_sum
 from .mesh import DEFAULT_AXIS, mesh_world_size
 from .schedule import COMPUTE_DTYPES, GatherUnit, ShardedTrainer
 
@@ -77,7 +78,7 @@ class ParamUnit(GatherUnit):
         g = grads[self.key]
         if self.dim is None:
             return jax.lax.psum(g, axis)
-        return jax.lax.psum_scatter(g, axis, scatter_dimension=self.dim, tiled=True)
+        return reduce_scatter_sum(g, axis, scatter_dimension=self.dim)
 
 
 class BucketUnit(GatherUnit):

@@ -237,11 +237,13 @@ def adam_state_from_chunks(tx: optax.GradientTransformation, chunks: Mapping[str
 
 
 def adam_state_to_chunks(state: optax.OptState) -> tuple[OptimizerChunks, int]:
-    """``({"exp_avg": mu, "exp_avg_sq": nu}, count)`` of an optax adam/adamw state."""
-    mu = optax.tree_utils.tree_get(state, "mu")
-    nu = optax.tree_utils.tree_get(state, "nu")
-    count = optax.tree_utils.tree_get(state, "count")
-    return {"exp_avg": dict(mu), "exp_avg_sq": dict(nu)}, int(count)
+    """``({"exp_avg": mu, "exp_avg_sq": nu}, count)`` of an optax adam/adamw state (the count is Adam's
+    own: a learning-rate schedule in the chain keeps another, the same number)."""
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    adam = [s for s in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(s)]
+    if len(adam) != 1:
+        raise ConfigError(f"expected one Adam state in the optimizer state, found {len(adam)}")
+    return {"exp_avg": dict(adam[0].mu), "exp_avg_sq": dict(adam[0].nu)}, int(adam[0].count)
 
 
 def adamw_step(chunks: Mapping[str, jax.Array], grads: Mapping[str, jax.Array],

@@ -10,7 +10,7 @@ chunk: a chunk is gathered with ``all_gather(tiled=True)`` before the first stag
 its tensors (keep-gathered chunks are already whole) and its tensors sliced out at their offsets; in
 backward their gradients are written into one zero-padded full-size chunk buffer, reduced after the
 last stage that reads the chunk with ``psum_scatter(tiled=True)`` (the transpose of the tiled
-all-gather) to the device's gradient shard, or ``psum`` for a keep-gathered chunk. AdamW then
+all-gather, through :func:`jax_backend.collectives.reduce_scatter_sum`) to the device's gradient shard, or ``psum`` for a keep-gathered chunk. AdamW then
 updates the fp32 master shards locally.
 
 Per step and per sharded chunk: one all-gather in forward, one in backward, one reduce-scatter
@@ -41,6 +41,7 @@ from chunkzero.layout import ChunkLayout
 
 from . import checkpoint as jax_checkpoint
 from .blocks import Program, gpt_program
+from .collectives import reduce_scatter_sum
 from .gpt import GPTConfig
 from .layout import check_chunks
 from .mesh import DEFAULT_AXIS, mesh_world_size
@@ -95,7 +96,7 @@ class ChunkUnit(GatherUnit):
         full = self.full_grad(grads)
         if not self.sharded:
             return jax.lax.psum(full, axis)
-        return jax.lax.psum_scatter(full, axis, scatter_dimension=0, tiled=True)
+        return reduce_scatter_sum(full, axis)
 
 
 class ZeroTrainer(ShardedTrainer):
@@ -198,7 +199,7 @@ class ZeroTrainer(ShardedTrainer):
 
     def save_checkpoint(self, directory: str | os.PathLike, state: TrainState, *, step: int,
                         data_position: dict | None = None, extra: dict | None = None, model_config: dict | None = None,
-                        timeout_s: float = DEFAULT_TIMEOUT_S) -> Path:
+                        timeout_s: float = DEFAULT_TIMEOUT_S, options: Any = None) -> Path:
         """Save ``state`` as step ``step`` of a chunkzero checkpoint that torch resumes with nothing built by hand.
 
         Writes the fp32 master chunks and the AdamW state (:meth:`opt_state_chunks`) at this trainer's
@@ -206,7 +207,8 @@ class ZeroTrainer(ShardedTrainer):
         ``optimizer_meta`` (every param group's, as restored) with this trainer's ``max_norm``, the step (optax's ``count``), and
         the loss scaler — :attr:`source`'s with ``step_count`` advanced by the steps taken here (the
         JAX step never skips one), or ``{"step_count": count, "skipped_steps": 0}`` without a source.
-        ``model_config`` defaults to the source's; the compute precision is the trainer's.
+        ``model_config`` defaults to the source's; the compute precision is the trainer's. ``options``:
+        ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep`` …).
 
         Returns:
             The committed step directory.
@@ -232,7 +234,7 @@ class ZeroTrainer(ShardedTrainer):
         return jax_checkpoint.save_checkpoint(
             directory, self.chunks(state), self.layout, step=step, opt_state_chunks=opt_state, optimizer_meta=optim,
             mixed_precision=self.mixed_precision, loss_scaler=scaler, model_config=model_config,
-            data_position=data_position, extra=extra, timeout_s=timeout_s)
+            data_position=data_position, extra=extra, timeout_s=timeout_s, options=options)
 
     @property
     def sharded_chunks(self) -> list[int]:

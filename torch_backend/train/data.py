@@ -347,12 +347,16 @@ class BatchSampler:
         starts = rng.integers(0, self.tokens.size - self.seq_len, size=self.world_size * self.batch_size)
         return starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
 
+    def arrays_at(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The windows at ``offsets`` as numpy ``(x, y)``, ``int64[len(offsets), seq_len]`` (the JAX engine's)."""
+        rows = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in offsets])
+        return rows[:, :-1], rows[:, 1:]
+
     def batch_at(self, offsets: np.ndarray):
         import torch
 
-        rows = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in offsets])
-        t = torch.from_numpy(rows)
-        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        x, y = self.arrays_at(offsets)
+        return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
 
     def next(self):
         """The next micro-batch ``(x, y)`` on this rank; advances :attr:`index`."""

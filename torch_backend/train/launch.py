@@ -15,47 +15,20 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import uuid
 from typing import Any, Callable
 
-from chunkzero.errors import ChunkZeroError
+from chunkzero.workers import EXIT_PEER_LOST, WorkerFailure, describe_exit, last_line
 
-EXIT_PEER_LOST = 3
-"""A worker exits with this when a collective failed because another worker vanished (a consequence,
-never the cause; :mod:`torch_backend.train.worker` uses it)."""
+__all__ = ["EXIT_PEER_LOST", "WorkerFailure", "describe_failure", "launch", "running_under_torchrun"]
 
-
-class WorkerFailure(ChunkZeroError, RuntimeError):
-    """A worker process failed; ``rank`` is the one that failed first (the cause), ``exitcode`` its code."""
-
-    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None):
-        self.rank = rank
-        self.exitcode = exitcode
-        super().__init__(message)
+_describe_exit = describe_exit
+_first_line = last_line
 
 
 def running_under_torchrun() -> bool:
     """Whether this process is already a worker of a launched group (``torchrun`` or an agent)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def _describe_exit(exitcode: int) -> str:
-    if exitcode == EXIT_PEER_LOST:
-        return "lost contact with another worker, which stopped without a report (on another node?)"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        hint = " (killed by the operating system, e.g. out of memory, or by a user)" if -exitcode == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with code {exitcode}"
-
-
-def _first_line(text: str | None) -> str:
-    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
 
 
 def describe_failure(failures: dict[int, Any]) -> WorkerFailure:

@@ -1,0 +1,217 @@
+"""The worker processes of ``chunkzero train``, whatever their framework: how a failure reads, and a
+launcher of plain local processes.
+
+Shared: :data:`EXIT_PEER_LOST` (a worker that only saw another one vanish), :class:`WorkerFailure`
+(the error naming the worker that failed first) and :func:`describe_exit`. The torch engine launches
+through torch's elastic agent (:mod:`torch_backend.train.launch`); the JAX engine through
+:func:`launch_processes` here: ``nproc`` copies of one command, in one process group of their own,
+each told its place in the environment (:data:`COORDINATOR_ENV`, :data:`NUM_PROCESSES_ENV`,
+:data:`PROCESS_ID_ENV`, the names an external launcher sets too) and writing its outcome as JSON to
+``<result_dir>/process<i>.json`` (never pickled). The launcher polls them; when one fails, the others
+are stopped (SIGTERM, then SIGKILL after ``grace_s``) and :class:`WorkerFailure` names the first that
+failed — one that exited with :data:`EXIT_PEER_LOST` is a consequence, named only when nothing else
+failed.
+
+Imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .errors import ChunkZeroError
+
+EXIT_PEER_LOST = 3
+"""A worker exits with this when a collective failed because another worker vanished (a consequence,
+never the cause)."""
+
+
+class WorkerFailure(ChunkZeroError, RuntimeError):
+    """A worker process failed; ``rank`` is the one that failed first (the cause), ``exitcode`` its code."""
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None):
+        self.rank = rank
+        self.exitcode = exitcode
+        super().__init__(message)
+
+
+def describe_exit(exitcode: int) -> str:
+    """How a worker's exit code reads: ``"exited with code 1"``, ``"was killed by SIGKILL (...)"``, or what
+    :data:`EXIT_PEER_LOST` means."""
+    if exitcode == EXIT_PEER_LOST:
+        return "lost contact with another worker, which stopped without a report (on another node?)"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (killed by the operating system, e.g. out of memory, or by a user)" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with code {exitcode}"
+
+
+def last_line(text: str | None) -> str:
+    """The last non-empty line of ``text`` (a traceback's error line), stripped; ``""`` if none."""
+    lines = [ln.strip() for ln in (text or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
+"""``host:port`` of process 0's coordination service (the name ``jax.distributed.initialize`` reads)."""
+NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
+"""The number of processes of the run."""
+PROCESS_ID_ENV = "JAX_PROCESS_ID"
+"""This process's index, ``0 .. JAX_NUM_PROCESSES - 1``."""
+RESULT_DIR_ENV = "CHUNKZERO_RESULT_DIR"
+"""Where a launched process writes ``process<i>.json`` (set by :func:`launch_processes` only)."""
+
+
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the coordinator binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_result(result: Mapping, process_id: int | None = None) -> None:
+    """Write this launched process's outcome (JSON) where :func:`launch_processes` reads it; nothing
+    outside a launch (no :data:`RESULT_DIR_ENV`)."""
+    where = os.environ.get(RESULT_DIR_ENV)
+    if not where:
+        return
+    i = int(os.environ.get(PROCESS_ID_ENV, 0)) if process_id is None else process_id
+    path = Path(where) / f"process{i}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(result)), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _read_result(result_dir: Path, i: int) -> dict | None:
+    try:
+        r = json.loads((result_dir / f"process{i}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return r if isinstance(r, dict) else None
+
+
+def _stop_group(procs: list[subprocess.Popen], pgid: int, grace_s: float) -> None:
+    """SIGTERM to the process group, SIGKILL after ``grace_s`` to whatever still runs; reap them all."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if all(p.poll() is not None for p in procs):
+            break
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL not delivered
+            pass
+
+
+def _failure(failures: list[tuple[float, int, int]], results: dict[int, dict | None],
+             pids: dict[int, int]) -> WorkerFailure:
+    """The :class:`WorkerFailure` of ``failures`` (``(time seen, process, exit code)``)."""
+    cause = min(failures, key=lambda f: (f[2] == EXIT_PEER_LOST, f[0], f[1]))
+    _, i, code = cause
+    msg = f"process {i} (pid {pids[i]}) {describe_exit(code)}"
+    r = results.get(i) or {}
+    if code > 0 and code != EXIT_PEER_LOST and r.get("message"):
+        msg += f": {last_line(r['message'])}"
+    others = sorted(j for _, j, _ in failures if j != i)
+    if others:
+        msg += f"; then process(es) {', '.join(map(str, others))} stopped"
+    return WorkerFailure(msg + "; the run was stopped", rank=i, exitcode=code)
+
+
+def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.PathLike, *,
+                     env: Mapping[str, str] | None = None, finish_timeout_s: float = 60.0,
+                     poll_s: float = 0.1, grace_s: float = 5.0, peer_lost_wait_s: float = 3.0) -> list[dict]:
+    """Run ``nproc`` copies of ``command`` on this machine, in one new process group, and wait for all.
+
+    Process ``i`` finds :data:`COORDINATOR_ENV` (a free port on 127.0.0.1), :data:`NUM_PROCESSES_ENV`,
+    :data:`PROCESS_ID_ENV` and :data:`RESULT_DIR_ENV` in its environment (``env``, default this
+    process's, plus those), and reports with :func:`write_result`. Its stdout and stderr are this
+    process's.
+
+    Args:
+        result_dir: an existing directory for the processes' results.
+        finish_timeout_s: once one process has exited successfully, the longest the others may take to
+            follow; past it they are stopped as failed (a process that hangs at the end).
+        poll_s: how often the processes are polled, in seconds.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping them.
+        peer_lost_wait_s: after a process exits with :data:`EXIT_PEER_LOST`, how long to wait for the
+            cause to show before stopping the rest.
+
+    Returns:
+        Each process's result (``{"status": ...}``), by process index.
+
+    Raises:
+        WorkerFailure: a process exited non-zero, or exited 0 without a result; the others were stopped.
+        ConfigError: ``nproc`` is not a positive int.
+        KeyboardInterrupt: after stopping the processes.
+    """
+    from .errors import ConfigError
+
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ConfigError(f"nproc must be a positive int, got {nproc!r}")
+    result_dir = Path(result_dir)
+    base = dict(os.environ if env is None else env)
+    base.update({COORDINATOR_ENV: f"127.0.0.1:{free_local_port()}", NUM_PROCESSES_ENV: str(nproc),
+                 RESULT_DIR_ENV: str(result_dir)})
+    procs: list[subprocess.Popen] = []
+    pgid = 0
+    try:
+        for i in range(nproc):
+            p = subprocess.Popen(list(command), env={**base, PROCESS_ID_ENV: str(i)}, process_group=pgid)
+            pgid = pgid or p.pid
+            procs.append(p)
+        pids = {i: p.pid for i, p in enumerate(procs)}
+        failures: list[tuple[float, int, int]] = []
+        first_done = None
+        while True:
+            now = time.monotonic()
+            for i, p in enumerate(procs):
+                code = p.poll()
+                if code is None or any(j == i for _, j, _ in failures):
+                    continue
+                if code == 0 and _read_result(result_dir, i) is None:
+                    code = 1  # exited without saying how: a failure, not a success
+                if code != 0:
+                    failures.append((now, i, code))
+                elif first_done is None:
+                    first_done = now
+            running = [i for i, p in enumerate(procs) if p.poll() is None]
+            if failures:
+                if all(code == EXIT_PEER_LOST for _, _, code in failures) and running \
+                        and now - failures[0][0] < peer_lost_wait_s:
+                    time.sleep(poll_s)
+                    continue
+                _stop_group(procs, pgid, grace_s)
+                for i, p in enumerate(procs):  # those that died of the stop: named as stopped after the cause
+                    if not any(j == i for _, j, _ in failures) and p.returncode not in (0, None):
+                        failures.append((time.monotonic(), i, p.returncode))
+                raise _failure(failures, {i: _read_result(result_dir, i) for i in range(nproc)}, pids)
+            if not running:
+                return [_read_result(result_dir, i) or {} for i in range(nproc)]
+            if first_done is not None and now - first_done > finish_timeout_s:
+                i = running[0]
+                _stop_group(procs, pgid, grace_s)
+                raise WorkerFailure(f"process {i} (pid {pids[i]}) did not finish within {finish_timeout_s:g} s of "
+                                    "the first one; the run was stopped", rank=i, exitcode=None)
+            time.sleep(poll_s)
+    except BaseException:
+        if procs:
+            _stop_group(procs, pgid, grace_s)
+        raise

@@ -1,0 +1,119 @@
+"""The processes of a multi-process JAX run on CPU: who this one is, and joining the others.
+
+A process learns its place from the environment — :data:`chunkzero.workers.COORDINATOR_ENV`
+(``host:port`` of process 0), :data:`~chunkzero.workers.NUM_PROCESSES_ENV` and
+:data:`~chunkzero.workers.PROCESS_ID_ENV` — set by :func:`chunkzero.workers.launch_processes` or by an
+external launcher. :func:`join_processes` gives it ``devices_per_process`` CPU devices
+(``jax_num_cpu_devices``) and calls ``jax.distributed.initialize`` with every wait bounded: the
+start-up, the heartbeat after which a silent peer counts as dead, and the shutdown barrier. JAX then
+runs CPU collectives across the processes over gloo. :func:`process_mesh` is the 1-D mesh of all
+devices in process order, so process ``p``'s devices are ranks ``p·K … p·K + K − 1``.
+
+Call :func:`join_processes` before anything else uses JAX (devices are fixed on first use).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from chunkzero.errors import ConfigError
+from chunkzero.workers import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+
+
+@dataclass(frozen=True)
+class ProcessPlace:
+    """This process in its run: ``coordinator`` (``host:port`` or ``None`` when alone), ``num_processes``,
+    ``process_id``."""
+
+    coordinator: str | None
+    num_processes: int
+    process_id: int
+
+
+def process_place(environ: dict | None = None) -> ProcessPlace:
+    """This process's :class:`ProcessPlace` from the environment (alone when none of the variables is set).
+
+    Raises:
+        ConfigError: some but not all of the variables are set, or they are not consistent integers.
+    """
+    env = os.environ if environ is None else environ
+    names = (COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV)
+    present = [n for n in names if env.get(n)]
+    if not present:
+        return ProcessPlace(None, 1, 0)
+    if len(present) != len(names):
+        missing = [n for n in names if n not in present]
+        raise ConfigError(f"multi-process JAX: {', '.join(present)} set but {', '.join(missing)} not")
+    try:
+        n, i = int(env[NUM_PROCESSES_ENV]), int(env[PROCESS_ID_ENV])
+    except ValueError:
+        raise ConfigError(f"{NUM_PROCESSES_ENV}={env[NUM_PROCESSES_ENV]!r} and {PROCESS_ID_ENV}={env[PROCESS_ID_ENV]!r} "
+                          "must be integers") from None
+    if n < 1 or not 0 <= i < n:
+        raise ConfigError(f"{PROCESS_ID_ENV}={i} must be in [0, {NUM_PROCESSES_ENV}={n})")
+    if ":" not in env[COORDINATOR_ENV]:
+        raise ConfigError(f"{COORDINATOR_ENV}={env[COORDINATOR_ENV]!r} must be host:port")
+    return ProcessPlace(env[COORDINATOR_ENV], n, i)
+
+
+def join_processes(devices_per_process: int, timeout_s: float, place: ProcessPlace | None = None) -> ProcessPlace:
+    """Configure JAX for CPU with ``devices_per_process`` devices and, with more than one process, join
+    the others (``jax.distributed.initialize``); every wait is bounded by ``timeout_s`` seconds (a peer
+    silent for that long counts as dead).
+
+    Raises:
+        ConfigError: a bad ``devices_per_process``/``timeout_s``, or JAX already initialised with other devices.
+    """
+    import jax
+
+    if isinstance(devices_per_process, bool) or not isinstance(devices_per_process, int) or devices_per_process < 1:
+        raise ConfigError(f"--devices-per-process must be a positive int, got {devices_per_process!r}")
+    place = place or process_place()
+    seconds = max(1, math.ceil(timeout_s))
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices_per_process)
+    if place.num_processes > 1 and not jax.distributed.is_initialized():
+        jax.distributed.initialize(place.coordinator, place.num_processes, place.process_id,
+                                   initialization_timeout=seconds, heartbeat_timeout_seconds=seconds,
+                                   shutdown_timeout_seconds=seconds)
+    if jax.local_device_count() != devices_per_process:
+        raise ConfigError(f"JAX has {jax.local_device_count()} local devices, --devices-per-process asks for "
+                          f"{devices_per_process} (was JAX used, or XLA_FLAGS set, before the run joined?)")
+    return place
+
+
+def process_mesh(axis: str | None = None):
+    """The 1-D data-parallel mesh of every device of the run, ordered by (process, device id)."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from .mesh import DEFAULT_AXIS
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices), (axis or DEFAULT_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def all_gather_json(obj):
+    """Every process's JSON-able ``obj``, by process index (a collective; ``[obj]`` when alone). Sent as
+    UTF-8 JSON bytes, never pickled."""
+    import json
+
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental.multihost_utils import process_allgather
+
+    data = np.frombuffer(json.dumps(obj).encode("utf-8"), dtype=np.uint8)
+    sizes = np.asarray(process_allgather(np.asarray([data.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(rows[i, :sizes[i]]).decode("utf-8")) for i in range(len(sizes))]
+
+
+__all__ = ["ProcessPlace", "all_gather_json", "join_processes", "process_mesh", "process_place"]

@@ -1,0 +1,191 @@
+""":class:`JaxEngine`: :class:`jax_backend.ZeroTrainer` set up as ``chunkzero train`` sets up the torch
+engine, behind the interface the loop and :class:`torch_backend.train.report.Report` read.
+
+The same run as torch's: the byte-level GPT initialised by ``torch.manual_seed(seed)`` (the torch module
+is built once and its weights packed, so both engines start from the same bytes), the chunk layout of
+:class:`torch_backend.ZeroDDP` (the core search over the same tensor specs, in the compute dtype),
+AdamW with betas (0.9, 0.95), eps 1e-8, the two param groups of
+:func:`torch_backend.train.adapter.decay_groups` (weight decay on tensors of 2 or more dimensions),
+clipping at ``--max-norm`` and the LR schedule of :func:`chunkzero.train_config.lr_at` at optax's step
+count. ``--resume`` restores the latest checkpoint, torch's or JAX's, at any world size.
+
+A step's micro-batches: device ``r`` of the mesh (rank ``r``) trains micro-batches ``i·A … i·A + A − 1``
+of :class:`torch_backend.train.data.BatchSampler` at rank ``r`` (``A`` = ``--grad-accum``), stacked into
+one batch of ``A·B`` sequences: the mean loss over them has the gradient torch accumulates
+(``loss / A`` per micro-batch). Each process builds only its own devices' rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.multihost_utils import process_allgather
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from chunkzero.checkpoint import chunk_key
+from chunkzero.configs import GPT_CONFIGS
+from chunkzero.layout import ChunkLayout
+from chunkzero.search import search_chunk_size
+from chunkzero.train_config import TrainConfig
+
+from ..blocks import gpt_program
+from ..checkpoint import restore_checkpoint
+from ..convert import param_specs
+from ..optim import adamw_meta, param_groups_adamw
+from ..zero import ZeroTrainer
+
+BETAS, EPS = (0.9, 0.95), 1e-8
+"""AdamW's betas and eps, as :class:`torch_backend.train.adapter.Engine` uses them."""
+
+
+def lr_schedule(cfg: TrainConfig):
+    """:func:`chunkzero.train_config.lr_at` as an optax schedule of the step count (jnp)."""
+    span_steps = max(1, cfg.schedule_steps or cfg.steps)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    span = max(1, span_steps - 1 - cfg.warmup)
+
+    def schedule(count):
+        step = jnp.minimum(count, span_steps - 1).astype(jnp.float32)
+        warm = cfg.lr * (step + 1) / (cfg.warmup + 1)
+        progress = jnp.clip((step - cfg.warmup) / span, 0.0, 1.0)
+        decay = min_lr + 0.5 * (1.0 + jnp.cos(math.pi * progress)) * (cfg.lr - min_lr)
+        return jnp.where(step < cfg.warmup, warm, decay)
+
+    return schedule
+
+
+def build_layout(cfg: TrainConfig, world: int) -> ChunkLayout:
+    """The layout ZeroDDP builds for ``cfg.model`` at ``world`` ranks (same specs, same search)."""
+    dtype = "bfloat16" if cfg.mixed_precision == "bf16" else "float32"
+    specs = [dataclasses.replace(s, dtype=dtype) for s in param_specs(GPT_CONFIGS[cfg.model])]
+    if cfg.chunk_size is not None:
+        return ChunkLayout.build(specs, cfg.chunk_size, world)
+    found = search_chunk_size(specs, world)
+    return ChunkLayout.build(specs, int(found.chunk_size), world, keep_gathered_below_numel=int(found.keep_gathered_below_numel))
+
+
+def param_groups(layout: ChunkLayout, cfg: TrainConfig) -> list[dict]:
+    """torch's two groups by tensor name: weight decay on tensors of 2 or more dimensions only."""
+    names = [t.name for t in layout.tensors]
+    dims = {t.name: len(t.shape) for t in layout.tensors}
+    hp = {"lr": cfg.lr, "betas": list(BETAS), "eps": EPS, "amsgrad": False, "maximize": False}
+    return [{**hp, "weight_decay": cfg.weight_decay, "params": [n for n in names if dims[n] >= 2]},
+            {**hp, "weight_decay": 0.0, "params": [n for n in names if dims[n] < 2]}]
+
+
+def initial_params(cfg: TrainConfig) -> dict[str, np.ndarray]:
+    """The torch job's initial weights (``torch.manual_seed(seed)``), by tensor name, as numpy."""
+    from torch_backend.train.models import build_module
+
+    return {k: v.detach().numpy() for k, v in build_module(cfg).state_dict().items()}
+
+
+class JaxEngine:
+    """The trainer, its state and the mesh of one run (see the module docstring).
+
+    Raises:
+        CheckpointError / ConfigError: ``resume_from`` cannot be restored here.
+    """
+
+    kind = "zero"
+    loss_scale = 1.0
+    skipped_steps = 0
+    last_grad_norm = None
+
+    def __init__(self, cfg: TrainConfig, mesh, *, resume_from: Path | None = None):
+        self.cfg, self.mesh = cfg, mesh
+        self.world = int(mesh.devices.size)
+        self.program = gpt_program(GPT_CONFIGS[cfg.model])
+        self.meta = None
+        if resume_from is not None:
+            restored = restore_checkpoint(resume_from, mesh, with_optimizer=True)
+            layout, self.meta = restored.layout, restored.meta
+        else:
+            layout = build_layout(cfg, self.world)
+        groups = param_groups(layout, cfg)
+        tx = param_groups_adamw(lr_schedule(cfg), BETAS[0], BETAS[1], EPS, layout, groups)
+        optim_meta = dataclasses.replace(
+            adamw_meta(learning_rate=cfg.lr, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=cfg.weight_decay,
+                       max_norm=cfg.max_norm or None), param_groups=groups)
+        self.trainer = ZeroTrainer(self.program, layout, mesh, tx, optimizer_meta=optim_meta,
+                                   mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None)
+        if resume_from is not None:
+            self.trainer.source = restored.meta
+            state = self.trainer.from_chunks(restored.chunks, restored.opt_state_chunks, restored.meta.optimizer.step)
+            # one buffer per leaf: the step donates its state, and the restored Adam and schedule counts share one
+            self.state = jax.tree.map(jnp.copy, state)
+        else:
+            self.state = self.trainer.init(initial_params(cfg))
+        self.layout = layout
+        self._batch_sharding = NamedSharding(mesh, P(self.trainer.axis))
+        self._replicated = NamedSharding(mesh, P())
+        self._sum = jax.jit(jnp.sum, out_shardings=self._replicated)
+        self._eval = jax.jit(self._eval_loss, out_shardings=self._replicated)
+        order = list(mesh.devices.reshape(-1))
+        self.local_ranks = [(order.index(d), d) for d in mesh.local_devices]
+
+    # ------------------------------------------------------------------ batches
+    def global_batch(self, rows: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, jax.Array]:
+        """``{"idx", "targets"}`` int32 ``[W·b, T]`` sharded on the batch, from this process's devices' rows
+        ``{rank: (x, y)}`` (``int[b, T]`` each)."""
+        out = {}
+        for k, j in (("idx", 0), ("targets", 1)):
+            parts = [jax.device_put(np.asarray(rows[r][j], np.int32), d) for r, d in self.local_ranks]
+            b, t = parts[0].shape
+            out[k] = jax.make_array_from_single_device_arrays((self.world * b, t), self._batch_sharding, parts)
+        return out
+
+    # ------------------------------------------------------------------ step, evaluation
+    def step(self, batch: dict[str, jax.Array]) -> float:
+        """One optimizer step on a global batch; the mean token loss before the update."""
+        self.state, losses = self.trainer.step_fn(self.state, batch)
+        return float(np.asarray(self._sum(losses).addressable_data(0)))
+
+    def _eval_loss(self, chunks, batch):
+        tensors = {t.name: chunks[chunk_key(t.chunk)][t.offset:t.end].reshape(t.shape) for t in self.layout.tensors}
+        return self.program.loss(tensors, batch)
+
+    def evaluate(self, batches: list[dict[str, jax.Array]]) -> float:
+        """Mean validation loss over the global batches (each the same size): torch's mean over ranks."""
+        chunks = self.state.params if self.state.params is not None else self.state.master
+        return float(np.mean([float(np.asarray(self._eval(chunks, b).addressable_data(0))) for b in batches]))
+
+    # ------------------------------------------------------------------ checkpoints, weights
+    def save(self, directory: Path, step: int, *, data_position: dict, extra: dict, keep: int) -> None:
+        """Step ``step`` of the run's checkpoint (the newest ``keep`` kept), every wait bounded by ``--timeout``."""
+        import orbax.checkpoint as ocp
+
+        self.trainer.save_checkpoint(directory, self.state, step=step, data_position=data_position, extra=extra,
+                                     model_config=GPT_CONFIGS[self.cfg.model].to_dict(), timeout_s=self.cfg.timeout_s,
+                                     options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """Every tensor under each of its names (tied aliases too), full-shaped fp32 numpy, on every process (a collective)."""
+        full = {k: np.asarray(process_allgather(v, tiled=True)) for k, v in self.state.master.items()}
+        return {name: full[chunk_key(t.chunk)][t.offset:t.end].reshape(t.shape)
+                for t in self.layout.tensors for name in t.names}
+
+    # ------------------------------------------------------------------ what the report reads
+    def describe(self) -> str:
+        layout = self.layout
+        return (f"engine zero (jax): {len(layout.chunks)} chunk(s) of {layout.chunk_size:,} elements over "
+                f"{self.world} device(s), shard per device {sum(layout.shard_numel(c.index) for c in layout.chunks):,} elements")
+
+    def memory_report(self) -> None:
+        return None
+
+    def chunk_report(self, rank: int) -> dict:
+        layout = self.layout
+        shard = int(layout.shard_bytes(rank))
+        master = sum(layout.shard_numel(c.index) for c in layout.chunks) * 4
+        return {"chunks": len(layout.chunks), "chunk_size": int(layout.chunk_size),
+                "sharded_chunks": sum(not c.keep_gathered for c in layout.chunks), "shard_bytes": shard,
+                "param_bytes": sum(c.size_bytes for c in layout.chunks),
+                "model_state_bytes": master * 3 + (shard if self.cfg.mixed_precision == "bf16" else 0),
+                "peak_gathered_chunks": "n/a"}  # XLA schedules the gathers

@@ -1,0 +1,133 @@
+"""``chunkzero train --backend jax``'s loop, the torch loop's steps (:mod:`torch_backend.train.loop`)
+with :class:`jax_backend.train.engine.JaxEngine`:
+
+    build (or resume) → evaluate at the start → for each step: this process's devices' micro-batches,
+    one ZeRO-3 step, log, [save a checkpoint], [evaluate] → sample text → summary and outputs (process 0)
+
+The report is the torch job's :class:`torch_backend.train.report.Report` (``metrics.jsonl``, progress bar,
+``loss.png``, ``summary.json``/``.txt``, ``sample.txt``), with process 0 as rank 0. The sample is drawn
+by the torch job's sampler from the trained weights (gathered once at the end), so both engines sample
+alike. Checkpoints are the one chunkzero format (:meth:`jax_backend.ZeroTrainer.save_checkpoint`): torch
+resumes them at any world size, and this loop resumes torch's. What does not carry between engines:
+the JAX step draws no random numbers (no dropout), so no RNG state is saved, and a torch checkpoint's
+RNG states are ignored here; the loss scaler is saved as a passthrough (bf16 and fp32 run at scale 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
+from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
+
+log = logging.getLogger("chunkzero.train")
+
+
+def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) -> dict:
+    """Run the loop on this process; returns the summary (complete on process 0)."""
+    import jax
+
+    from torch_backend.train import data as data_mod
+    from torch_backend.train.report import Report, peak_memory_mib, sample_text
+
+    from ..processes import all_gather_json, process_mesh
+    from .engine import JaxEngine
+
+    t_start = time.perf_counter()
+    mesh = process_mesh()
+    world = int(mesh.devices.size)
+    rank0 = place.process_id == 0
+    if jax.process_count() > 1:  # the reduce-scatter guard, at this run's chunk sizes, before tracing the step
+        from .engine import build_layout
+        from ..collectives import check_reduce_scatter
+
+        sizes = sorted({c.size * 4 for c in build_layout(cfg, world).chunks if not c.keep_gathered})
+        check_reduce_scatter(mesh, sizes)
+    ckpt_root = Path(cfg.out) / CHECKPOINT_DIR
+    resume_from = ckpt_root if cfg.resume else None  # its latest step
+    engine = JaxEngine(cfg, mesh, resume_from=resume_from)
+    params = sum(t.numel for t in engine.layout.tensors)
+    samplers = {r: data_mod.BatchSampler(corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
+                                         world_size=world, seed=cfg.seed) for r, _ in engine.local_ranks}
+    start, counters = 1, None
+    if engine.meta is not None:
+        meta = engine.meta
+        for s in samplers.values():
+            s.load_state_dict((meta.data_position or {}).get("sampler", {}))
+        extra = dict(meta.extra or {})
+        if rank0:
+            log.info("resumed from step %d (%s/%d), saved at world size %d", meta.step, ckpt_root, meta.step,
+                     meta.world_size)
+            warn_schedule_change(extra if "steps" in extra else previous_config,
+                                 f"checkpoint {meta.step}" if "steps" in extra else f"{cfg.out}/config.json", cfg, meta.step)
+        start = meta.step + 1
+        counters = extra.get("counters") if isinstance(extra.get("counters"), dict) else None
+    val_rows = {r: data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
+                                        world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
+                for r, _ in engine.local_ranks}
+    val = [engine.global_batch({r: tuple(t.numpy() for t in val_rows[r][k]) for r in val_rows})
+           for k in range(cfg.eval_batches)]
+    device = SimpleNamespace(type="cpu")
+    backend = f"jax, {jax.process_count()} process(es) × {cfg.devices_per_process} device(s)"
+    report = Report(cfg, rank=place.process_id, world_size=world, device=device, backend=backend, start=start,
+                    tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
+    report.begin(params, corpus, engine)
+
+    val_loss = all_gather_json(report.metrics.val_at(start - 1))[0]
+    if val_loss is None:
+        val_loss = engine.evaluate(val)
+        report.val(start - 1, val_loss)
+
+    report.open_progress()
+    try:
+        for step in range(start, cfg.steps + 1):
+            t0 = time.perf_counter()
+            lr = lr_at(step - 1, cfg)
+            rows = {}
+            for r, s in samplers.items():  # the step's micro-batches, stacked: one batch of grad_accum · B rows
+                xs, ys = zip(*(s.arrays_at(s.offsets(s.index + m)) for m in range(cfg.grad_accum)))
+                s.index += cfg.grad_accum
+                rows[r] = (_cat(xs), _cat(ys))
+            loss = engine.step(engine.global_batch(rows))
+            report.train_step(step, loss, lr, engine, True, time.perf_counter() - t0)
+            if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
+                sampler = next(iter(samplers.values()))
+                engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=CHECKPOINTS_KEPT,
+                            extra={"model": cfg.model, "seed": cfg.seed, "world_size": world, "steps": cfg.steps,
+                                   "schedule_steps": cfg.schedule_steps, "warmup": cfg.warmup, "lr": cfg.lr,
+                                   "min_lr_ratio": cfg.min_lr_ratio, "counters": report.counters(), "backend": "jax"})
+            if step % cfg.eval_interval == 0 or step == cfg.steps:
+                val_loss = engine.evaluate(val)
+                report.val(step, val_loss, train_loss=loss)
+    finally:
+        report.close_progress()
+
+    prompt, sample = _sample(engine, corpus, cfg) if cfg.sample_tokens else ("", "")
+    memory, chunks = zip(*all_gather_json([peak_memory_mib(device), engine.chunk_report(place.process_id)]))
+    summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=list(memory),
+                             chunks=list(chunks), prompt=prompt, sample=sample,
+                             wall_time_s=time.perf_counter() - t_start)
+    report.finish(summary)
+    del sample_text
+    return summary
+
+
+def _cat(parts):
+    import numpy as np
+
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _sample(engine, corpus, cfg: TrainConfig) -> tuple[str, str]:
+    """The torch job's sample, from the trained weights (gathered on every process; all sample alike)."""
+    import torch
+
+    from torch_backend.train.models import build_module
+    from torch_backend.train.report import sample_text
+
+    module = build_module(cfg)
+    module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in engine.full_params().items()})
+    return sample_text(SimpleNamespace(model=module), corpus, cfg, torch.device("cpu"))

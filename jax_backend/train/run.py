@@ -1,0 +1,127 @@
+"""The launcher side of ``chunkzero train --backend jax``: check the run, then start the processes.
+
+:func:`validate` checks every input before anything starts (as :func:`torch_backend.train.resolve.validate`
+does for torch; what a machine cannot change is :meth:`chunkzero.train_config.TrainConfig.check`'s):
+CPU only, ``--nproc`` processes × ``--devices-per-process`` devices, the CPU defaults, the model and
+``--seq-len``, ``--out``, ``--resume``'s checkpoint (its step and tensors) and the corpus. :func:`main`
+is the CLI's entry: under an external launcher (:data:`chunkzero.workers.COORDINATOR_ENV` … set) this
+process is one of the run; else it launches ``--nproc`` processes of :mod:`jax_backend.train.worker`.
+Exit codes as for torch: 0 done, 1 a process failed (named) or the run cannot make progress, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from chunkzero.errors import ChunkZeroError, ConfigError
+from chunkzero.run_dir import check_out_dir, check_resume, fresh_run_dir, previous_settings
+from chunkzero.train_config import TrainConfig, resumed_schedule_steps, with_device_defaults
+from chunkzero.workers import COORDINATOR_ENV, WorkerFailure, launch_processes
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+PROG = "chunkzero train"
+log = logging.getLogger("chunkzero.cli")
+
+
+def under_external_launcher() -> bool:
+    """Whether the environment already places this process in a multi-process run."""
+    return bool(os.environ.get(COORDINATOR_ENV))
+
+
+def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | None = None):
+    """The resolved config and the corpus; ``world_size`` = processes × ``--devices-per-process``.
+
+    Raises:
+        ConfigError / DataError: one line naming the input at fault.
+    """
+    from torch_backend.train.models import load_run_corpus, model_block_size
+    from torch_backend.train.resolve import check_resume_model
+
+    cfg = dataclasses.replace(cfg)
+    cfg.check()
+    cfg.device = "cpu"
+    cfg = with_device_defaults(cfg, "cpu")
+    if cfg.mixed_precision == "fp16":
+        raise ConfigError("--mixed-precision fp16 is not supported by --backend jax (fp32 or bf16)")
+    nproc = num_processes if num_processes is not None else (cfg.nproc or 2)
+    cfg.nproc = nproc
+    cfg.world_size = nproc * cfg.devices_per_process
+    cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
+    if cfg.model_kind != "gpt":
+        raise ConfigError(f"--backend jax trains the byte-level GPTs (gpt-tiny … gpt2-medium); --model {cfg.model} "
+                          "is a Hugging Face directory, which only --backend torch trains so far")
+    if cfg.seq_len > cfg.block_size:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
+    if check_out:
+        if cfg.out is None:
+            cfg.out = str(fresh_run_dir(Path("runs")))
+        check_out_dir(cfg)
+        cfg.schedule_steps = cfg.steps
+        if cfg.resume:
+            meta = check_resume(cfg)
+            check_resume_model(cfg, meta)
+            if meta.mixed_precision == "fp16":
+                raise ConfigError(f"--resume: the checkpoint in {cfg.out} was trained in fp16, which --backend jax "
+                                  "does not run")
+            cfg.schedule_steps = resumed_schedule_steps(cfg, previous_settings(cfg, meta)[0])
+    corpus = load_run_corpus(cfg)
+    cfg.validated = True
+    return cfg, corpus
+
+
+def outcome(results: list[dict]) -> tuple[int, str | None]:
+    """The exit code and message of the processes' results: bad input first, then a failed run."""
+    for status, code in (("error", EXIT_BAD_INPUT), ("failed", EXIT_FAILED)):
+        for r in results:
+            if r.get("status") == status:
+                return code, r.get("message")
+    return EXIT_OK, None
+
+
+def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return code
+
+
+def main(cfg: TrainConfig) -> int:
+    """``chunkzero train --backend jax``: the exit code."""
+    if under_external_launcher():
+        from .worker import worker_main
+
+        result = worker_main(cfg)
+        code, message = outcome([result])
+        if code != EXIT_OK and os.environ.get("JAX_PROCESS_ID") == "0":
+            _fail(message, code)
+        return code
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        cfg, _ = validate(cfg)
+    except ChunkZeroError as e:
+        return _fail(str(e))
+    out = Path(cfg.out).resolve()
+    log.info("chunkzero train --backend jax: %d process(es) × %d CPU device(s), output in %s", cfg.nproc,
+             cfg.devices_per_process, out)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process sets its own devices
+    with tempfile.TemporaryDirectory(prefix="chunkzero-jax-") as tmp:
+        cfg_path = Path(tmp) / "config.json"
+        cfg_path.write_text(json.dumps(cfg.to_dict()), encoding="utf-8")
+        try:
+            results = launch_processes([sys.executable, "-m", "jax_backend.train.worker", str(cfg_path)], cfg.nproc,
+                                       tmp, env=env, finish_timeout_s=max(60.0, 2 * cfg.timeout_s))
+        except WorkerFailure as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+    code, message = outcome(results)
+    if code != EXIT_OK:
+        return _fail(message, code)
+    log.info("chunkzero train --backend jax: done; outputs in %s", out)
+    return EXIT_OK

@@ -1,0 +1,125 @@
+"""What one process of ``chunkzero train --backend jax`` runs: :func:`worker_main`.
+
+Started by :mod:`jax_backend.train.run` (``python -m jax_backend.train.worker CONFIG.json``, the place in
+the environment) or run in-process under an external launcher. The process joins the others
+(:func:`jax_backend.processes.join_processes`, every wait bounded by ``--timeout``), checks its inputs
+with them (all train or all stop with one message), prepares ``--out`` (process 0), writes
+``pids/process<i>.pid`` and runs :func:`jax_backend.train.loop.train`. A collective that fails because
+another process vanished ends it with :data:`chunkzero.workers.EXIT_PEER_LOST`, a consequence the
+launcher never names as the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from chunkzero.errors import ChunkZeroError
+from chunkzero.process_exit import exit_without_finalization
+from chunkzero.run_dir import prepare_out_dir
+from chunkzero.train_config import TrainConfig
+from chunkzero.workers import EXIT_PEER_LOST, write_result
+
+log = logging.getLogger("chunkzero.train")
+
+PEER_LOST_GRACE_S = 3.0
+"""How long a process that lost a peer waits before exiting, so the launcher sees the cause first."""
+
+_PEER_LOST_SIGNS = ("heartbeat", "unavailable", "connection", "broken pipe", "socket closed", "deadline exceeded",
+                    "gloo", "timed out", "timeout")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says another process vanished (a failed or timed-out collective or barrier)."""
+    text = str(exc).lower()
+    return not isinstance(exc, ChunkZeroError) and any(s in text for s in _PEER_LOST_SIGNS)
+
+
+def _check_together(cfg: TrainConfig, place):
+    """Each process checks its inputs (a launched run's were checked by the launcher: only the corpus is
+    loaded); process 0 alone checks ``--out`` and the checkpoint, and its ``out`` and ``schedule_steps`` are
+    every process's. Returns ``(error or None, config, corpus)``."""
+    from jax_backend.processes import all_gather_json
+    from torch_backend.train.models import load_run_corpus
+
+    from .run import validate
+
+    error, corpus = None, None
+    try:
+        if cfg.validated:
+            corpus = load_run_corpus(cfg)
+        else:
+            cfg, corpus = validate(cfg, check_out=place.process_id == 0, num_processes=place.num_processes)
+    except ChunkZeroError as e:
+        error = str(e)
+    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps])
+    errors = [e for e, _, _ in verdicts if e is not None]
+    if not errors:
+        cfg.out, cfg.schedule_steps = verdicts[0][1], verdicts[0][2]
+    return (errors[0] if errors else None), cfg, corpus
+
+
+def worker_main(cfg: TrainConfig) -> dict:
+    """What one process runs. Returns ``{"status": "ok", "summary": ...}`` or ``{"status": "error",
+    "message": ...}`` (bad input: the CLI prints it once and exits 2); exits with
+    :data:`~chunkzero.workers.EXIT_PEER_LOST` when another process vanished mid-run."""
+    from jax_backend.processes import all_gather_json, join_processes, process_place
+    from torch_backend.train.report import setup_logging
+
+    place = process_place()
+    setup_logging(place.process_id, None)
+    try:
+        join_processes(cfg.devices_per_process, cfg.timeout_s, place)
+        error, cfg, corpus = _check_together(cfg, place)
+        if error is not None:
+            return {"status": "error", "message": error}
+        out = Path(cfg.out)
+        previous_config = None
+        if place.process_id == 0:
+            prepare_out_dir(cfg)
+            if cfg.resume:
+                try:
+                    previous_config = json.loads((out / "config.json").read_text())
+                except (OSError, ValueError):
+                    previous_config = None
+            (out / "config.json").write_text(json.dumps(
+                {**cfg.to_dict(), "world_size": cfg.world_size, "data_summary": corpus.summary()}, indent=2) + "\n")
+            setup_logging(0, out)
+        all_gather_json(None)  # --out exists before anyone writes into it
+        pid_dir = out / "pids"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        (pid_dir / f"process{place.process_id}.pid").write_text(f"{os.getpid()}\n")
+        from .loop import train
+
+        summary = train(cfg, corpus, place, previous_config)
+        return {"status": "ok", "summary": summary}
+    except ChunkZeroError as e:
+        return {"status": "error", "message": str(e)}
+    except Exception as e:
+        if is_peer_failure(e):
+            log.error("process %d: a collective failed, another process has stopped (%s)", place.process_id,
+                      str(e).splitlines()[0] if str(e) else type(e).__name__)
+            write_result({"status": "peer_lost", "message": str(e)})
+            sys.stderr.flush()
+            time.sleep(PEER_LOST_GRACE_S)
+            os._exit(EXIT_PEER_LOST)
+        raise
+
+
+def _main(argv: list[str]) -> None:
+    cfg = TrainConfig(**json.loads(Path(argv[1]).read_text(encoding="utf-8")))
+    try:
+        result = worker_main(cfg)
+    except BaseException as e:
+        write_result({"status": "crashed", "message": f"{type(e).__name__}: {e}"})
+        raise
+    write_result({k: v for k, v in result.items() if k != "summary"})
+    exit_without_finalization(0)
+
+
+if __name__ == "__main__":
+    _main(sys.argv)

@@ -1,0 +1,84 @@
+"""``chunkzero train --backend jax`` end to end, against the torch engine on the same settings.
+
+The JAX run (2 processes joined by jax.distributed) trains the same stream from the same weights with
+the same optimizer as torch at the same world size, so their losses agree to fp32 noise; and one run
+switches engine at its checkpoints: torch → JAX → torch through ``--resume --backend``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
+
+STEPS = ["--warmup", "2", "--eval-interval", "2", "--save-interval", "2"]
+LOSS_TOL = 2e-3
+"""nats/token: two fp32 engines (torch's and XLA's kernels sum in other orders) over 6 steps; an LR one
+step off or a lost weight-decay group moves the loss by more."""
+
+
+def _losses(out):
+    train, val = read_metrics(out)
+    return {r["step"]: r["loss"] for r in train}, {r["step"]: r["val_loss"] for r in val}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("jax_train")
+    corpus = make_corpus(tmp / "corpus")
+    common = [*SMALL, *STEPS, "--data", str(corpus)]
+    torch_out = tmp / "torch"
+    p = run_train(*common, "--steps", "6", "--nproc", "2", "--out", str(torch_out), cwd=tmp)
+    assert p.returncode == 0, describe(p)
+    jax_out = tmp / "jax"
+    p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "2", "--out", str(jax_out), cwd=tmp)
+    assert p.returncode == 0, describe(p)
+    return tmp, common, torch_out, jax_out
+
+
+def test_jax_run_matches_torch(runs):
+    _, _, torch_out, jax_out = runs
+    (t_train, t_val), (j_train, j_val) = _losses(torch_out), _losses(jax_out)
+    assert sorted(j_train) == list(range(1, 7)) and sorted(j_val) == [0, 2, 4, 6]
+    for s in j_train:
+        assert j_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, j_train[s], t_train[s])
+    for s in j_val:
+        assert j_val[s] == pytest.approx(t_val[s], abs=LOSS_TOL), (s, j_val[s], t_val[s])
+    summary = json.loads((jax_out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"].startswith("jax")
+    for name in ("loss.png", "sample.txt", "summary.txt", "train.log"):
+        assert (jax_out / name).is_file(), name
+    assert sorted(p.name for p in (jax_out / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "6"]
+
+
+def test_switch_torch_jax_torch(runs):
+    """torch steps 1-2 → JAX (1 process × 2 devices) steps 3-4 → torch steps 5-6: the losses of the
+    uninterrupted torch run."""
+    tmp, common, torch_out, _ = runs
+    out = tmp / "switch"
+    shutil.copytree(torch_out, out)
+    for step in ("4", "6"):
+        shutil.rmtree(out / "checkpoints" / step)
+    p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "1", "--devices-per-process", "2",
+                  "--resume", "--out", str(out), cwd=tmp)
+    assert p.returncode == 0, describe(p)
+    shutil.rmtree(out / "checkpoints" / "6")  # torch resumes from JAX's checkpoint 4 (and trains 5-6 again)
+    p = run_train(*common, "--steps", "6", "--nproc", "2", "--resume", "--out", str(out), cwd=tmp)
+    assert p.returncode == 0, describe(p)
+    (t_train, t_val), (s_train, s_val) = _losses(torch_out), _losses(out)
+    assert sorted(s_train) == list(range(1, 7))
+    for s in range(3, 7):
+        assert s_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, s_train[s], t_train[s])
+    assert s_val[6] == pytest.approx(t_val[6], abs=LOSS_TOL)
+
+
+def test_bad_input_is_one_line(tmp_path):
+    p = run_train("--backend", "jax", "--mixed-precision", "fp16", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert p.returncode == 2, describe(p)
+    assert p.stderr.strip().splitlines() == [
+        "chunkzero train: error: --mixed-precision fp16 is not supported by --backend jax (it trains in fp32 or bf16, "
+        "without loss scaling)"]
+    assert not (tmp_path / "o").exists()
