@@ -145,6 +145,10 @@ class TrainConfig:
         10, "stop the run with an error after this many steps in a row skipped for non-finite gradients at the "
             "minimum loss scale (fp16 that cannot make progress; bf16 and fp32 always run at scale 1, their "
             "minimum); 0 never stops", "optimization", metavar="N", minimum=0)
+    ema_decay: float | None = option(
+        None, "keep an fp32 EMA of the weights with this decay (ZeroEMA, sharded beside the optimizer state, "
+              "checkpointed), evaluate it beside the live weights at each evaluation and plot both",
+        "optimization", metavar="F", minimum=0, default_help="no EMA")
     seed: int = option(1337, "seed of the initialisation and the data stream; the same seed and world size give "
                              "the same loss sequence, bit for bit, on the same kind of machine (CPU model or GPU, "
                              "torch build)", "optimization", metavar="N")
@@ -209,6 +213,10 @@ class TrainConfig:
             raise ConfigError("--engine ddp (the plain-PyTorch baseline) trains in fp32 only")
         if self.engine == "ddp" and (self.save_interval or self.resume):
             raise ConfigError("--save-interval and --resume need --engine zero (chunk checkpoints of ZeroDDP)")
+        if self.ema_decay is not None and not self.ema_decay < 1:
+            raise ConfigError(f"--ema-decay must be < 1, got {self.ema_decay}")
+        if self.ema_decay is not None and self.engine == "ddp":
+            raise ConfigError("--ema-decay needs --engine zero (the EMA is kept beside ZeroOptimizer's state)")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
 
