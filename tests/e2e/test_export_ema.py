@@ -78,6 +78,14 @@ def test_export_ema_as_orbax_params(trained, tmp_path):
         assert np.array_equal(v, averaged[k].numpy()), k
 
 
+def test_inspect_shows_the_ema(trained, capsys):
+    root, plain, _, _ = trained
+    assert cli(["inspect", str(root)]) == 0
+    assert "EMA of the weights: decay 0.5, 3 updates" in capsys.readouterr().out
+    assert cli(["inspect", str(plain)]) == 0
+    assert "EMA" not in capsys.readouterr().out
+
+
 def test_export_ema_of_a_checkpoint_without_one_fails(trained, tmp_path, capsys):
     _, plain, _, _ = trained
     assert cli(["export", str(plain), "--format", "safetensors", str(tmp_path / "x"), "--ema"]) == 2
