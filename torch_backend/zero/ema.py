@@ -32,6 +32,7 @@ import torch
 
 from chunkzero.errors import ConfigError, ShapeMismatchError
 
+from . import collectives
 from .chunk_io import copied
 
 __all__ = ["ZeroEMA"]
@@ -146,8 +147,12 @@ class ZeroEMA:
 
     @torch.no_grad()
     def _swap(self) -> None:
-        """Exchange each EMA shard with its master shard in place and refresh the low-precision shard."""
+        """Exchange each EMA shard with its master shard in place and refresh the low-precision shard.
+
+        The host first waits for the compute stream (CUDA): an asynchronous host→device refresh of an
+        offloaded chunk may still be reading its pinned master, which the swap overwrites."""
         self.model.synchronize()
+        collectives.synchronize_event(collectives.record_event(collectives.compute_stream(self.model.device)))
         for ci, buf in self.shards.items():
             c = self.model.chunks[ci]
             master = c.master.detach()
