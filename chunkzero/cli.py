@@ -215,6 +215,8 @@ def _add_export(sub) -> None:
     p.add_argument("--step", type=_nonneg_int, help="step under a checkpoint root (default: the latest)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="safetensors: split into shards above this size, e.g. 5GB, 500MB (default %(default)s)")
+    p.add_argument("--ema", action="store_true",
+                   help="write the EMA weights a ZeroEMA saved (trainable tensors; frozen ones as saved)")
     p.set_defaults(func=cmd_export)
 
 
@@ -227,10 +229,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         t0 = time.perf_counter()
         r = export_checkpoint(args.checkpoint, args.out, format=args.format, dtype=args.dtype, step=args.step,
-                              max_shard_size=args.max_shard_size)
+                              max_shard_size=args.max_shard_size, ema=args.ema)
     except ChunkZeroError as e:
         return fail("chunkzero export", str(e))
-    print(f"exported step {r.step}: {r.tensors} tensors, {r.total_bytes:,} bytes, {r.format} -> {r.out} "
+    print(f"exported step {r.step}{' (EMA weights)' if r.ema else ''}: {r.tensors} tensors, {r.total_bytes:,} bytes, {r.format} -> {r.out} "
           f"({len(r.files)} files, {time.perf_counter() - t0:.1f} s)")
     return EXIT_OK
 

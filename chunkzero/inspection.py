@@ -26,7 +26,8 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
     Returns:
         A JSON-ready dict: ``path``, ``steps`` (all committed steps of the root), ``step``,
         ``world_size``, ``mixed_precision``, ``format_version``, ``optimizer``, ``loss_scaler``,
-        ``data_position``, ``model_config``, ``bytes_on_disk``, ``chunks`` (per chunk: index, dtype, size,
+        ``data_position``, ``model_config``, ``ema`` (decay, update count, warm-up; ``None`` without an
+        EMA), ``bytes_on_disk``, ``chunks`` (per chunk: index, dtype, size,
         utilized, padding, keep_gathered, requires_grad, tensors, bytes) and ``tensors`` (per tensor: name,
         aliases, shape, dtype, numel, chunk, offset, bytes).
 
@@ -73,6 +74,7 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
             "tensor_steps": opt.tensor_steps,
         },
         "loss_scaler": meta.loss_scaler,
+        "ema": None if meta.ema is None else meta.ema.to_dict(),
         "data_position": meta.data_position,
         "model_config": meta.model_config,
         "rng_states": None if meta.rng_states is None else len(meta.rng_states),
@@ -125,6 +127,10 @@ def format_inspection(info: dict[str, Any], *, max_tensors: int | None = None) -
                          + ", ".join(f"{n}={s}" for n, s in list(opt["tensor_steps"].items())[:5]))
     else:
         lines.append("  no optimizer state")
+    if info.get("ema"):
+        e = info["ema"]
+        lines.append(f"  EMA of the weights: decay {e['decay']:g}, {e['update_count']} updates"
+                     + (", with warm-up" if e["warmup"] else ""))
     if info["loss_scaler"]:
         lines.append(f"  loss scaler: scale {info['loss_scaler'].get('scale')}")
     if info["data_position"] is not None:

@@ -146,6 +146,10 @@ class TrainConfig:
         10, "stop the run with an error after this many steps in a row skipped for non-finite gradients at the "
             "minimum loss scale (fp16 that cannot make progress; bf16 and fp32 always run at scale 1, their "
             "minimum); 0 never stops", "optimization", metavar="N", minimum=0)
+    ema_decay: float | None = option(
+        None, "keep an fp32 EMA of the weights with this decay (ZeroEMA, sharded beside the optimizer state, "
+              "checkpointed), evaluate it beside the live weights at each evaluation and plot both",
+        "optimization", metavar="F", minimum=0, default_help="no EMA")
     seed: int = option(1337, "seed of the initialisation and the data stream; the same seed and world size give "
                              "the same loss sequence, bit for bit, on the same kind of machine (CPU model or GPU, "
                              "torch build)", "optimization", metavar="N")
@@ -226,6 +230,12 @@ class TrainConfig:
             raise ConfigError("--backend jax runs on CPU only (--device cpu or auto)")
         if self.backend == "torch" and self.devices_per_process != 1:
             raise ConfigError("--devices-per-process is for --backend jax (a torch worker drives one device)")
+        if self.ema_decay is not None and not 0 <= self.ema_decay < 1:
+            raise ConfigError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
+        if self.ema_decay is not None and self.engine == "ddp":
+            raise ConfigError("--ema-decay needs --engine zero (the EMA is kept beside ZeroOptimizer's state)")
+        if self.ema_decay is not None and self.backend == "jax":
+            raise ConfigError("--ema-decay is for --backend torch (the JAX engine keeps no EMA yet)")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
 

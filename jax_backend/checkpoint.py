@@ -7,6 +7,9 @@ has ``n`` devices uses ``meta.layout.relayout(n)``: every tensor keeps its chunk
 padding changes, so each chunk is read with ``global_shape=(new_size,)`` and ``strict=False`` (Orbax
 appends zeros or drops trailing padding) and a target sharding ``NamedSharding(mesh, P(axis))``, under
 which each device reads only the slice it owns. Keep-gathered chunks are restored replicated (``P()``).
+
+``item="ema"`` restores the EMA weights a torch ``ZeroEMA`` saved (the ``ema`` arrays) in place of the
+trainable chunks' masters, the frozen chunks as saved, so ``unflatten`` gives the EMA parameter tree.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from chunkzero.checkpoint import (
+    EMA_KEY,
     MIXED_PRECISIONS,
     OPTIM_KEY,
     PARAMS_KEY,
@@ -47,7 +51,8 @@ class RestoredCheckpoint:
 
     Attributes:
         chunks: ``{chunk_key: Array[size]}`` parameter chunk arrays at the mesh's world size
-            (fp32 masters for trainable chunks), ``NamedSharding(mesh, P(axis))`` (keep-gathered: ``P()``).
+            (fp32 masters for trainable chunks — their EMA with ``item="ema"``), ``NamedSharding(mesh, P(axis))``
+            (keep-gathered: ``P()``).
         layout: ``meta.layout.relayout(n)``, the layout of ``chunks`` (``n`` devices on ``axis``).
         meta: the checkpoint's :class:`CheckpointMeta` as saved (``meta.layout`` is at the saving world size).
         opt_state_chunks: ``{state_key: {chunk_key: f32[size]}}`` over trainable chunks, or ``None``
@@ -63,17 +68,19 @@ class RestoredCheckpoint:
 
 
 def abstract_state(layout: ChunkLayout, mesh: Mesh, *, axis: str = DEFAULT_AXIS,
-                   state_keys: tuple[str, ...] | list[str] = ()) -> tuple[dict, dict]:
+                   state_keys: tuple[str, ...] | list[str] = (), ema: bool = False) -> tuple[dict, dict]:
     """Restore targets for :func:`chunkzero.checkpoint.orbax_store.restore_arrays`: ``(item, restore_args)`` trees.
 
     ``item`` holds ``jax.ShapeDtypeStruct((size,), dtype, sharding=...)`` per chunk of ``layout``
     (sizes at the layout's world size), ``restore_args`` the matching ``ocp.ArrayRestoreArgs`` with
     ``strict=False`` so a checkpoint saved at another world size is re-padded. ``state_keys`` adds
-    the optimizer-state subtrees (float32, trainable chunks).
+    the optimizer-state subtrees (float32, trainable chunks); ``ema`` reads the trainable chunks from
+    the ``ema`` subtree instead of ``params``.
     """
     item: dict[tuple[str, ...], jax.ShapeDtypeStruct] = {}
     for c in layout.chunks:
-        item[(PARAMS_KEY, chunk_key(c.index))] = jax.ShapeDtypeStruct(
+        kind = EMA_KEY if ema and c.requires_grad else PARAMS_KEY
+        item[(kind, chunk_key(c.index))] = jax.ShapeDtypeStruct(
             (c.size,), jnp.dtype(param_array_dtype(c)), sharding=chunk_sharding(mesh, c, axis))
     for key in state_keys:
         for c in layout.chunks:
@@ -140,28 +147,41 @@ def verify_checksums(state: Mapping[str, Any], meta: CheckpointMeta, where: str)
     return True
 
 
-def _restore(path, mesh: Mesh, axis: str, step: int | None, *, params: bool, optimizer: bool
+ITEMS = ("params", "ema")
+"""What :func:`restore_checkpoint` restores as ``chunks``: the masters, or the EMA of the trainable chunks."""
+
+
+def _restore(path, mesh: Mesh, axis: str, step: int | None, *, params: bool, optimizer: bool, item: str = "params"
              ) -> tuple[RestoredCheckpoint, dict]:
-    """Restore the parameter and/or optimizer-state chunks of a checkpoint onto ``mesh``; also the raw
-    restored ``state`` tree."""
+    """Restore the parameter (masters or EMA) and/or optimizer-state chunks of a checkpoint onto
+    ``mesh``; also the raw restored ``state`` tree."""
+    if item not in ITEMS:
+        raise ConfigError(f"item must be one of {', '.join(map(repr, ITEMS))}, got {item!r}")
+    ema = params and item == "ema"
     n = mesh_world_size(mesh, axis)
     step_dir = orbax_store.committed_step_dir(path, step)
     meta = read_meta(step_dir)
     if optimizer and meta.optimizer is None:
         raise CheckpointError(f"{step_dir}: checkpoint has no optimizer state (saved parameters only)")
-    meta.check_saved_arrays(orbax_store.read_array_metadata(step_dir), source=str(step_dir), with_optimizer=optimizer)
+    if ema and meta.ema is None:
+        raise CheckpointError(f"{step_dir}: checkpoint has no EMA (saved without a ZeroEMA)")
+    meta.check_saved_arrays(orbax_store.read_array_metadata(step_dir), source=str(step_dir), with_optimizer=optimizer,
+                            with_ema=ema)
     layout = meta.layout.relayout(n)
-    item, args = abstract_state(layout, mesh, axis=axis, state_keys=tuple(meta.optimizer.state_keys) if optimizer else ())
+    tree, args = abstract_state(layout, mesh, axis=axis, state_keys=tuple(meta.optimizer.state_keys) if optimizer else (),
+                                ema=ema)
     if not params:
-        del item[PARAMS_KEY], args[PARAMS_KEY]
-    state = orbax_store.restore_arrays(step_dir, item, args)
-    chunks = dict(state[PARAMS_KEY]) if params else {}
+        del tree[PARAMS_KEY], args[PARAMS_KEY]
+    state = orbax_store.restore_arrays(step_dir, tree, args)
+    saved = {**state.get(PARAMS_KEY, {}), **state.get(EMA_KEY, {})}  # (item="ema": frozen chunks from params)
+    chunks = {chunk_key(c.index): saved[chunk_key(c.index)] for c in layout.chunks} if params else {}
     opt = {k: dict(v) for k, v in state[OPTIM_KEY].items()} if optimizer else None
     return RestoredCheckpoint(chunks, layout, meta, opt, step_dir), state
 
 
 def restore_checkpoint(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS, step: int | None = None,
-                       with_optimizer: bool = False, check_padding: bool = True, verify: bool = True) -> RestoredCheckpoint:
+                       with_optimizer: bool = False, check_padding: bool = True, verify: bool = True,
+                       item: str = "params") -> RestoredCheckpoint:
     """Restore a chunkzero checkpoint's chunk arrays onto ``mesh``, re-padded for its device count.
 
     Args:
@@ -170,6 +190,8 @@ def restore_checkpoint(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS
         axis: the data-parallel axis name.
         step: with a root, the step to restore.
         with_optimizer: also restore the optimizer-state chunks (``meta.optimizer.state_keys``).
+        item: ``"params"`` (the fp32 masters) or ``"ema"`` (the trainable chunks' EMA, the frozen
+            chunks as saved; ``meta.ema`` has its decay and update count) as ``chunks``.
         check_padding: verify the padding of every restored chunk is zeros (one reduction per chunk).
         verify: check the restored data against ``meta.checksums`` when the checkpoint has them (costs
             one host copy of the restored arrays).
@@ -178,27 +200,28 @@ def restore_checkpoint(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS
         A :class:`RestoredCheckpoint`.
 
     Raises:
-        ConfigError: ``mesh`` has no axis ``axis`` (names the axes it has).
+        ConfigError: ``mesh`` has no axis ``axis`` (names the axes it has); an unknown ``item``.
         CheckpointError: missing path/step, unreadable or corrupt items (names the path), a checksum
-            mismatch, a requested optimizer state the checkpoint does not have, non-zero padding.
+            mismatch, a requested optimizer state or EMA the checkpoint does not have, non-zero padding.
         CheckpointFormatError: metadata fails validation, or an array it lists is missing or
             mis-shaped on disk (names the array and both shapes).
     """
-    r, state = _restore(path, mesh, axis, step, params=True, optimizer=with_optimizer)
+    r, state = _restore(path, mesh, axis, step, params=True, optimizer=with_optimizer, item=item)
     if verify:
         verify_checksums(state, r.meta, str(r.path))
     if check_padding:
-        _check_padding(r.chunks, r.layout, str(r.path), "params")
+        _check_padding(r.chunks, r.layout, str(r.path), item)
         for k, v in (r.opt_state_chunks or {}).items():
             _check_padding(v, r.layout, str(r.path), f"optimizer state {k!r}")
     return r
 
 
 def restore_chunks(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS, step: int | None = None,
-                   with_optimizer: bool = False):
+                   with_optimizer: bool = False, item: str = "params"):
     """A checkpoint's parameter chunk arrays on ``mesh`` and their layout.
 
-    ``chunks, layout = restore_chunks("runs/ckpt/100", mesh)``; with ``with_optimizer=True``,
+    ``chunks, layout = restore_chunks("runs/ckpt/100", mesh)``; ``item="ema"`` gives the EMA weights
+    instead (``unflatten(chunks, layout)`` is then the EMA parameter tree); with ``with_optimizer=True``,
     ``chunks, layout, opt_state_chunks = ...``. See :func:`restore_checkpoint` (which also returns
     the metadata) for arguments and errors.
 
@@ -208,7 +231,7 @@ def restore_chunks(path: str | Path, mesh: Mesh, *, axis: str = DEFAULT_AXIS, st
         checkpoint's layout relaid out for ``mesh.shape[axis]`` devices; ``opt_state_chunks``:
         ``{state_key: {chunk_key: f32[size]}}`` over trainable chunks.
     """
-    r = restore_checkpoint(path, mesh, axis=axis, step=step, with_optimizer=with_optimizer)
+    r = restore_checkpoint(path, mesh, axis=axis, step=step, with_optimizer=with_optimizer, item=item)
     return (r.chunks, r.layout, r.opt_state_chunks) if with_optimizer else (r.chunks, r.layout)
 
 

@@ -4,7 +4,7 @@ checkpoint adapters (:mod:`torch_backend.checkpoint`) and the training job
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .zero import (AutoPlacementPolicy, DynamicLossScaler, MemoryReport, MixedPrecision, PrefetchPolicy,
-                   StaticPlacement, ZeroDDP, ZeroOptimizer)
+                   StaticPlacement, ZeroDDP, ZeroEMA, ZeroOptimizer)
 
 __all__ = ["AutoPlacementPolicy", "DynamicLossScaler", "MemoryReport", "MixedPrecision", "PrefetchPolicy",
-           "StaticPlacement", "ZeroDDP", "ZeroOptimizer", "load_checkpoint", "save_checkpoint"]
+           "StaticPlacement", "ZeroDDP", "ZeroEMA", "ZeroOptimizer", "load_checkpoint", "save_checkpoint"]

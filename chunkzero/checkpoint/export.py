@@ -18,6 +18,9 @@ whatever the model's size. Numpy only: no torch, no JAX computation.
   (the first in parameter order, e.g. ``transformer.wte.weight``; Hugging Face re-ties ``lm_head``).
   The file format (8-byte header length, JSON header, raw little-endian data) is written directly so
   no tensor has to be held in memory with the others.
+
+With ``ema=True`` the trainable tensors come from the checkpoint's EMA (the ``ema`` arrays a
+``ZeroEMA`` saved) instead of the fp32 masters; frozen tensors, which have no EMA, as saved.
 """
 
 from __future__ import annotations
@@ -35,10 +38,10 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import canonical_dtype, itemsize_bytes, numpy_dtype
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..layout import ChunkLayout, TensorPlacement
 from . import orbax_store
-from .meta import PARAMS_KEY, CheckpointMeta, chunk_key
+from .meta import EMA_KEY, PARAMS_KEY, ArrayPath, CheckpointMeta, chunk_key
 from .reader import ChunkReader
 from .steps import read_meta
 
@@ -119,22 +122,34 @@ class TensorStream:
 
     Args:
         step_dir: one step's directory; ``meta`` its metadata.
+        ema: read the trainable chunks from the EMA arrays (frozen ones from ``params``).
+
+    Raises:
+        CheckpointError: ``ema`` and the checkpoint holds no EMA.
     """
 
-    def __init__(self, step_dir: Path, meta: CheckpointMeta):
+    def __init__(self, step_dir: Path, meta: CheckpointMeta, *, ema: bool = False):
+        if ema and meta.ema is None:
+            raise CheckpointError(f"checkpoint {str(step_dir)!r} holds no EMA (saved without a ZeroEMA); export without --ema")
         self.meta = meta
+        self.ema = bool(ema)
         self.layout: ChunkLayout = meta.layout
         self.reader = ChunkReader(step_dir, meta)
         self._cached: tuple[int, np.ndarray] | None = None
 
+    def array(self, index: int) -> ArrayPath:
+        """The saved array chunk ``index``'s tensors are read from."""
+        kind = EMA_KEY if self.ema and self.layout.chunks[index].requires_grad else PARAMS_KEY
+        return (kind, chunk_key(index))
+
     def saved_dtype(self, t: TensorPlacement) -> str:
-        return self.reader.expected[(PARAMS_KEY, chunk_key(t.chunk))][1]
+        return self.reader.expected[self.array(t.chunk)][1]
 
     def chunk(self, index: int) -> np.ndarray:
         if self._cached is None or self._cached[0] != index:
             self._cached = None  # drop the previous chunk before reading the next
             c = self.layout.chunks[index]
-            self._cached = (index, self.reader.read((PARAMS_KEY, chunk_key(index)), 0, c.utilized))
+            self._cached = (index, self.reader.read(self.array(index), 0, c.utilized))
         return self._cached[1]
 
     def tensor(self, t: TensorPlacement) -> np.ndarray:
@@ -161,6 +176,7 @@ class ExportReport:
         total_bytes: bytes of tensor data written.
         files: the files written (relative to ``out``).
         aliases: tied names not written, each mapped to the name it is stored under.
+        ema: the trainable tensors are the EMA weights.
     """
 
     out: Path
@@ -170,6 +186,7 @@ class ExportReport:
     total_bytes: int
     files: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    ema: bool = False
 
 
 # ====================================================================== safetensors (streaming)
@@ -272,6 +289,7 @@ def export_checkpoint(
     dtype: str | None = None,
     step: int | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    ema: bool = False,
 ) -> ExportReport:
     """Write a checkpoint's parameters as a full-shaped tree, streaming one chunk at a time.
 
@@ -284,10 +302,12 @@ def export_checkpoint(
             fp32 masters for trainable tensors).
         max_shard_size: safetensors only: largest file (``"5GB"``, ``"500MB"`` or bytes) before the
             weights are split into shards with an index (a tensor larger than it gets a file of its own).
+        ema: write the EMA weights (the ``ema`` arrays) for the trainable tensors, as fp32 unless ``dtype``.
 
     Raises:
         ConfigError: unknown format or dtype, bad size, ``out`` exists and is not empty.
-        CheckpointError / CheckpointFormatError: the checkpoint cannot be read (names the file or array).
+        CheckpointError / CheckpointFormatError: the checkpoint cannot be read (names the file or array),
+            or ``ema`` and it holds no EMA.
     """
     if format not in FORMATS:
         raise ConfigError(f"unknown export format {format!r}; expected one of {', '.join(FORMATS)}")
@@ -303,7 +323,7 @@ def export_checkpoint(
         raise ConfigError(f"output {str(out)!r} already exists and is not an empty directory; refusing to overwrite it")
     step_dir = orbax_store.committed_step_dir(path, step)
     meta = read_meta(step_dir)
-    stream = TensorStream(step_dir, meta)
+    stream = TensorStream(step_dir, meta, ema=ema)
     aliases = {a: t.name for t in meta.layout.tensors for a in t.aliases}
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -327,7 +347,7 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportReport(out, format, meta.step, len(meta.layout.tensors), total, files, aliases)
+    return ExportReport(out, format, meta.step, len(meta.layout.tensors), total, files, aliases, ema=bool(ema))
 
 
 def iter_tensors(path: str | os.PathLike, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:

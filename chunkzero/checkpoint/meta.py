@@ -6,14 +6,17 @@ One step is one standard Orbax checkpoint directory ``<root>/<step>/`` with two 
   save time):
 
   ``{"params": {"chunk_0000": f32[size], ...},                 # fp32 master chunks
-     "optim": {"exp_avg": {"chunk_0000": f32[size], ...}, ...}}  # one subtree per optimizer-state key``
+     "optim": {"exp_avg": {"chunk_0000": f32[size], ...}, ...},  # one subtree per optimizer-state key
+     "ema": {"chunk_0000": f32[size], ...}}                       # the EMA of the masters, when kept``
 
   Trainable chunks are stored as fp32 masters whatever the compute precision; frozen chunks in
-  their own dtype and without optimizer state. Keep-gathered chunks are written once.
+  their own dtype and without optimizer state or EMA. Keep-gathered chunks are written once.
 * ``meta`` — a JSON document validated by :class:`CheckpointMeta` (never unpickled). Its
   ``optimizer`` object (:class:`OptimizerMeta`) holds the optimizer class, the state keys, the step,
   the first group's and the optimizer-wide hyper-parameters (``max_norm``), and — optional fields —
   every param group's hyper-parameters with its tensors' names and the per-tensor steps that differ.
+  Its optional ``ema`` object (:class:`EmaMeta`) is present exactly when the ``ema`` subtree is:
+  the EMA's decay, warm-up and update count.
 
 A plain ``orbax.checkpoint`` user restores ``state`` as numpy, or with target shardings on any
 device count (padding differs between world sizes; restore with ``global_shape`` of the new size,
@@ -57,6 +60,7 @@ STATE_ITEM = "state"
 META_ITEM = "meta"
 PARAMS_KEY = "params"
 OPTIM_KEY = "optim"
+EMA_KEY = "ema"
 MIXED_PRECISIONS = ("fp32", "bf16", "fp16")
 META_FILENAME = "metadata"
 """File of the ``meta`` item inside a step directory (Orbax's JSON handler names it so)."""
@@ -154,6 +158,43 @@ class OptimizerMeta:
 
 
 @dataclass
+class EmaMeta:
+    """The EMA part of the metadata (its shards are the ``ema`` subtree, one fp32 array per trainable chunk).
+
+    Attributes:
+        decay: the EMA decay in ``[0, 1)``: ``ema = decay * ema + (1 - decay) * master`` per update.
+        update_count: updates applied (after each applied optimizer step).
+        warmup: whether the update's decay is ``min(decay, (1 + n) / (10 + n))`` for ``n`` = the updates before it.
+
+    An optional field of the metadata added without a version bump: readers that predate it ignore it
+    (and the ``ema`` subtree).
+    """
+
+    decay: float
+    update_count: int = 0
+    warmup: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "update_count": self.update_count, "warmup": self.warmup}
+
+    @classmethod
+    def from_dict(cls, doc: Any, bad) -> EmaMeta:
+        """Parse the ``ema`` object; ``bad(field, why)`` builds the error to raise."""
+        if not isinstance(doc, dict):
+            raise bad("ema", "must be an object")
+        decay = doc.get("decay")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise bad("ema.decay", f"must be a number in [0, 1), got {decay!r}")
+        count = doc.get("update_count")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise bad("ema.update_count", f"must be an int >= 0, got {count!r}")
+        warmup = doc.get("warmup", False)
+        if not isinstance(warmup, bool):
+            raise bad("ema.warmup", f"must be a bool, got {warmup!r}")
+        return cls(float(decay), count, warmup)
+
+
+@dataclass
 class CheckpointMeta:
     """Everything in a checkpoint besides the chunk arrays.
 
@@ -167,6 +208,8 @@ class CheckpointMeta:
         data_position: JSON-able data-loader position, to resume the data stream.
         rng_states: one JSON-able RNG-state dict per saving rank (or ``None``).
         extra: anything else the caller passed (JSON-able).
+        ema: :class:`EmaMeta` when the checkpoint holds an EMA (the ``ema`` arrays), else ``None``
+            (serialized only when present).
         checksums: optional integrity record of the ``state`` arrays, written at save by both backends:
             ``{"algorithm": "sum64+xor64", "arrays": {"params/chunk_0000": [hex per saving rank], ...},
             "blocks": {"params/chunk_0000": {"block_numel": n, "sums": [[hex per block] per saving rank]}}}``
@@ -187,6 +230,7 @@ class CheckpointMeta:
     rng_states: list[dict[str, Any]] | None = None
     extra: dict[str, Any] | None = None
     checksums: dict[str, Any] | None = None
+    ema: EmaMeta | None = None
 
     @property
     def world_size(self) -> int:
@@ -209,6 +253,8 @@ class CheckpointMeta:
         }
         if self.checksums is not None:
             doc["checksums"] = self.checksums
+        if self.ema is not None:
+            doc["ema"] = self.ema.to_dict()
         return doc
 
     def to_json(self, **kwargs) -> str:
@@ -277,6 +323,7 @@ class CheckpointMeta:
             rng_states=rng,
             extra=get("extra", dict, optional=True),
             checksums=validate_record(doc.get("checksums"), _valid_numels(layout), bad),
+            ema=None if doc.get("ema") is None else EmaMeta.from_dict(doc["ema"], bad),
         )
 
     @classmethod
@@ -290,8 +337,8 @@ class CheckpointMeta:
     def expected_arrays(self) -> dict[ArrayPath, tuple[tuple[int, ...], str]]:
         """Every array the ``state`` item must hold: ``path -> (global shape, dtype)``.
 
-        Paths are tuples of tree keys, e.g. ``("params", "chunk_0003")`` or
-        ``("optim", "exp_avg", "chunk_0003")``.
+        Paths are tuples of tree keys, e.g. ``("params", "chunk_0003")``,
+        ``("optim", "exp_avg", "chunk_0003")`` or ``("ema", "chunk_0003")``.
         """
         out: dict[ArrayPath, tuple[tuple[int, ...], str]] = {}
         for c in self.layout.chunks:
@@ -301,11 +348,15 @@ class CheckpointMeta:
                 for c in self.layout.chunks:
                     if c.requires_grad:
                         out[(OPTIM_KEY, key, chunk_key(c.index))] = ((c.size,), "float32")
+        if self.ema is not None:
+            for c in self.layout.chunks:
+                if c.requires_grad:
+                    out[(EMA_KEY, chunk_key(c.index))] = ((c.size,), "float32")
         return out
 
     # ------------------------------------------------------------------ the saved arrays
     def check_saved_arrays(self, saved: Mapping[ArrayPath, tuple[tuple[int, ...], str] | None], *, source: str,
-                           with_optimizer: bool = True) -> None:
+                           with_optimizer: bool = True, with_ema: bool = True) -> None:
         """Check that the ``state`` item holds every array this metadata promises.
 
         Args:
@@ -313,12 +364,14 @@ class CheckpointMeta:
                 their presence is known (shapes are then checked when the arrays are opened).
             source: the file or directory the listing came from, for messages.
             with_optimizer: also require the optimizer-state arrays.
+            with_ema: also require the EMA arrays (when the metadata lists an EMA).
 
         Raises:
             CheckpointFormatError: the first missing array (and how many are), or an array whose
                 shape or dtype differs (names ``source``, the array, and both).
         """
-        wanted = {p: v for p, v in self.expected_arrays().items() if with_optimizer or p[0] == PARAMS_KEY}
+        wanted = {p: v for p, v in self.expected_arrays().items()
+                  if p[0] == PARAMS_KEY or (with_optimizer and p[0] == OPTIM_KEY) or (with_ema and p[0] == EMA_KEY)}
         missing = [p for p in wanted if p not in saved]
         if missing:
             more = f" ({len(missing)} missing)" if len(missing) > 1 else ""
@@ -345,7 +398,7 @@ class CheckpointMeta:
         writes (:func:`~chunkzero.checkpoint.checksums.storage_block_numel`); the unit of its block
         checksums and of the storage chunks the writer asks Orbax for."""
         chunk = chunk_index(path[-1])
-        dtype = "float32" if path[0] == OPTIM_KEY else param_array_dtype(self.layout.chunks[chunk])
+        dtype = "float32" if path[0] in (OPTIM_KEY, EMA_KEY) else param_array_dtype(self.layout.chunks[chunk])
         return storage_block_numel(self.layout.shard_numel(chunk), numpy_dtype(dtype).itemsize)
 
     # ------------------------------------------------------------------ checksums

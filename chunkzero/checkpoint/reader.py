@@ -32,7 +32,7 @@ from ..dtypes import numpy_dtype
 from ..errors import CheckpointError, CheckpointFormatError, ShapeMismatchError
 from ..layout import ChunkLayout
 from . import orbax_store
-from .meta import OPTIM_KEY, PARAMS_KEY, STATE_ITEM, ArrayPath, CheckpointMeta, array_name, chunk_index, chunk_key, param_array_dtype
+from .meta import EMA_KEY, OPTIM_KEY, PARAMS_KEY, STATE_ITEM, ArrayPath, CheckpointMeta, array_name, chunk_index, chunk_key, param_array_dtype
 from .plan import ReadPiece, check_compatible, read_plan
 
 
@@ -319,6 +319,42 @@ def read_shards(
         params[c.index] = a if a.dtype == want else a.astype(want)
     optim = {k: {i: t.array for i, t in per.items()} for k, per in optim_targets.items()}
     return params, optim
+
+
+def read_ema_shards(
+    step_dir: str | os.PathLike,
+    meta: CheckpointMeta,
+    target: ChunkLayout,
+    rank: int,
+    *,
+    reader: ChunkReader | None = None,
+) -> dict[int, np.ndarray]:
+    """This rank's EMA shards of ``target``'s trainable chunks, read from a checkpoint of any world or
+    chunk size (as :func:`read_shards` reads the masters).
+
+    Returns:
+        chunk index -> fp32 shard (``target.shard_numel(i)`` elements, padding zero), trainable chunks.
+
+    Raises:
+        CheckpointError: the checkpoint holds no EMA, or a tensor trainable in ``target`` was frozen
+            in it; and as :func:`read_shards`.
+    """
+    if meta.ema is None:
+        raise CheckpointError(f"checkpoint {str(step_dir)!r} holds no EMA (it was saved without one)")
+    check_compatible(meta.layout, target, source=str(step_dir))
+    reader = reader or ChunkReader(step_dir, meta)
+    targets: dict[int, Target] = {}
+    plan: list[tuple[ReadPiece, Target]] = []
+    for c in target.chunks:
+        if not c.requires_grad:
+            continue
+        targets[c.index] = Target(target.shard_numel(c.index), np.float32)
+        pieces = read_plan(meta.layout, target, c.index, rank, (EMA_KEY,))
+        for p in pieces:
+            _check_trainable(meta, p, step_dir)
+        plan += [(p, targets[c.index]) for p in pieces]
+    reader.read_into(plan)
+    return {i: t.array for i, t in targets.items()}
 
 
 def _check_trainable(meta: CheckpointMeta, piece: ReadPiece, step_dir) -> None:

@@ -166,6 +166,7 @@ def write_shards(
     params: Mapping[int, np.ndarray],
     optim: Mapping[str, Mapping[int, np.ndarray]] | None = None,
     *,
+    ema: Mapping[int, np.ndarray] | None = None,
     async_save: bool = False,
     max_to_keep: int | None = None,
     process_group=None,
@@ -182,6 +183,7 @@ def write_shards(
             elements, padded, dtype :func:`~chunkzero.checkpoint.param_array_dtype`), for every chunk;
             keep-gathered chunks whole.
         optim: state key -> chunk index -> fp32 shard, for every trainable chunk.
+        ema: chunk index -> fp32 EMA shard, for every trainable chunk (with ``meta.ema``).
         async_save: return once the shards are handed to Orbax; the write completes in the
             background (the next save, a load of ``directory`` or process exit waits for it).
         max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: keep all).
@@ -202,7 +204,7 @@ def write_shards(
     timeout_s = orbax_store.check_timeout(timeout_s)
 
     def tree():
-        shards = shard_arrays(meta, params, optim)  # checked before jax.distributed starts
+        shards = shard_arrays(meta, params, optim, ema)  # checked before jax.distributed starts
         runtime = process_mesh(rank, layout.world_size, process_group, coordinator=coordinator, timeout_s=timeout_s)
         arrays = {}
         for path, local in shards.items():

@@ -56,7 +56,7 @@ from chunkzero.checkpoint.reader import ChunkReader, read_shards
 from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.layout import ChunkLayout
 
-from . import optim_shards
+from . import ema_shards, optim_shards
 from ..zero.collectives import all_gather_json
 from .numpy_bridge import to_numpy, to_torch, torch_dtype
 from .parallel_write import process_mesh, write_shards
@@ -127,7 +127,9 @@ def save_checkpoint(
     Args:
         directory: checkpoint root (created if missing).
         step: training step (an int ``>= 0`` after every step already saved; never overwritten).
-        optimizer: the :class:`~torch_backend.ZeroOptimizer`, or ``None`` for parameters only.
+        optimizer: the :class:`~torch_backend.ZeroOptimizer`, or ``None`` for parameters only. Its
+            :class:`~torch_backend.ZeroEMA` (``optimizer.ema``), when it has one, is saved too: the
+            ``ema`` arrays and the metadata's ``ema`` record (decay, warm-up, update count).
         extra: anything JSON-serializable to keep in ``meta.extra``.
         async_save: return once the shards are copied to host memory and handed to Orbax; the next
             save, a load of ``directory`` or the process's exit waits for the write to commit.
@@ -164,6 +166,7 @@ def save_checkpoint(
         shard = model.master_shard(c.index)
         params[c.index] = to_numpy(shard if c.requires_grad else shard.to(torch_dtype(c.dtype)), copy=False)
     optim_meta, optim = (None, {}) if optimizer is None else optim_shards.optimizer_shards(model, optimizer)
+    ema_meta, ema = ema_shards.ema_shards(model, optimizer)
     if model_config is None:
         model_config = _model_config(model)
     meta = CheckpointMeta(
@@ -175,12 +178,13 @@ def save_checkpoint(
         model_config=None if model_config is None else _json_ready(dict(model_config), "model_config"),
         data_position=None if data_position is None else _json_ready(dict(data_position), "data_position"),
         extra=None if extra is None else _json_ready(dict(extra), "extra"),
+        ema=ema_meta,
     )
     # One gather before any write: what each rank was asked to save (compared: ranks given different
     # directories or steps fail here, together, instead of waiting for each other inside Orbax), its
     # RNG state and the checksums of its own shards.
     target = save_target(directory, step, layout, max_to_keep=max_to_keep)
-    own = {"target": target, "rng": own_rng, "sums": meta.shard_checksums(rank, shard_arrays(meta, params, optim))}
+    own = {"target": target, "rng": own_rng, "sums": meta.shard_checksums(rank, shard_arrays(meta, params, optim, ema))}
     try:
         everyone = all_gather_json(own, group)
     except RuntimeError as e:  # a peer died, or did not call the save within the process group's timeout
@@ -189,7 +193,7 @@ def save_checkpoint(
     meta.rng_states = [e["rng"] for e in everyone]
     meta.checksums = meta.checksums_from_ranks([e["sums"] for e in everyone])
     try:
-        return write_shards(directory, meta, rank, params, optim, async_save=async_save, max_to_keep=max_to_keep,
+        return write_shards(directory, meta, rank, params, optim, ema=ema, async_save=async_save, max_to_keep=max_to_keep,
                             process_group=group, timeout_s=timeout_s)
     finally:
         # Orbax and JAX draw from Python's and numpy's global RNGs (temporary names, ids): a save must
@@ -227,7 +231,10 @@ def load_checkpoint(
     step counts (per tensor where they differ), every param group's hyper-parameters (``lr``, ``betas``
     …, not kernel flags like ``foreach``) and ``max_norm``, the loss scaler, and — when the checkpoint
     was saved at this world size — each rank's Python, numpy, torch and CUDA RNG states. At another
-    world size the RNGs are re-seeded from ``(step, rank)`` with a warning.
+    world size the RNGs are re-seeded from ``(step, rank)`` with a warning. The optimizer's
+    :class:`~torch_backend.ZeroEMA` (``optimizer.ema``), when it has one, gets the saved EMA shards and
+    update count (and, with ``load_hyperparameters``, the decay and warm-up); from a checkpoint saved
+    without an EMA it restarts at the loaded weights (update count 0), with a warning.
 
     Args:
         directory: checkpoint root, or one step's directory.
@@ -264,6 +271,7 @@ def load_checkpoint(
         reader = ChunkReader(step_dir, meta)
         into = {} if staged else optim_shards.live_buffers(model, optimizer, optim_keys)
         params, optim = read_shards(step_dir, meta, model.layout, rank, optim_keys=optim_keys, reader=reader, into=into)
+        ema = ema_shards.read(step_dir, meta, model, optimizer, rank, reader)
     except Exception as e:  # agree first, re-raise after
         error = e
         if not staged and reader is not None and reader.reads_started and isinstance(e, CheckpointError):
@@ -294,6 +302,7 @@ def load_checkpoint(
             optimizer.load_loss_scaler_state(meta.loss_scaler)
         if load_hyperparameters:
             optim_shards.load_hyperparameters(optimizer, meta.optimizer)
+    ema_shards.load(optimizer, meta, ema, step_dir, load_hyperparameters=load_hyperparameters)
     if load_rng:
         if meta.rng_states is not None and len(meta.rng_states) == world:
             set_rng_state(meta.rng_states[rank], source=f"{step_dir}/{META_ITEM} rng_states[{rank}]")

@@ -36,6 +36,8 @@ class Engine:
     def __init__(self, module: nn.Module, cfg: TrainConfig, device: torch.device):
         self.cfg = cfg
         self.kind = cfg.engine
+        self.ema = None
+        """The :class:`~torch_backend.ZeroEMA` of ``--ema-decay`` (checkpointed with the optimizer), or ``None``."""
         betas = (0.9, 0.95)
         if self.kind == "zero":
             try:
@@ -46,6 +48,10 @@ class Engine:
             self.optim = ZeroOptimizer(self.model, torch.optim.AdamW, param_groups=decay_groups(module, cfg.weight_decay),
                                        lr=cfg.lr, max_norm=cfg.max_norm or None, betas=betas,
                                        max_skipped_at_min_scale=cfg.max_skipped_steps or None)
+            if cfg.ema_decay is not None:
+                from torch_backend import ZeroEMA
+
+                self.ema = ZeroEMA(self.optim, cfg.ema_decay)
         else:
             from torch.nn.parallel import DistributedDataParallel
 

@@ -67,6 +67,14 @@ def evaluate(engine: Engine, batches, device: torch.device, group) -> float:
     return all_mean(total / len(batches), group)
 
 
+def evaluate_ema(engine: Engine, batches, device: torch.device, group) -> float | None:
+    """:func:`evaluate` with the EMA weights swapped in (``--ema-decay``), or ``None`` without an EMA."""
+    if engine.ema is None:
+        return None
+    with engine.ema.ema_weights():
+        return evaluate(engine, batches, device, group)
+
+
 def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, counters: dict) -> None:
     """An asynchronous Orbax checkpoint of step ``step`` in ``<out>/checkpoints/<step>`` (the newest
     ``CHECKPOINTS_KEPT`` are kept), with the data position and the run's cumulative ``counters``
@@ -132,7 +140,7 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     val_loss = all_gather_json(report.metrics.val_at(start - 1), group)[0]
     if val_loss is None:
         val_loss = evaluate(engine, val, device, group)
-        report.val(start - 1, val_loss)
+        report.val(start - 1, val_loss, ema_val_loss=evaluate_ema(engine, val, device, group))
 
     report.open_progress()
     try:
@@ -155,7 +163,7 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
                 save_step(step, engine, sampler, cfg, report.counters())
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = evaluate(engine, val, device, group)
-                report.val(step, val_loss, train_loss=loss)
+                report.val(step, val_loss, train_loss=loss, ema_val_loss=evaluate_ema(engine, val, device, group))
             for hook in on_step_end:
                 hook(StepEnd(step=step, rank=rank, world_size=world, loss=loss, engine=engine))
     finally:

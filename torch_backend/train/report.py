@@ -3,7 +3,7 @@
 
 ``metrics.jsonl`` holds one JSON line per step ``{"kind": "train", "step", "loss", "lr", "loss_scale",
 "grad_norm", "skipped", "tokens", "tokens_per_s", "time_s"}`` and per evaluation ``{"kind": "val",
-"step", "val_loss"}``; ``tokens`` and ``time_s`` (training seconds) count the whole run, every session
+"step", "val_loss"}`` (with ``--ema-decay`` also ``"ema_val_loss"``, the EMA weights' validation loss); ``tokens`` and ``time_s`` (training seconds) count the whole run, every session
 at its own world size. A resumed run rewrites it with the earlier session's records up to its
 checkpoint first, so it holds the whole run once per step. :class:`Report` is the loop's one handle on
 all of it; ranks other than 0 keep the same counters and write nothing.
@@ -112,13 +112,18 @@ class Report:
                                       f"lr {lr:.2e} | scale {scale:g}", refresh=False)
             self.pbar.update(1)
 
-    def val(self, step: int, val_loss: float, train_loss: float | None = None) -> None:
-        """Record the validation loss after step ``step`` (and log it with the step's ``train_loss``)."""
-        self.metrics.write({"kind": "val", "step": step, "val_loss": val_loss})
+    def val(self, step: int, val_loss: float, train_loss: float | None = None, ema_val_loss: float | None = None) -> None:
+        """Record the validation loss after step ``step`` (and log it with the step's ``train_loss``),
+        and the EMA weights' (``ema_val_loss``) when the run keeps an EMA."""
+        record = {"kind": "val", "step": step, "val_loss": val_loss}
+        if ema_val_loss is not None:
+            record["ema_val_loss"] = ema_val_loss
+        self.metrics.write(record)
+        ema = "" if ema_val_loss is None else f", EMA val loss {ema_val_loss:.4f}"
         if self.is_main and train_loss is None:
-            log.info("step %d: val loss %.4f", step, val_loss)
+            log.info("step %d: val loss %.4f%s", step, val_loss, ema)
         elif self.is_main:
-            log.info("step %d: train loss %.4f, val loss %.4f", step, train_loss, val_loss)
+            log.info("step %d: train loss %.4f, val loss %.4f%s", step, train_loss, val_loss, ema)
 
     def close_progress(self) -> None:
         if self.pbar is not None:
@@ -147,6 +152,7 @@ class Report:
             "train_loss_first_step": t0_step, "train_loss_last_step": t1_step,
             "val_loss_step0": val0, "val_loss_final": val_loss, "val_ratio": val_loss / val0 if val0 else nan,
             "val_loss_first_step": v0_step, "val_loss_final_step": v1_step,
+            "ema_val_loss_final": m.ema_val[-1][1] if m.ema_val else None,
             "wall_time_s": wall_time_s, "train_time_s": self.train_time_s,
             "tokens_per_s": self.session_tokens / self.train_time_s if self.train_time_s else 0.0,
             "peak_memory": memory, "memory_report": engine.memory_report(), "chunks": chunks,
@@ -232,6 +238,8 @@ class Metrics:
         self.path = path
         self.train: list[tuple[int, float]] = []
         self.val: list[tuple[int, float]] = []
+        self.ema_val: list[tuple[int, float]] = []
+        """``(step, validation loss of the EMA weights)``, with ``--ema-decay``."""
         self.sessions: list[tuple[int, int]] = []  # (step the session began after, world size)
         for r in history or ():
             self._record(r)
@@ -246,6 +254,8 @@ class Metrics:
             self.train.append((record["step"], record["loss"]))
         elif record.get("kind") == "val" and "val_loss" in record:
             self.val.append((record["step"], record["val_loss"]))
+            if isinstance(record.get("ema_val_loss"), (int, float)):
+                self.ema_val.append((record["step"], record["ema_val_loss"]))
         elif record.get("kind") == "session" and isinstance(record.get("world_size"), int):
             self.sessions.append((record["step"], record["world_size"]))
 
@@ -264,7 +274,8 @@ class Metrics:
 
 
 def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
-    """The loss curve: training loss per step (and its running mean) and validation loss points; a dashed
+    """The loss curve: training loss per step (and its running mean) and validation loss points (of the
+    live weights, and of the EMA weights when the run keeps an EMA); a dashed
     line where each resumed session began, labelled with its world size (and the first session's)."""
     import matplotlib
 
@@ -280,7 +291,10 @@ def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
         ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train (mean of {k})")
     if metrics.val:
         vs, vl = zip(*metrics.val)
-        ax.plot(vs, vl, "o-", color="tab:orange", lw=1.4, ms=4, label="validation")
+        ax.plot(vs, vl, "o-", color="tab:orange", lw=1.4, ms=4, label="validation" if not metrics.ema_val else "validation (live weights)")
+    if metrics.ema_val:
+        es, el = zip(*metrics.ema_val)
+        ax.plot(es, el, "s--", color="tab:green", lw=1.4, ms=4, label="validation (EMA weights)")
     for step, world in sorted(metrics.sessions):
         label = f"{world} worker{'s' if world != 1 else ''}"
         if step > 0:  # a resume from the checkpoint of ``step``
@@ -361,6 +375,8 @@ def summary_table(s: dict) -> str:
                        f"{s['train_loss_last']:.4f} (step {s.get('train_loss_last_step', s['steps'])})"),
         ("val loss", f"{v0:.4f} (step {s.get('val_loss_first_step', 0)}) → "
                      f"{v1:.4f} (step {s.get('val_loss_final_step', s['steps'])}), ratio {v1 / v0:.3f}"),
+        *([("EMA val loss", f"{s['ema_val_loss_final']:.4f} (step {s.get('val_loss_final_step', s['steps'])})")]
+          if s.get("ema_val_loss_final") is not None else []),
         ("wall time", f"{_fmt_time(s['wall_time_s'])} (training {_fmt_time(s['train_time_s'])})"),
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
         *chunk_rows(s),

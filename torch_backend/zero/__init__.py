@@ -9,7 +9,8 @@ and builds the rest; ``docs/ARCHITECTURE.md`` walks through a step.
 
 from .config import AutoPlacementPolicy, MixedPrecision, PrefetchPolicy, StaticPlacement
 from .ddp import MemoryReport, ZeroDDP
+from .ema import ZeroEMA
 from .optim import DynamicLossScaler, ZeroOptimizer
 
 __all__ = ["AutoPlacementPolicy", "DynamicLossScaler", "MemoryReport", "MixedPrecision", "PrefetchPolicy",
-           "StaticPlacement", "ZeroDDP", "ZeroOptimizer"]
+           "StaticPlacement", "ZeroDDP", "ZeroEMA", "ZeroOptimizer"]

@@ -12,7 +12,7 @@ import torch
 
 __all__ = ["ALLOCATION_KINDS", "MEMORY_KINDS", "AllocationTracker", "MemoryReport"]
 
-MEMORY_KINDS = ("parameters", "gathered_buffers", "gradients", "fp32_master", "optimizer_states")
+MEMORY_KINDS = ("parameters", "gathered_buffers", "gradients", "fp32_master", "optimizer_states", "ema")
 
 ALLOCATION_KINDS = ("parameters", "fp32_master", "gathered_buffers", "gradient_buffers", "autograd_grads",
                     "reduce_inputs", "reduce_outputs", "exchange_buffers", "staging", "fp32_gradients")
@@ -119,7 +119,9 @@ class MemoryReport:
             being gathered now), ``gradients`` (chunk gradient buffers, reductions in flight and fp32
             gradient shards), ``fp32_master`` (master shards held apart from the parameter shard: 0
             in fp32, where they coincide; none for frozen chunks), ``optimizer_states`` (the
-            ZeroOptimizer's state shards, when it is passed).
+            ZeroOptimizer's state shards, when it is passed), ``ema`` (the shards of the optimizer's
+            :class:`~torch_backend.zero.ema.ZeroEMA`, when it has one: 4 bytes per trainable
+            element of this rank's shards, on the master's device).
         offload_optim_chunks: chunk indices whose master, gradient and optimizer state are on the host.
         offload_param_chunks: chunk indices whose parameter shard is on the host.
         peak_gathered_chunks: the most sharded chunks gathered at once so far.
@@ -168,6 +170,9 @@ class MemoryReport:
         if optimizer is not None:
             for where, n in optimizer.state_bytes():
                 add(where, "optimizer_states", n)
+            ema = getattr(optimizer, "ema", None)
+            for where, n in ([] if ema is None else ema.state_bytes()):
+                add(where, "ema", n)
         if tracker is not None:
             decisions.update(allocated={d: {k: b for k, b in per.items() if b} for d, per in tracker.current.items()},
                              peak_allocated={d: dict(per) for d, per in tracker.peak.items()},
@@ -195,7 +200,7 @@ class MemoryReport:
                    for d, b in per.items() if dtype is None or d == dtype)
 
     def model_state_bytes(self) -> int:
-        """Parameters + gradients + fp32 master + optimizer states (gathered buffers excluded)."""
+        """Parameters + gradients + fp32 master + optimizer states + EMA (gathered buffers excluded)."""
         return self.total() - self.total("gathered_buffers")
 
     def __str__(self) -> str:

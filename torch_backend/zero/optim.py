@@ -160,6 +160,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Tensors whose gradient ``zero_grad(set_to_none=False)`` zeroed instead of dropping (stepped with zeros)."""
         self._passes_seen = model.backward_passes
         self._passes_scaled = 0
+        self.ema = None
+        """The :class:`~torch_backend.zero.ema.ZeroEMA` of this optimizer's masters, once one is built
+        (checkpoints and :meth:`memory_report` include it)."""
 
     def _params_of(self, names: list[str]) -> list[torch.nn.Parameter]:
         return [self._piece_of[n].param for n in names if n in self._piece_of]
@@ -451,7 +454,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._states.state_bytes()
 
     def memory_report(self):
-        """The model's :meth:`ZeroDDP.memory_report` with this optimizer's state shards counted."""
+        """The model's :meth:`ZeroDDP.memory_report` with this optimizer's state shards counted (and its
+        EMA's shards, as ``ema``, when it has one)."""
         return self.model.memory_report(self)
 
     # ------------------------------------------------------------------ full state dict
