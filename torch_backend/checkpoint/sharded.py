@@ -156,6 +156,7 @@ def save_checkpoint(
     model.synchronize()  # no collective still writing a shard this save reads
     layout: ChunkLayout = model.layout
     rank = int(model.rank)
+    shard_rank, replicas = int(getattr(model, "shard_rank", rank)), int(getattr(model, "replicas", 1))
     group = getattr(model, "process_group", None)
     own_rng = rng_state()
     params: dict[int, np.ndarray] = {}
@@ -175,19 +176,21 @@ def save_checkpoint(
         model_config=None if model_config is None else _json_ready(dict(model_config), "model_config"),
         data_position=None if data_position is None else _json_ready(dict(data_position), "data_position"),
         extra=None if extra is None else _json_ready(dict(extra), "extra"),
+        replicas=replicas,
     )
     # One gather before any write: what each rank was asked to save (compared: ranks given different
     # directories or steps fail here, together, instead of waiting for each other inside Orbax), its
     # RNG state and the checksums of its own shards.
     target = save_target(directory, step, layout, max_to_keep=max_to_keep)
-    own = {"target": target, "rng": own_rng, "sums": meta.shard_checksums(rank, shard_arrays(meta, params, optim))}
+    own = {"target": target, "rng": own_rng, "sums": meta.shard_checksums(shard_rank, shard_arrays(meta, params, optim))}
     try:
         everyone = all_gather_json(own, group)
     except RuntimeError as e:  # a peer died, or did not call the save within the process group's timeout
         raise CheckpointError(f"the ranks could not agree on saving step {step} to {target['directory']!r}: {e}") from e
     check_agreement([e["target"] for e in everyone], "save")
     meta.rng_states = [e["rng"] for e in everyone]
-    meta.checksums = meta.checksums_from_ranks([e["sums"] for e in everyone])
+    # each shard once: from replica 0's ranks (hybrid sharding; the group's first S ranks)
+    meta.checksums = meta.checksums_from_ranks([e["sums"] for e in everyone][: layout.world_size])
     try:
         return write_shards(directory, meta, rank, params, optim, async_save=async_save, max_to_keep=max_to_keep,
                             process_group=group, timeout_s=timeout_s)
@@ -263,7 +266,9 @@ def load_checkpoint(
         optim_keys = _check_optimizer(model, optimizer, meta, step_dir, load_hyperparameters)
         reader = ChunkReader(step_dir, meta)
         into = {} if staged else optim_shards.live_buffers(model, optimizer, optim_keys)
-        params, optim = read_shards(step_dir, meta, model.layout, rank, optim_keys=optim_keys, reader=reader, into=into)
+        shard_rank = int(getattr(model, "shard_rank", rank))  # the layout's rank (hybrid: in the shard group)
+        params, optim = read_shards(step_dir, meta, model.layout, shard_rank, optim_keys=optim_keys, reader=reader,
+                                    into=into)
     except Exception as e:  # agree first, re-raise after
         error = e
         if not staged and reader is not None and reader.reads_started and isinstance(e, CheckpointError):
