@@ -88,3 +88,16 @@ def test_hybrid_checkpoint_resumes_flat_and_reads_with_plain_orbax_and_restore_c
         got = np.asarray(chunks[f"chunk_{t.chunk:04d}"])[t.offset : t.end].astype(np.float32)
         want = saved[0]["params"][t.name].numpy().reshape(-1)
         assert np.array_equal(got, want), t.name
+
+
+def test_meta_records_the_replica_count_only_when_hybrid():
+    from chunkzero.checkpoint import CheckpointMeta
+    from chunkzero.errors import CheckpointFormatError
+    from chunkzero.layout import ChunkLayout, TensorSpec
+
+    layout = ChunkLayout.build([TensorSpec("w", (8,))], 8, 2)
+    assert "replicas" not in CheckpointMeta(step=1, layout=layout).to_dict()
+    doc = CheckpointMeta(step=1, layout=layout, replicas=3).to_dict()
+    assert doc["replicas"] == 3 and CheckpointMeta.from_dict(doc).replicas == 3
+    with pytest.raises(CheckpointFormatError, match="replicas"):
+        CheckpointMeta.from_dict({**doc, "replicas": 0})

@@ -7,7 +7,8 @@ the model's master shards and the optimizer's state shards become numpy arrays a
 **Save** (all ranks in parallel). Each rank checksums its own shards; one all-gather of JSON collects
 every rank's checksums and RNG state into the metadata, and what each rank was asked to save (the
 directory, step and a digest of its layout: ranks that disagree fail together here,
-:mod:`chunkzero.checkpoint.agreement`); then each rank writes only its own shards, as one JAX process
+:mod:`chunkzero.checkpoint.agreement`); then each rank writes only its own shards (hybrid sharding: each
+shard once, by replica 0's ranks; the metadata records ``replicas``), as one JAX process
 of a CPU ``jax.distributed`` group (:mod:`.parallel_write`), every wait for the others bounded by
 ``timeout_s``. Orbax writes into a temporary directory and renames it on commit, so a save killed
 midway leaves the previous step as the latest. An asynchronous save returns once JAX holds a copy of
@@ -16,7 +17,8 @@ exit waits for the commit.
 
 **Load** (each rank reads alone, then one all-gather of JSON to agree). A rank computes, from the
 saved layout and its model's layout, which element ranges of which saved arrays make up each of its
-shards — by tensor name, so the world size *and* the chunk size may differ
+shards (at its shard rank) — by tensor name, so the world size, the shard group size *and* the chunk
+size may differ
 (:func:`~chunkzero.checkpoint.read_plan`) — and reads only those ranges with TensorStore
 (:mod:`chunkzero.checkpoint.reader`), each verified against its checksums. By default into new
 buffers: the model changes only once every rank has read everything and the ranks agree that they
