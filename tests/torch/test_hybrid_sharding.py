@@ -101,3 +101,27 @@ def test_meta_records_the_replica_count_only_when_hybrid():
     assert doc["replicas"] == 3 and CheckpointMeta.from_dict(doc).replicas == 3
     with pytest.raises(CheckpointFormatError, match="replicas"):
         CheckpointMeta.from_dict({**doc, "replicas": 0})
+
+
+def test_train_refuses_a_shard_group_size_not_dividing_the_workers(monkeypatch):
+    from chunkzero.errors import ConfigError
+    from chunkzero.train_config import TrainConfig
+    from torch_backend.train.resolve import validate
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="--shard-group-size 3 does not divide the world size 2"):
+        validate(TrainConfig(shard_group_size=3, nproc=2, device="cpu"), check_out=False)
+    with pytest.raises(ConfigError, match="--shard-group-size needs --engine zero"):
+        TrainConfig(shard_group_size=1, engine="ddp").check()
+
+
+def test_run_summary_names_s_r_and_the_bytes_per_rank():
+    from torch_backend.train.report import chunk_rows
+
+    chunk = {"chunks": 2, "chunk_size": 100, "sharded_chunks": 2, "shard_bytes": 2**20, "param_bytes": 2**22,
+             "model_state_bytes": 2**21, "peak_gathered_chunks": 1, "shard_group_size": 2, "replicas": 2,
+             "intra_sent_bytes": 3 * 2**20, "inter_sent_bytes": 2**20}
+    rows = dict(chunk_rows({"chunks": [chunk] * 4, "world_size": 4, "mixed_precision": "fp32"}))
+    assert "S = 2 rank(s) per shard group, replicated R = 2 times" in rows["chunks"], rows["chunks"]
+    assert rows["collectives"].startswith("S = 2, R = 2: each rank sent 3"), rows["collectives"]
+    assert "1.00 MiB" in rows["shard per rank"], rows["shard per rank"]
