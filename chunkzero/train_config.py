@@ -126,6 +126,10 @@ class TrainConfig:
     chunk_size: int | None = option(
         None, "chunk size in elements", "model", metavar="NUMEL", minimum=1,
         default_help="searched to minimise padding")
+    shard_group_size: int | None = option(
+        None, "hybrid sharding: shard each chunk over groups of S consecutive workers (a node's GPUs) and "
+              "replicate it across the world/S groups; must divide the world size; 1 is DDP with chunked "
+              "buckets", "model", metavar="S", minimum=1, default_help="the world size: flat ZeRO-3")
     engine: str = option(
         "zero", "zero: chunk ZeRO-3 (ZeroDDP + ZeroOptimizer); ddp: plain PyTorch DDP + AdamW in fp32, a "
                 "baseline for comparison", "model", choices=ENGINES)
@@ -236,6 +240,8 @@ class TrainConfig:
             raise ConfigError("--ema-decay needs --engine zero (the EMA is kept beside ZeroOptimizer's state)")
         if self.ema_decay is not None and self.backend == "jax":
             raise ConfigError("--ema-decay is for --backend torch (the JAX engine keeps no EMA yet)")
+        if self.engine == "ddp" and self.shard_group_size is not None:
+            raise ConfigError("--shard-group-size needs --engine zero (hybrid sharding of ZeroDDP)")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
 

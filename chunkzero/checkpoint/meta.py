@@ -200,7 +200,8 @@ class CheckpointMeta:
 
     Attributes:
         step: training step of the checkpoint.
-        layout: the :class:`ChunkLayout` at save time (its ``world_size`` is the saving world size).
+        layout: the :class:`ChunkLayout` at save time (its ``world_size`` is the saving world size; under
+            hybrid sharding the shard group's size ``S``, each shard saved once).
         mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
         optimizer: :class:`OptimizerMeta`, or ``None`` for a parameters-only checkpoint.
         loss_scaler: dynamic loss-scaler state (``scale``, ``growth_tracker``, ``hysteresis_tracker`` …).
@@ -218,6 +219,10 @@ class CheckpointMeta:
             checkpoints written before it); see :mod:`chunkzero.checkpoint.checksums`,
             :meth:`verify_shard` and :meth:`verify_blocks`. Absent (``None``) in checkpoints written
             without it; readers then skip verification. Serialized only when present.
+        replicas: how many copies of each shard the saving run held (hybrid sharding: ``R`` shard groups
+            of ``layout.world_size`` ranks, ``rng_states`` then has one entry per rank of all
+            ``world_size · replicas``); 1 for flat ZeRO-3. Serialized only when above 1; readers need
+            not know it (the arrays are the same at any ``replicas``).
     """
 
     step: int
@@ -231,6 +236,7 @@ class CheckpointMeta:
     extra: dict[str, Any] | None = None
     checksums: dict[str, Any] | None = None
     ema: EmaMeta | None = None
+    replicas: int = 1
 
     @property
     def world_size(self) -> int:
@@ -255,6 +261,8 @@ class CheckpointMeta:
             doc["checksums"] = self.checksums
         if self.ema is not None:
             doc["ema"] = self.ema.to_dict()
+        if self.replicas != 1:
+            doc["replicas"] = self.replicas
         return doc
 
     def to_json(self, **kwargs) -> str:
@@ -309,6 +317,9 @@ class CheckpointMeta:
         od = get("optimizer", dict, optional=True)
         if od is not None:
             optimizer = OptimizerMeta.from_dict(od, bad)
+        replicas = doc.get("replicas", 1)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise bad("replicas", f"expected an int >= 1, got {replicas!r}")
         rng = get("rng_states", list, optional=True)
         if rng is not None and not all(isinstance(r, dict) for r in rng):
             raise bad("rng_states", "must be a list of objects, one per rank")
@@ -324,6 +335,7 @@ class CheckpointMeta:
             extra=get("extra", dict, optional=True),
             checksums=validate_record(doc.get("checksums"), _valid_numels(layout), bad),
             ema=None if doc.get("ema") is None else EmaMeta.from_dict(doc["ema"], bad),
+            replicas=replicas,
         )
 
     @classmethod

@@ -5,7 +5,9 @@ by rank 0 and broadcast over the model's process group; ``num_processes`` = worl
 rank). A sharded chunk becomes ``jax.make_array_from_single_device_arrays((size,), NamedSharding(mesh,
 P('dp')), [shard])`` over a mesh of one CPU device per process, so each rank hands Orbax only its own
 shard and Orbax writes each shard from the process that holds it. A keep-gathered chunk is replicated
-(``P()``) and written once. The write itself — checks, commit, keep-last-N — is
+(``P()``) and written once. Under hybrid sharding (``meta.replicas = R > 1``) the mesh is 2-D,
+``('replica', 'dp')`` of shape ``(R, S)`` (rank ``g·S + q`` at ``[g, q]``), and a shard is replicated
+over ``'replica'``: Orbax writes each shard once, from its replica-0 copy (ranks ``0 … S-1``). The write itself — checks, commit, keep-last-N — is
 :func:`chunkzero.checkpoint.orbax_store.save_step`.
 
 Every wait for the other processes is bounded by ``timeout_s``: the start of ``jax.distributed``, each
@@ -57,17 +59,21 @@ class ProcessMesh:
         self.device = devices[rank]
         self.mesh = Mesh(np.array(devices), ("dp",))
 
-    def global_array(self, local: np.ndarray, size: int, replicated: bool):
+    def global_array(self, local: np.ndarray, size: int, replicated: bool, replicas: int = 1):
         """The 1-D global array of ``size`` elements whose only local piece is ``local``.
 
-        ``local`` is this rank's shard (``size / world_size`` elements) or, for a replicated
-        (keep-gathered) chunk, the whole chunk.
+        ``local`` is this rank's shard (``size / S`` elements, ``S = world_size / replicas``) or, for a
+        replicated (keep-gathered) chunk, the whole chunk. With ``replicas > 1`` the shard is replicated
+        over the mesh's ``'replica'`` axis (hybrid sharding).
         """
         import jax
-        from jax.sharding import NamedSharding
+        from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        sharding = NamedSharding(self.mesh, P() if replicated else P("dp"))
+        mesh = self.mesh
+        if replicas > 1:
+            mesh = Mesh(np.array(self.mesh.devices).reshape(replicas, self.world_size // replicas), ("replica", "dp"))
+        sharding = NamedSharding(mesh, P() if replicated else P("dp"))
         # An explicit copy: on CPU, device_put may alias an aligned numpy buffer instead of copying it,
         # and ``local`` is a view of a live shard that training changes while an async save writes.
         piece = jax.device_put(np.array(local, copy=True), self.device)
@@ -177,8 +183,9 @@ def write_shards(
 
     Args:
         directory: checkpoint root; the step goes to ``directory/<step>/``.
-        meta: the metadata document (its layout's world size is the number of writing processes).
-        rank: this process's rank.
+        meta: the metadata document (its layout's world size times ``meta.replicas`` is the number of
+            processes; hybrid sharding: each shard is written once, by the replica-0 process holding it).
+        rank: this process's rank (of all ``world_size · replicas``).
         params: chunk index -> this rank's shard of the chunk's ``params`` array (``shard_numel``
             elements, padded, dtype :func:`~chunkzero.checkpoint.param_array_dtype`), for every chunk;
             keep-gathered chunks whole.
@@ -205,11 +212,12 @@ def write_shards(
 
     def tree():
         shards = shard_arrays(meta, params, optim, ema)  # checked before jax.distributed starts
-        runtime = process_mesh(rank, layout.world_size, process_group, coordinator=coordinator, timeout_s=timeout_s)
+        runtime = process_mesh(rank, layout.world_size * meta.replicas, process_group, coordinator=coordinator,
+                               timeout_s=timeout_s)
         arrays = {}
         for path, local in shards.items():
             c = layout.chunks[chunk_index(path[-1])]
-            arrays[path] = runtime.global_array(local, c.size, c.keep_gathered)
+            arrays[path] = runtime.global_array(local, c.size, c.keep_gathered, meta.replicas)
         return state_tree(arrays)
 
     return orbax_store.save_step(directory, meta, tree, async_save=async_save, max_to_keep=max_to_keep, timeout_s=timeout_s)

@@ -228,7 +228,7 @@ def load_pretrained(model, source, *, strict: bool = True, prefix: str = "") -> 
             parts.append(f"unexpected keys: {', '.join(unexpected)}")
         raise CheckpointError("cannot load weights strictly (nothing loaded): " + "; ".join(parts))
 
-    rank = int(model.rank)
+    rank = int(getattr(model, "shard_rank", model.rank))  # the layout's rank (hybrid: in the shard group)
     for c in layout.chunks:
         pieces = [(t, a, b, off) for t, a, b, off in layout.shard_pieces(c.index, rank) if t.name in chosen]
         if not pieces:

@@ -7,7 +7,8 @@ the model's master shards and the optimizer's state shards become numpy arrays a
 **Save** (all ranks in parallel). Each rank checksums its own shards; one all-gather of JSON collects
 every rank's checksums and RNG state into the metadata, and what each rank was asked to save (the
 directory, step and a digest of its layout: ranks that disagree fail together here,
-:mod:`chunkzero.checkpoint.agreement`); then each rank writes only its own shards, as one JAX process
+:mod:`chunkzero.checkpoint.agreement`); then each rank writes only its own shards (hybrid sharding: each
+shard once, by replica 0's ranks; the metadata records ``replicas``), as one JAX process
 of a CPU ``jax.distributed`` group (:mod:`.parallel_write`), every wait for the others bounded by
 ``timeout_s``. Orbax writes into a temporary directory and renames it on commit, so a save killed
 midway leaves the previous step as the latest. An asynchronous save returns once JAX holds a copy of
@@ -16,7 +17,8 @@ exit waits for the commit.
 
 **Load** (each rank reads alone, then one all-gather of JSON to agree). A rank computes, from the
 saved layout and its model's layout, which element ranges of which saved arrays make up each of its
-shards — by tensor name, so the world size *and* the chunk size may differ
+shards (at its shard rank) — by tensor name, so the world size, the shard group size *and* the chunk
+size may differ
 (:func:`~chunkzero.checkpoint.read_plan`) — and reads only those ranges with TensorStore
 (:mod:`chunkzero.checkpoint.reader`), each verified against its checksums. By default into new
 buffers: the model changes only once every rank has read everything and the ranks agree that they
@@ -158,6 +160,7 @@ def save_checkpoint(
     model.synchronize()  # no collective still writing a shard this save reads
     layout: ChunkLayout = model.layout
     rank = int(model.rank)
+    shard_rank, replicas = int(getattr(model, "shard_rank", rank)), int(getattr(model, "replicas", 1))
     group = getattr(model, "process_group", None)
     own_rng = rng_state()
     params: dict[int, np.ndarray] = {}
@@ -179,19 +182,21 @@ def save_checkpoint(
         data_position=None if data_position is None else _json_ready(dict(data_position), "data_position"),
         extra=None if extra is None else _json_ready(dict(extra), "extra"),
         ema=ema_meta,
+        replicas=replicas,
     )
     # One gather before any write: what each rank was asked to save (compared: ranks given different
     # directories or steps fail here, together, instead of waiting for each other inside Orbax), its
     # RNG state and the checksums of its own shards.
     target = save_target(directory, step, layout, max_to_keep=max_to_keep)
-    own = {"target": target, "rng": own_rng, "sums": meta.shard_checksums(rank, shard_arrays(meta, params, optim, ema))}
+    own = {"target": target, "rng": own_rng, "sums": meta.shard_checksums(shard_rank, shard_arrays(meta, params, optim, ema))}
     try:
         everyone = all_gather_json(own, group)
     except RuntimeError as e:  # a peer died, or did not call the save within the process group's timeout
         raise CheckpointError(f"the ranks could not agree on saving step {step} to {target['directory']!r}: {e}") from e
     check_agreement([e["target"] for e in everyone], "save")
     meta.rng_states = [e["rng"] for e in everyone]
-    meta.checksums = meta.checksums_from_ranks([e["sums"] for e in everyone])
+    # each shard once: from replica 0's ranks (hybrid sharding; the group's first S ranks)
+    meta.checksums = meta.checksums_from_ranks([e["sums"] for e in everyone][: layout.world_size])
     try:
         return write_shards(directory, meta, rank, params, optim, ema=ema, async_save=async_save, max_to_keep=max_to_keep,
                             process_group=group, timeout_s=timeout_s)
@@ -270,8 +275,10 @@ def load_checkpoint(
         optim_keys = _check_optimizer(model, optimizer, meta, step_dir, load_hyperparameters)
         reader = ChunkReader(step_dir, meta)
         into = {} if staged else optim_shards.live_buffers(model, optimizer, optim_keys)
-        params, optim = read_shards(step_dir, meta, model.layout, rank, optim_keys=optim_keys, reader=reader, into=into)
-        ema = ema_shards.read(step_dir, meta, model, optimizer, rank, reader)
+        shard_rank = int(getattr(model, "shard_rank", rank))  # the layout's rank (hybrid: in the shard group)
+        params, optim = read_shards(step_dir, meta, model.layout, shard_rank, optim_keys=optim_keys, reader=reader,
+                                    into=into)
+        ema = ema_shards.read(step_dir, meta, model, optimizer, shard_rank, reader)
     except Exception as e:  # agree first, re-raise after
         error = e
         if not staged and reader is not None and reader.reads_started and isinstance(e, CheckpointError):

@@ -44,7 +44,8 @@ class Engine:
                 from torch_backend import ZeroDDP, ZeroOptimizer
             except ImportError as e:
                 raise ConfigError(f"--engine zero: torch_backend.ZeroDDP is not available ({e})") from None
-            self.model = ZeroDDP(module.to(device), mixed_precision=cfg.mixed_precision, chunk_size=cfg.chunk_size)
+            self.model = ZeroDDP(module.to(device), mixed_precision=cfg.mixed_precision, chunk_size=cfg.chunk_size,
+                                 shard_group_size=getattr(cfg, "shard_group_size", None))
             self.optim = ZeroOptimizer(self.model, torch.optim.AdamW, param_groups=decay_groups(module, cfg.weight_decay),
                                        lr=cfg.lr, max_norm=cfg.max_norm or None, betas=betas,
                                        max_skipped_at_min_scale=cfg.max_skipped_steps or None)
@@ -127,17 +128,21 @@ class Engine:
         the ranks; the others are kept whole on every rank), ``shard_bytes`` (the compute-dtype
         parameter shards this rank holds, ``layout.shard_bytes(rank)``), ``param_bytes`` (all chunks
         whole, in the same dtype), ``model_state_bytes`` (this rank's parameters, gradients, fp32
-        masters and optimizer state, gathered buffers excluded) and ``peak_gathered_chunks`` (the most
-        sharded chunks gathered at once so far)."""
+        masters and optimizer state, gathered buffers excluded), ``peak_gathered_chunks`` (the most
+        sharded chunks gathered at once so far), ``shard_group_size`` and ``replicas`` (hybrid sharding's
+        S and R; flat: the world size and 1) and ``intra_sent_bytes`` / ``inter_sent_bytes`` (what this
+        rank's chunk collectives sent so far within its shard group / across the replicas, ring algorithm)."""
         if self.kind != "zero":
             return None
         layout = self.model.layout
         r = self.optim.memory_report()
         return {"chunks": len(layout.chunks), "chunk_size": int(layout.chunk_size),
                 "sharded_chunks": sum(not c.keep_gathered for c in layout.chunks),
-                "shard_bytes": int(layout.shard_bytes(rank)),
+                "shard_bytes": int(layout.shard_bytes(self.model.shard_rank)),
                 "param_bytes": sum(c.size_bytes for c in layout.chunks),
-                "model_state_bytes": int(r.model_state_bytes()), "peak_gathered_chunks": int(r.peak_gathered_chunks)}
+                "model_state_bytes": int(r.model_state_bytes()), "peak_gathered_chunks": int(r.peak_gathered_chunks),
+                "shard_group_size": int(self.model.shard_group_size), "replicas": int(self.model.replicas),
+                **{k: int(v) for k, v in self.model.collective_stats.items() if k.endswith("_sent_bytes")}}
 
     def describe(self) -> str:
         """One line about the wrapping: chunks and chunk size for ZeroDDP."""

@@ -348,13 +348,21 @@ def chunk_rows(s: dict) -> list[tuple[str, str]]:
     shard = _per_rank([x["shard_bytes"] for x in chunks], _fmt_mib)
     state = _per_rank([x["model_state_bytes"] for x in chunks], _fmt_mib)
     peak = _per_rank([x["peak_gathered_chunks"] for x in chunks], str)
-    return [
+    s_, r_ = c.get("shard_group_size", w), c.get("replicas", 1)
+    over = f"{w} rank(s)" if r_ == 1 else f"S = {s_} rank(s) per shard group, replicated R = {r_} times (hybrid)"
+    rows = [
         ("chunks", f"{c['chunks']}, chunk size {c['chunk_size']:,} elements ({how}; a larger tensor gets a chunk of its own), "
-                   f"{c['sharded_chunks']} sharded over {w} rank(s)"),
+                   f"{c['sharded_chunks']} sharded over {over}"),
         ("shard per rank", f"{shard} of the {_fmt_mib(c['param_bytes'])} {s['mixed_precision']} parameters; "
                            f"model state {state} (with gradients, fp32 masters, optimizer state)"),
         ("peak gathered", f"{peak} of {c['sharded_chunks']} sharded chunks at once"),
     ]
+    if "intra_sent_bytes" in c:
+        intra = _per_rank([x.get("intra_sent_bytes", 0) for x in chunks], _fmt_mib)
+        inter = _per_rank([x.get("inter_sent_bytes", 0) for x in chunks], _fmt_mib)
+        rows.append(("collectives", f"S = {s_}, R = {r_}: each rank sent {intra} within its shard group and {inter} "
+                                    "across the replicas (chunk collectives, ring algorithm, whole run)"))
+    return rows
 
 
 def summary_table(s: dict) -> str:

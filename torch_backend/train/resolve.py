@@ -191,6 +191,8 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
     cfg.world_size = resolve_workers(cfg)
     if "WORLD_SIZE" not in os.environ:
         cfg.nproc = cfg.world_size
+    if cfg.shard_group_size is not None and cfg.world_size % cfg.shard_group_size:
+        raise ConfigError(f"--shard-group-size {cfg.shard_group_size} does not divide the world size {cfg.world_size}")
     cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")

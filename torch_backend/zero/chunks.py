@@ -64,6 +64,7 @@ from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
 from . import collectives
 from .chunk_io import ChunkShardIO, copied, host_empty
 from .memory import AllocationTracker
+from .topology import INTER, INTRA, Topology, build_topology
 from .torch_internals import storage_key
 
 S = TensorState
@@ -98,7 +99,10 @@ class Chunk(ChunkShardIO):
             are the same memory, and the decision is still applied: a copy per use).
         master_device: device of the fp32 master shard, its gradient and optimizer state (``cpu``
             when optimizer-offloaded); ignored for a frozen chunk.
-        group: process group or ``None`` (single process).
+        group: the shard group (the process group the chunk is sharded over) or ``None`` (one rank).
+        topology: the engine's :class:`~torch_backend.zero.topology.Topology` (hybrid sharding: the
+            replica group the reduced shard is all-reduced over; the collective bytes counted);
+            default: flat over ``group``.
         divide_first: divide gradients by the world size before reducing (fp16).
         movable: the placement may move the parameter shard and the master between host and device
             between uses (``placement="auto"``, :meth:`move_shard` / :meth:`move_master`): the shard is
@@ -129,8 +133,11 @@ class Chunk(ChunkShardIO):
         movable: bool = False,
         compute_dtype: torch.dtype | None = None,
         tracker: AllocationTracker | None = None,
+        topology: Topology | None = None,
     ):
         info = layout.chunks[index]
+        self.topology = topology if topology is not None else build_topology(group, None)
+        """The shard group and replica group (:mod:`torch_backend.zero.topology`)."""
         self.tracker = tracker if tracker is not None else AllocationTracker()
         """Where the chunk's allocations are counted (:class:`~torch_backend.zero.memory.AllocationTracker`)."""
         self._persistent_keys: dict[str, int] = {}
@@ -262,6 +269,7 @@ class Chunk(ChunkShardIO):
             nbytes = self.size * self.buffer.element_size()
             self.buffer.untyped_storage().resize_(nbytes)
             self._gathered_key = self.tracker.add("gathered_buffers", self.buffer.device, nbytes)
+        self.topology.count(INTRA, "all_gather", self.size * self.buffer.element_size())
         self._gather = collectives.all_gather_flat(self.buffer, self._gather_source(), self.group, async_op=async_op,
                                                    tracker=self.tracker)
 
@@ -480,12 +488,21 @@ class Chunk(ChunkShardIO):
         self.grad_buffer = None
         self._grad_written = set()
         self.tracker.track(buf, "reduce_inputs")
-        if self.keep_gathered:
-            out, pending = buf, collectives.all_reduce_avg(buf, self.group, divide_first=self.divide_first, async_op=async_op)
-        elif self.world_size == 1:
-            out, pending = buf, collectives.all_reduce_avg(buf, None)
+        topo, nbytes = self.topology, buf.numel() * buf.element_size()
+        if self.keep_gathered or self.world_size == 1:
+            out = buf
         else:
             out = self.tracker.track(torch.empty(self.shard_numel, dtype=self.dtype, device=self.device), "reduce_outputs")
+        if topo.hybrid:  # two levels: the shard group, then the replica group
+            topo.count(INTRA, "all_reduce" if out is buf else "reduce_scatter", nbytes)
+            topo.count(INTER, "all_reduce", out.numel() * out.element_size())
+            pending = collectives.reduce_hybrid(out, buf, self.group, topo.replica_group, world_size=topo.world_size,
+                                                divide_first=self.divide_first, async_op=async_op, tracker=self.tracker)
+        elif out is buf:  # keep-gathered, or one rank per shard group (S = 1): all-reduced over every rank
+            topo.count(INTRA if topo.replicas == 1 else INTER, "all_reduce", nbytes)
+            pending = collectives.all_reduce_avg(buf, topo.group, divide_first=self.divide_first, async_op=async_op)
+        else:
+            topo.count(INTRA, "reduce_scatter", nbytes)
             pending = collectives.reduce_scatter_avg(out, buf, self.group, divide_first=self.divide_first, async_op=async_op,
                                                      tracker=self.tracker)
         self._reduces.append((pending, out))

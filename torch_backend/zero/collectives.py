@@ -8,6 +8,9 @@ Chunks are flat 1-D buffers, so the only collectives needed are the flat ones:
   (``reduce_scatter_single`` / ``reduce_scatter_tensor``; on gloo an all-to-all and a local sum),
   averaged over the world size.
 - :func:`all_reduce_avg` — the same for keep-gathered chunks (plain data parallelism).
+- :func:`reduce_hybrid` — hybrid sharding's two levels (:mod:`torch_backend.zero.topology`): the
+  reduce-scatter (or all-reduce) over the shard group, then the all-reduce of the result over the
+  replica group, the mean over both taken once.
 - :func:`agree` — the engine's small vote all-reduce that keeps every rank's collectives in the same
   order (see :mod:`torch_backend.zero.schedule`), on :func:`agreement_group`.
 - :func:`all_reduce_sum`, :func:`broadcast_from_first` — small helpers (norms, overflow flags, init).
@@ -77,6 +80,7 @@ __all__ = [
     "stream_layer",
     "synchronize_event",
     "uses_streams",
+    "reduce_hybrid",
     "reduce_scatter_avg",
     "world_group",
 ]
@@ -335,7 +339,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_o
 
 
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divide_first: bool = False,
-                       async_op: bool = False, tracker=None) -> Pending:
+                       async_op: bool = False, tracker=None, divisor: int | None = None) -> Pending:
     """Average ``full`` over the ranks and keep this rank's shard in ``output``.
 
     Args:
@@ -345,15 +349,17 @@ def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divid
         group: process group, or ``None`` for a single process.
         async_op: return at once; ``output`` holds the mean after ``wait()``.
         tracker: counts the receive buffer of gloo's all-to-all (``exchange_buffers``); ``None``: not counted.
+        divisor: what the sum is divided by (default: ``W``; ``1``: the plain sum).
     """
     world = _world(group)
     if world == 1:
         if output.data_ptr() != full.data_ptr():
             output.copy_(full)
         return _DONE
-    if divide_first:
-        full.div_(world)
-    epilogue = None if divide_first else (lambda: output.div_(world))
+    divisor = world if divisor is None else divisor
+    if divide_first and divisor != 1:
+        full.div_(divisor)
+    epilogue = None if divide_first or divisor == 1 else (lambda: output.div_(divisor))
     backend = dist.get_backend(group)
     if backend == "gloo" and full.device.type == "cpu":
         return _exchange_and_sum(output, full, group, world, epilogue, async_op, tracker)
@@ -421,17 +427,81 @@ def _exchange_and_sum(output, full, group, world: int, epilogue, async_op: bool,
     return _finish(work, sum_slices, (output, full, received), async_op, issued)
 
 
-def all_reduce_avg(tensor: torch.Tensor, group, *, divide_first: bool = False, async_op: bool = False) -> Pending:
-    """Average ``tensor`` over the ranks, in place (SUM then division; division first for fp16)."""
+def all_reduce_avg(tensor: torch.Tensor, group, *, divide_first: bool = False, async_op: bool = False,
+                   divisor: int | None = None) -> Pending:
+    """Average ``tensor`` over the ranks, in place (SUM then division; division first for fp16).
+
+    ``divisor``: what the sum is divided by (default: the group's size; ``1``: the plain sum)."""
     world = _world(group)
     if world == 1:
         return _DONE
-    if divide_first:
-        tensor.div_(world)
+    divisor = world if divisor is None else divisor
+    if divide_first and divisor != 1:
+        tensor.div_(divisor)
+    epilogue = None if divide_first or divisor == 1 else (lambda: tensor.div_(divisor))
     issued: list = []
     with _issue_context(tensor, async_op, issued):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, None if divide_first else (lambda: tensor.div_(world)), (tensor,), async_op, issued)
+    return _finish(work, epilogue, (tensor,), async_op, issued)
+
+
+class _Then(Pending):
+    """A collective followed by a second one issued when the first is waited for (the second reads the
+    first's result: on gloo the reduce-scatter's local sum, on NCCL another group's stream)."""
+
+    __slots__ = ("_first", "_then")
+
+    def __init__(self, first: Pending, then: Callable[[], Pending]):
+        super().__init__()
+        self._first, self._then = first, then
+
+    @property
+    def done(self) -> bool:
+        return self._first is None
+
+    def free_after(self, stream) -> None:
+        if self._first is not None:
+            self._first.free_after(stream)
+
+    def wait(self) -> None:
+        first, self._first = self._first, None
+        if first is None:
+            return
+        first.wait()
+        self._then().wait()
+
+
+def reduce_hybrid(output: torch.Tensor, full: torch.Tensor, shard_group, replica_group, *, world_size: int,
+                  divide_first: bool = False, async_op: bool = False, tracker=None) -> Pending:
+    """Hybrid sharding's gradient reduction: the mean of ``full`` over all ``world_size = S · R`` ranks,
+    this rank's shard of it in ``output``.
+
+    ``full`` is reduce-scattered (summed) over ``shard_group`` (``S`` ranks), or all-reduced there when
+    ``output`` is ``full`` itself (a keep-gathered chunk); the result is then all-reduced (summed) over
+    ``replica_group`` (``R`` ranks) and divided by ``world_size`` — or, with ``divide_first`` (fp16),
+    ``full`` is divided by it before both. The replica all-reduce is issued when the first collective is
+    waited for (with ``async_op`` it is the first that overlaps the computation).
+
+    Args:
+        output: 1-D, ``full.numel() // S`` elements (or ``full`` itself); holds the mean after ``wait()``.
+        full: 1-D gradient chunk.
+        shard_group, replica_group: process groups (:class:`~torch_backend.zero.topology.Topology`).
+    """
+    if divide_first:
+        full.div_(world_size)
+    rest = 1 if divide_first else world_size
+    if output is full:
+        first = all_reduce_avg(full, shard_group, async_op=async_op, divisor=1)
+    else:
+        first = reduce_scatter_avg(output, full, shard_group, async_op=async_op, tracker=tracker, divisor=1)
+
+    def then() -> Pending:
+        return all_reduce_avg(output, replica_group, divisor=rest)
+
+    if not async_op:
+        first.wait()
+        return then()
+    return _Then(first, then)
 
 
 def agreement_group(group, *, timeout=None):

@@ -55,6 +55,7 @@ from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
 from .memory import AllocationTracker, MemoryReport
 from .module_layout import ParamGroups, build_layout, collect_parameters
 from .runtime import ChunkRuntime, Entry
+from .topology import Topology, build_topology
 from .torch_internals import under_torch_compile
 from .schedule import Scheduler
 from .state_dict import full_state_dict, load_full_state_dict
@@ -76,6 +77,12 @@ class ZeroDDP(nn.Module):
             Every rank must pass the same architecture; initial values are taken from group rank 0.
         process_group: the data-parallel group; ``None`` → the default group if ``torch.distributed``
             is initialized, else a single process.
+        shard_group_size: hybrid sharding (FSDP2's HSDP): each chunk is sharded over ``S`` consecutive
+            ranks of the group (a shard group: a node's GPUs under torchrun's rank order) and replicated
+            over the ``R = W / S`` shard groups; a gradient is reduce-scattered within the shard group,
+            then its shard all-reduced across the ``R`` replicas (:mod:`torch_backend.zero.topology`).
+            The layout is the core's for world size ``S``. ``None`` or ``W``: flat ZeRO-3; ``1``: DDP
+            with chunked buckets.
         chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
         mixed_precision: a :class:`~torch_backend.zero.config.MixedPrecision`, or its ``compute``: ``"fp32"``,
             ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient reduction; the optimizer
@@ -118,7 +125,7 @@ class ZeroDDP(nn.Module):
             eager init's). ``lambda m: None`` leaves them uninitialized, for ``load_pretrained``.
 
     Shard-level API (for checkpoints): :attr:`layout`, :attr:`rank`, :attr:`world_size`,
-    :attr:`process_group`, :attr:`chunks`, :meth:`master_shard`, :meth:`low_precision_shard`,
+    :attr:`process_group`, :attr:`shard_rank`, :attr:`shard_group_size`, :attr:`replicas`, :attr:`chunks`, :meth:`master_shard`, :meth:`low_precision_shard`,
     :meth:`grad_shard`, :meth:`load_master_shard`, :meth:`synchronize`.
 
     Raises:
@@ -131,6 +138,7 @@ class ZeroDDP(nn.Module):
         module: nn.Module,
         *,
         process_group=None,
+        shard_group_size: int | None = None,
         chunk_size: int | None = None,
         mixed_precision: MixedPrecision | str = "fp32",
         prefetch: PrefetchPolicy | int = 1,
@@ -160,7 +168,7 @@ class ZeroDDP(nn.Module):
         """A :class:`~torch_backend.zero.config.StaticPlacement` or an :class:`~torch_backend.zero.config.AutoPlacementPolicy`."""
         self.find_unused_parameters = bool(find_unused_parameters)
         self.module = module
-        self._join_group(process_group)
+        self._join_group(process_group, shard_group_size)
         groups = collect_parameters(module)
         self.device, materializer = training_device(module, [p for p, _ in groups.values()], device, param_init_fn)
         self.layout: ChunkLayout = self._build_layout(groups, chunk_size, keep_gathered)
@@ -224,16 +232,34 @@ class ZeroDDP(nn.Module):
         return tuple(p.index for p in self.placements if p.optim_offloaded)
 
     # ================================================================== construction steps
-    def _join_group(self, process_group) -> None:
+    def _join_group(self, process_group, shard_group_size) -> None:
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.process_group = process_group
         """The data-parallel process group (``None``: single process)."""
         self.world_size: int = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank: int = dist.get_rank(process_group) if process_group is not None else 0
+        self.topology: Topology = build_topology(process_group, shard_group_size)
+        """The shard group and the replica group (flat ZeRO-3: the group itself, no replicas)."""
+
+    @property
+    def shard_group_size(self) -> int:
+        """``S``: ranks each chunk is sharded over (the layout's world size; :attr:`world_size` when flat)."""
+        return self.topology.shard_group_size
+
+    @property
+    def replicas(self) -> int:
+        """``R = world_size / shard_group_size``: copies of each shard (1 when flat)."""
+        return self.topology.replicas
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank in its shard group: the layout's rank of its shards (:attr:`rank` when flat)."""
+        return self.topology.shard_rank
 
     def _build_layout(self, groups: ParamGroups, chunk_size: int | None, keep_gathered) -> ChunkLayout:
-        return build_layout(groups, self.mixed_precision_policy.dtype_name, self.world_size, chunk_size, keep_gathered)
+        return build_layout(groups, self.mixed_precision_policy.dtype_name, self.shard_group_size, chunk_size,
+                            keep_gathered)
 
     def _plan_placement(self) -> tuple[tuple[ChunkPlacement, ...], int | None]:
         """Where each chunk's parameter shard, master, gradient and optimizer state start, and the auto
@@ -267,11 +293,11 @@ class ZeroDDP(nn.Module):
                     initial[t.offset : t.end].copy_(by_name[t.name].detach().reshape(-1))
             collectives.broadcast_from_first(initial, self.process_group)
             start = self._static_placements[info.index]
-            chunk = Chunk(self.layout, info.index, self.rank, {t.name: by_name[t.name] for t in tensors},
+            chunk = Chunk(self.layout, info.index, self.shard_rank, {t.name: by_name[t.name] for t in tensors},
                           device=self.device, param_device=where[start.param], master_device=where[start.master],
-                          param_offloaded=start.param_offloaded, group=self.process_group,
+                          param_offloaded=start.param_offloaded, group=self.topology.shard_group,
                           divide_first=self.mixed_precision == "fp16", initial=initial, movable=auto,
-                          compute_dtype=self.compute_dtype, tracker=self.allocations)
+                          compute_dtype=self.compute_dtype, tracker=self.allocations, topology=self.topology)
             del initial
             chunks.append(chunk)
             entries += [Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t) for t in tensors]
@@ -481,13 +507,17 @@ class ZeroDDP(nn.Module):
     def collective_stats(self) -> dict[str, int]:
         """``rounds`` (vote all-reduces), ``gathers`` (all-gathers issued), ``misses`` (uses of a chunk not
         gathered ahead), ``late_gathers`` (prefetched gathers issued only at the chunk's use),
-        ``peak_gathered_chunks`` and ``order_recordings`` (how often the prefetch order was recorded) so far."""
+        ``peak_gathered_chunks`` and ``order_recordings`` (how often the prefetch order was recorded) so far;
+        and the bytes of the chunk collectives per level (``intra``: the shard group, ``inter``: the replica
+        group), ``*_payload_bytes`` (their full buffers) and ``*_sent_bytes`` (what this rank sends under the
+        ring algorithm; :class:`~torch_backend.zero.topology.CollectiveBytes`)."""
         s = self._runtime.sched
         return {"rounds": s.rounds, "gathers": s.gathers, "misses": s.misses, "late_gathers": s.late_gathers,
-                "peak_gathered_chunks": s.peak_gathered, "order_recordings": sum(o.recordings for o in s.orders.values())}
+                "peak_gathered_chunks": s.peak_gathered, "order_recordings": sum(o.recordings for o in s.orders.values()),
+                **self.topology.bytes.as_stats()}
 
     def extra_repr(self) -> str:
         return (
-            f"world_size={self.world_size}, rank={self.rank}, mixed_precision={self.mixed_precision!r}, "
+            f"world_size={self.world_size}, rank={self.rank}, shard_group_size={self.shard_group_size}, mixed_precision={self.mixed_precision!r}, "
             f"chunks={len(self.chunks)}, chunk_size={self.layout.chunk_size}, prefetch={self.prefetch}"
         )

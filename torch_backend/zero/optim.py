@@ -281,6 +281,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 continue
             if c.keep_gathered and self.model.rank != 0:
                 continue  # every rank holds the same full gradient: count it once
+            if self.model.topology.replica_index != 0:
+                continue  # hybrid sharding: the shard group's replicas hold the same shards
             total = total + c.grad_sq_norm.to(device)
         collectives.all_reduce_sum(total, self.model.process_group)
         return float(total.item())

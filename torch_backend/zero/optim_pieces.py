@@ -68,7 +68,7 @@ def build_pieces(model) -> dict[int, list[Piece]]:
         if not c.requires_grad:
             continue
         out[c.index] = [Piece(t.name, index[t.name], c, a, b, off)
-                        for t, a, b, off in model.layout.shard_pieces(c.index, model.rank)]
+                        for t, a, b, off in model.layout.shard_pieces(c.index, model.shard_rank)]
     return out
 
 
