@@ -150,7 +150,8 @@ def hybrid_calls(layout: ChunkLayout, replicas: int, precision: str = "bf16") ->
     Per sharded chunk of ``size`` elements: 2 all-gathers (forward, backward) of ``size·b_param`` bytes
     over the shard group; if trainable, 1 reduce-scatter of ``size·b_grad`` over it and, when
     ``replicas > 1``, 1 all-reduce of the ``size/S·b_grad`` shard over the replica group. A trainable
-    keep-gathered chunk: 1 all-reduce of ``size·b_grad`` over all ``W``. Groups of one rank make no call.
+    keep-gathered chunk: 1 all-reduce of ``size·b_grad`` over the shard group, then (``replicas > 1``)
+    1 over the replica group, as ``ZeroDDP(shard_group_size=S)`` reduces it. Groups of one rank make no call.
 
     Raises:
         ConfigError: unknown precision, ``replicas`` not a positive int.
@@ -161,9 +162,13 @@ def hybrid_calls(layout: ChunkLayout, replicas: int, precision: str = "bf16") ->
     s, w = layout.world_size, layout.world_size * replicas
     calls = []
     for c in layout.chunks:
-        if c.keep_gathered:
-            if c.requires_grad and w > 1:
-                calls.append(CollectiveCall("all-reduce", "shard", w, c.size * b_grad, 1, "world"))
+        if c.keep_gathered:  # the whole chunk, all-reduced within the shard group, then across replicas
+            if c.requires_grad and s > 1:
+                calls.append(CollectiveCall("all-reduce", "shard", s, c.size * b_grad, 1,
+                                            "world" if replicas == 1 else "shard"))
+            if c.requires_grad and replicas > 1:
+                calls.append(CollectiveCall("all-reduce", "replica", replicas, c.size * b_grad, 1,
+                                            "world" if s == 1 else "replica"))
             continue
         label = "world" if replicas == 1 else "shard"
         if s > 1:
@@ -179,13 +184,13 @@ def hybrid_calls(layout: ChunkLayout, replicas: int, precision: str = "bf16") ->
 def hpz_calls(layout: ChunkLayout, gpus_per_node: int, precision: str = "bf16") -> list[CollectiveCall]:
     """The collectives of one hpZ step: per sharded chunk the forward all-gather over the world, the
     backward all-gather over the node (the secondary partition, ``min(G, W)`` ranks), the reduce-scatter
-    over the world; keep-gathered chunks as in :func:`hybrid_calls`."""
+    over the world; a keep-gathered chunk all-reduced over the world."""
     b_param, b_grad, _ = _precision(precision)
     w = layout.world_size
     g = min(gpus_per_node, w)
     calls = []
     for c in layout.chunks:
-        if c.keep_gathered:
+        if c.keep_gathered:  # the whole chunk, all-reduced over the world (flat ZeRO-3)
             if c.requires_grad and w > 1:
                 calls.append(CollectiveCall("all-reduce", "shard", w, c.size * b_grad, 1, "world"))
             continue

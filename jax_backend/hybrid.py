@@ -11,7 +11,8 @@ Per step and per sharded chunk (the calls of :func:`chunkzero.network_cost.hybri
 - forward and backward: ``all_gather`` within ``"shard"`` (``S`` devices);
 - gradient: ``psum_scatter`` within ``"shard"`` to the device's gradient shard, then ``psum`` of
   that shard across ``"replica"`` (``R`` devices), so every replica applies the same update;
-- a keep-gathered chunk: one ``psum`` over both axes (all ``R·S`` devices).
+- a keep-gathered chunk: ``psum`` within ``"shard"``, then ``psum`` across ``"replica"`` (the two
+  levels the torch engine reduces it on).
 
 This is FSDP2's HSDP (placements ``(Replicate(), Shard(0))`` on a 2-D DeviceMesh) for chunks, and what
 ``ZeroDDP(..., shard_group_size=S)`` does in torch. ``S = W`` (``R = 1``) is flat ZeRO-3.
@@ -39,8 +40,8 @@ class HybridChunkUnit(ChunkUnit):
         self.replica_axis = replica_axis
 
     def reduce(self, grads, axis):
-        if not self.sharded:  # the whole chunk over every device: one all-reduce
-            return jax.lax.psum(self.full_grad(grads), (self.replica_axis, axis))
+        if not self.sharded:  # the whole chunk: all-reduced within the shard group, then across replicas
+            return jax.lax.psum(jax.lax.psum(self.full_grad(grads), axis), self.replica_axis)
         return jax.lax.psum(super().reduce(grads, axis), self.replica_axis)
 
 

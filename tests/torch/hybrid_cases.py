@@ -41,6 +41,7 @@ def _train(shard_group_size, data, rank, world):
                     keep_gathered=lambda n: n.startswith("transformer.ln_f"))
     optim = ZeroOptimizer(model, torch.optim.AdamW, max_norm=MAX_NORM, **HYPER)
     losses, no_sync_bytes = [], []
+    model.last_sync_bytes = {}  # what the last step's synchronized micro-batch moved (forward, backward, reduce)
     for batch in data:
         mine = micro(batch, rank, world)
         first, second = mine[: len(mine) // 2], mine[len(mine) // 2 :]
@@ -53,6 +54,8 @@ def _train(shard_group_size, data, rank, world):
         b = gpt2_loss(model, second) / 2
         optim.backward(b)
         assert optim.step()
+        done = model.collective_stats
+        model.last_sync_bytes = {k: done[k] - after[k] for k in done if k.startswith(("intra_", "inter_"))}
         assert optim.last_grad_norm > MAX_NORM, "clipping was not exercised"
         optim.zero_grad()
         losses.append(mean_over_ranks(a.item() + b.item()))
@@ -77,9 +80,8 @@ def worker_equivalence(rank: int, world: int, sizes: tuple[int, ...]):
         for moved in no_sync_bytes:
             assert moved == {"intra_payload_bytes": moved["intra_payload_bytes"], "inter_payload_bytes": 0,
                              "intra_sent_bytes": moved["intra_sent_bytes"], "inter_sent_bytes": 0}, moved
-        report[s] = {"stats": model.collective_stats, "layout": [(c.size, c.keep_gathered, c.requires_grad)
-                                                                 for c in model.layout.chunks],
-                     "elem_bytes": 4}
+        report[s] = {"stats": model.collective_stats, "step_bytes": model.last_sync_bytes,
+                     "layout": model.layout.to_json()}
     return report
 
 

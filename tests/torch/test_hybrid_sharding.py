@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 
 import hybrid_cases
+from chunkzero.layout import ChunkLayout
+from chunkzero.network_cost import Topology as NetworkTopology
+from chunkzero.network_cost import hybrid_calls, price_calls
 from torch_backend._testing import run_distributed
 
 
@@ -24,6 +27,13 @@ def test_w4_as_2x2_4x1_and_1x4_equal_the_reference():
     assert flat["inter_payload_bytes"] == 0 and flat["intra_payload_bytes"] > 0
     assert ddp["intra_payload_bytes"] == 0 and ddp["inter_payload_bytes"] > 0
     assert hybrid["intra_payload_bytes"] > 0 and hybrid["inter_payload_bytes"] > 0
+    # one synchronized micro-batch (forward, backward, reduction) sends per level what the core's cost
+    # model predicts for one step, on nodes of S GPUs (shard groups intra-node, replicas across nodes)
+    for s in (2, 4, 1):
+        layout = ChunkLayout.from_json(report[0][s]["layout"])
+        intra, inter, _ = price_calls(hybrid_calls(layout, 4 // s, "fp32"), NetworkTopology(4 // s, s))
+        measured = report[0][s]["step_bytes"]
+        assert (measured["intra_sent_bytes"], measured["inter_sent_bytes"]) == (round(intra), round(inter)), (s, measured)
 
 
 def test_skipping_the_replica_all_reduce_fails_the_reference():
