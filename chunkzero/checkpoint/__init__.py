@@ -40,7 +40,7 @@ from .meta import (
     chunk_key,
     param_array_dtype,
 )
-from .plan import ReadPiece, check_compatible, matching_names, read_plan, saved_tensor
+from .plan import ReadPiece, check_compatible, compare_layouts, matching_names, read_plan, saved_tensor
 from .steps import is_step_dir, latest_step, list_steps, read_meta, resolve_step_dir
 from .tree import flat_arrays, shard_arrays, state_tree
 
@@ -65,6 +65,7 @@ __all__ = [
     "STORAGE_BLOCK_BYTES",
     "array_name",
     "check_compatible",
+    "compare_layouts",
     "checksum_key",
     "chunk_index",
     "chunk_key",

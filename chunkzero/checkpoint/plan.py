@@ -54,6 +54,31 @@ def check_compatible(saved: ChunkLayout, target: ChunkLayout, *, source: str = "
         raise CheckpointError(f"{source} holds tensors the model does not have: {', '.join(map(repr, extra[:5]))}{more}")
 
 
+def compare_layouts(saved: ChunkLayout, target: ChunkLayout, *, source: str = "checkpoint") -> tuple[list[str], list[str]]:
+    """The tensors one layout has and the other lacks, for a load that allows them (a fine-tune that
+    adds a head, an inference checkpoint with extra tensors); tensors matched by name or alias.
+
+    Returns:
+        ``(missing, unexpected)``: the primary names of ``target``'s tensors that ``saved`` lacks, and of
+        ``saved``'s tensors that ``target`` lacks, each in its layout's order.
+
+    Raises:
+        ShapeMismatchError: a tensor in both has two shapes (names it, expected = model's, got = saved).
+    """
+    missing: list[str] = []
+    matched: set[str] = set()
+    for t in target.tensors:
+        names = matching_names(t, saved)
+        if not names:
+            missing.append(t.name)
+            continue
+        s = saved.tensor(names[0])
+        if s.shape != t.shape:
+            raise ShapeMismatchError(t.name, t.shape, s.shape, f"model vs {source}")
+        matched.add(s.name)
+    return missing, [n for n in saved.names if n not in matched]
+
+
 @dataclass(frozen=True)
 class ReadPiece:
     """Copy ``array[src_start:src_stop]`` of the saved array ``array`` (a path such as
@@ -69,18 +94,22 @@ class ReadPiece:
         return self.src_stop - self.src_start
 
 
-def read_plan(saved: ChunkLayout, target: ChunkLayout, chunk: int, rank: int, kind: tuple[str, ...] = (PARAMS_KEY,)) -> list[ReadPiece]:
+def read_plan(saved: ChunkLayout, target: ChunkLayout, chunk: int, rank: int, kind: tuple[str, ...] = (PARAMS_KEY,),
+              *, missing_ok: bool = False) -> list[ReadPiece]:
     """The saved-array slices that make up ``rank``'s shard of target chunk ``chunk``.
 
     ``kind`` is the array path without the chunk key: ``("params",)`` or ``("optim", "exp_avg")``.
     Pieces of one saved array that are contiguous in both source and target are merged, so when only
-    the world size changed each shard is one read. Padding is not read (it stays zero).
+    the world size changed each shard is one read. Padding is not read (it stays zero), and with
+    ``missing_ok`` neither are the tensors ``saved`` lacks.
 
     Raises:
-        CheckpointError: a tensor of ``target`` is not in ``saved``.
+        CheckpointError: a tensor of ``target`` is not in ``saved`` (unless ``missing_ok``).
     """
     pieces: list[ReadPiece] = []
     for t, a, b, shard_offset in target.shard_pieces(chunk, rank):
+        if missing_ok and not matching_names(t, saved):
+            continue
         s = saved_tensor(saved, t)
         p = ReadPiece((*kind, chunk_key(s.chunk)), s.offset + a, s.offset + b, shard_offset)
         last = pieces[-1] if pieces else None

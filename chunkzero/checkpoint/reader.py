@@ -33,7 +33,7 @@ from ..errors import CheckpointError, CheckpointFormatError, ShapeMismatchError
 from ..layout import ChunkLayout
 from . import orbax_store
 from .meta import EMA_KEY, OPTIM_KEY, PARAMS_KEY, STATE_ITEM, ArrayPath, CheckpointMeta, array_name, chunk_index, chunk_key, param_array_dtype
-from .plan import ReadPiece, check_compatible, read_plan
+from .plan import ReadPiece, check_compatible, compare_layouts, read_plan
 
 
 class Target:
@@ -256,6 +256,7 @@ def read_shards(
     optim_keys: list[str] | None = None,
     reader: ChunkReader | None = None,
     into: Mapping[ArrayPath, np.ndarray] | None = None,
+    missing_ok: bool = False,
 ) -> tuple[dict[int, np.ndarray], dict[str, dict[int, np.ndarray]]]:
     """This rank's shards of ``target``'s chunks, read from a checkpoint of any world or chunk size.
 
@@ -269,6 +270,9 @@ def read_shards(
             ``("optim", "exp_avg", "chunk_0003")``): writable 1-D arrays of the shard's size and dtype
             (views of live shards) that are overwritten in place — their padding is zeroed — and
             returned; a read error then leaves them partly written.
+        missing_ok: tensors of ``target`` that the checkpoint lacks, and saved tensors ``target``
+            lacks, are allowed (:func:`~chunkzero.checkpoint.plan.compare_layouts`): the former are
+            not read (zero in new buffers, untouched in ``into``).
 
     Returns:
         ``(params, optim)``: chunk index -> shard (``target.shard_numel(i)`` elements, padding zero;
@@ -280,7 +284,10 @@ def read_shards(
             and :class:`ChunkReader`; an optimizer key the checkpoint lacks; a tensor trainable in
             ``target`` but frozen (without optimizer state) in the checkpoint.
     """
-    check_compatible(meta.layout, target, source=str(step_dir))
+    if missing_ok:
+        compare_layouts(meta.layout, target, source=str(step_dir))  # shapes still checked
+    else:
+        check_compatible(meta.layout, target, source=str(step_dir))
     saved_keys = list(meta.optimizer.state_keys) if meta.optimizer else []
     optim_keys = saved_keys if optim_keys is None else list(optim_keys)
     for k in optim_keys:
@@ -293,7 +300,7 @@ def read_shards(
     plan: list[tuple[ReadPiece, Target]] = []
     for c in target.chunks:
         n = target.shard_numel(c.index)
-        pieces = read_plan(meta.layout, target, c.index, rank, (PARAMS_KEY,))
+        pieces = read_plan(meta.layout, target, c.index, rank, (PARAMS_KEY,), missing_ok=missing_ok)
         dtype = param_array_dtype(c)
         if pieces and not c.requires_grad:
             dtype = reader.expected[pieces[0].array][1]  # a frozen chunk as saved; cast below
@@ -302,7 +309,7 @@ def read_shards(
         if c.requires_grad:
             for k in optim_keys:
                 optim_targets[k][c.index] = Target(n, np.float32, into.get((OPTIM_KEY, k, chunk_key(c.index))))
-                optim_pieces = read_plan(meta.layout, target, c.index, rank, (OPTIM_KEY, k))
+                optim_pieces = read_plan(meta.layout, target, c.index, rank, (OPTIM_KEY, k), missing_ok=missing_ok)
                 for p in optim_pieces:
                     _check_trainable(meta, p, step_dir)
                 plan += [(p, optim_targets[k][c.index]) for p in optim_pieces]

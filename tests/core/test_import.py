@@ -7,7 +7,8 @@ def test_core_imports_no_framework():
         "import sys, chunkzero, chunkzero.layout, chunkzero.states, chunkzero.search, chunkzero.cost\n"
         "import chunkzero.checkpoint, chunkzero.configs, chunkzero.inspection, chunkzero.cli\n"
         "import chunkzero.checkpoint.reader, chunkzero.checkpoint.orbax_store, chunkzero.checkpoint.export\n"
-        "bad = [m for m in ('torch', 'jax', 'flax', 'orbax', 'optax', 'tensorstore') if m in sys.modules]\n"
+        "import chunkzero.lightning\n"
+        "bad = [m for m in ('torch', 'jax', 'flax', 'orbax', 'optax', 'tensorstore', 'lightning') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

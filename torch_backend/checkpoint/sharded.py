@@ -44,6 +44,7 @@ from chunkzero.checkpoint import (
     CheckpointMeta,
     ReadPiece,
     check_compatible,
+    compare_layouts,
     latest_step,
     orbax_store,
     read_meta,
@@ -58,10 +59,11 @@ from chunkzero.checkpoint.reader import ChunkReader, read_shards
 from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.layout import ChunkLayout
 
-from . import ema_shards, optim_shards
+from . import ema_shards, load_modes, optim_shards
 from ..zero.collectives import all_gather_json
 from .numpy_bridge import to_numpy, to_torch, torch_dtype
 from .parallel_write import process_mesh, write_shards
+from .load_modes import WeightsLoad
 from .rng import reseed, rng_state, set_rng_state
 
 logger = logging.getLogger("chunkzero.checkpoint")
@@ -215,7 +217,9 @@ def load_checkpoint(
     load_rng: bool = True,
     load_hyperparameters: bool = True,
     staged: bool = True,
-) -> CheckpointMeta:
+    mode: str = "resume",
+    force: bool = False,
+) -> CheckpointMeta | WeightsLoad:
     """Restore ``model`` and ``optimizer`` from a checkpoint of any world size or chunk size.
 
     Every rank of the model's process group calls it. Each rank reads only the element ranges its
@@ -249,10 +253,21 @@ def load_checkpoint(
         load_hyperparameters: overwrite the optimizer's hyper-parameters (every group's, and
             ``max_norm``) with the saved ones; the saved groups must then hold the same tensors.
         staged: read everything before touching the model (see above).
+        mode: what to restore (SwissArmyTransformer's three modes, :mod:`.load_modes`): ``"resume"``
+            (SAT's ``"pretrain"``, also accepted): everything above. ``"finetune"``: the parameters
+            only (no optimizer, no RNG; the run starts at step 0 with a fresh optimizer); the model's
+            tensors the checkpoint lacks keep their current values (the module's own init) and
+            the checkpoint's tensors the model lacks are skipped, both logged and returned.
+            ``"inference"``: the parameters only, then ``model.eval()``; a tensor the checkpoint lacks
+            raises unless ``force``.
+        force: with ``mode="inference"``, load even if the checkpoint lacks some of the model's tensors
+            (SAT's ``force_inference``; they keep their current values).
 
     Returns:
-        The checkpoint's :class:`~chunkzero.checkpoint.CheckpointMeta` (``meta.data_position``,
-        ``meta.model_config``, ``meta.extra`` …).
+        ``mode="resume"``: the checkpoint's :class:`~chunkzero.checkpoint.CheckpointMeta`
+        (``meta.data_position``, ``meta.model_config``, ``meta.extra`` …). The weights-only modes: a
+        :class:`~torch_backend.checkpoint.load_modes.WeightsLoad` (``missing_keys``,
+        ``unexpected_keys``, ``step == 0``, ``meta``).
 
     Raises:
         CheckpointError: no such step, a truncated or missing array (names the file and array), a
@@ -262,7 +277,12 @@ def load_checkpoint(
             resolved different step directories (names both). On every rank together.
         CheckpointFormatError: malformed metadata (names the file and field).
         ShapeMismatchError: a tensor's shape differs between the model and the checkpoint.
+        ConfigError: an unknown ``mode``, or an optimizer given to a weights-only mode.
     """
+    mode = load_modes.resolve_mode(mode, optimizer)
+    weights_only = mode != "resume"
+    missing: list[str] = []
+    unexpected: list[str] = []
     model.synchronize()  # no collective still writing a shard this load overwrites
     rank, world = int(model.rank), int(model.world_size)
     group = getattr(model, "process_group", None)
@@ -272,12 +292,15 @@ def load_checkpoint(
     try:
         step_dir = orbax_store.committed_step_dir(directory, step)
         meta = read_meta(step_dir)
+        if weights_only:  # the same layouts on every rank: every rank finds the same keys
+            missing, unexpected = compare_layouts(meta.layout, model.layout, source=str(step_dir))
+            load_modes.check_missing(mode, missing, force, str(step_dir))
         optim_keys = _check_optimizer(model, optimizer, meta, step_dir, load_hyperparameters)
         reader = ChunkReader(step_dir, meta)
         into = {} if staged else optim_shards.live_buffers(model, optimizer, optim_keys)
         shard_rank = int(getattr(model, "shard_rank", rank))  # the layout's rank (hybrid: in the shard group)
         params, optim = read_shards(step_dir, meta, model.layout, shard_rank, optim_keys=optim_keys, reader=reader,
-                                    into=into)
+                                    into=into, missing_ok=weights_only)
         ema = ema_shards.read(step_dir, meta, model, optimizer, shard_rank, reader)
     except Exception as e:  # agree first, re-raise after
         error = e
@@ -301,8 +324,15 @@ def load_checkpoint(
     except CheckpointError as e:
         raise CheckpointError(f"{e} ({model_state})") from None
 
+    if weights_only:
+        load_modes.keep_own_init(model, params, missing)
     for i, shard in params.items():
         model.load_master_shard(i, to_torch(shard))  # in place already: refreshes the low-precision shard
+    if weights_only:
+        result = load_modes.WeightsLoad(meta, mode, missing, unexpected)
+        load_modes.report(result, rank, str(step_dir))
+        load_modes.finish(model, mode)
+        return result
     if optimizer is not None and meta.optimizer is not None:
         optim_shards.load_optimizer_state(model, optimizer, meta.optimizer, optim)
         if meta.loss_scaler is not None:
