@@ -197,7 +197,7 @@ def _load() -> str:
 def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, loads: list[float]) -> dict:
     """All systems of one precision: spawn, warm up, interleaved timed repeats, reports. A system that
     fails (or misses the deadline) is dropped with its error; the others go on."""
-    import torch.multiprocessing as mp
+    import multiprocessing as mp  # the standard one: this process never imports torch (the ranks do)
 
     ctx = mp.get_context("spawn")
     results: dict[str, dict] = {}
@@ -412,7 +412,7 @@ def main(argv=None) -> int:
         if args.jsonl:
             _append_rows(args, block, [(spec, r["error"]) for spec, r in res.items() if "error" in r])
     load_after = _load()
-    import torch
+    from importlib.metadata import version
 
     n_params = rows[0]["n_params"] if rows else 0
     print(f"{args.model} {n_params / 1e6:.1f}M parameters ({args.n_layer} layers × {args.n_embd}, {args.n_head} heads, "
@@ -420,7 +420,7 @@ def main(argv=None) -> int:
           f"AdamW ({args.adamw} kernel), {cfg['threads']} thread(s) per rank; {args.repeats} interleaved repeats × {args.steps} steps after "
           f"{args.warmup} warm-up per system ({args.repeats * args.steps} timed steps each)")
     print(f"\n{started:%Y-%m-%d %H:%M}, {platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+          f"{os.cpu_count()} CPUs, torch {version('torch')}")
     print(f"load before: {load_before}\nload after:  {load_after}")
     if loads:
         print(f"1-min load average at each repeat: {min(loads):.2f} – {max(loads):.2f}")
