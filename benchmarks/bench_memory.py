@@ -54,6 +54,9 @@ sys.path.insert(0, HERE)
 
 from llama_shape import LLAMA_SIZES, LlamaShape, llama_numel  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(HERE))
+from torch_backend.train.launch import WORKER_MALLOC_MMAP_THRESHOLD_BYTES  # noqa: E402 - no torch at import
+
 GIB = 2**30
 PHASES = ("interpreter", "wrap", "forward", "backward", "step")
 ENGINES = ("zero", "fsdp2", "ddp")
@@ -198,12 +201,23 @@ def _group_rss(pid: int) -> int:
     return total
 
 
-def run_one(engine: str, shape: LlamaShape, steps: int, *, timeout_s: float, limit_bytes: int) -> dict:
+def child_env(mmap_threshold_bytes: int | None) -> dict[str, str]:
+    """The runs' environment: glibc's ``MALLOC_MMAP_THRESHOLD_`` as ``chunkzero train`` gives its workers
+    (``None``: glibc's default, the variable removed)."""
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap_threshold_bytes is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold_bytes)
+    return env
+
+
+def run_one(engine: str, shape: LlamaShape, steps: int, *, timeout_s: float, limit_bytes: int,
+            env: dict[str, str] | None = None) -> dict:
     """One run in its own process group; ``{"status": "ok" | "over limit" | "timeout" | "failed", "ranks": [...]}``."""
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as out_dir:
         spec = {"engine": engine, "shape": shape.__dict__, "steps": steps}
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_launch", json.dumps(spec), out_dir],
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         deadline, status, group_peak = time.monotonic() + timeout_s, None, 0
         while proc.poll() is None:
             used = _group_rss(proc.pid)
@@ -249,7 +263,7 @@ def _fmt(values: list[float]) -> str:
 
 
 def table(models: list[str], engines: list[str], repeats: int, steps: int, timeout_s: float, limit_bytes: int,
-          log) -> str:
+          log, env: dict[str, str] | None = None) -> str:
     lines = [f"Peak RSS per rank (GiB; max over the {WORLD} ranks; median (min–max) over {repeats} repeat(s)), "
              f"W={WORLD} gloo, fp32, {steps} AdamW steps, {BATCH}×{TOKENS} tokens per rank:", "",
              "| model | parameters | engine | " + " | ".join(PHASES) + " | ZeroDDP bound fwd+bwd / step | engine's peak allocated |",
@@ -260,7 +274,7 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
             per_phase: dict[str, list[float]] = {p: [] for p in PHASES}
             bounds, alloc, status = [], [], "ok"
             for _ in range(repeats):
-                res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit_bytes)
+                res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit_bytes, env=env)
                 log(f"{name} {engine}: {res['status']} {[r['peaks'] for r in res['ranks']]} {res['error'][-400:]}")
                 if res["status"] != "ok":
                     status = res["status"]
@@ -303,7 +317,8 @@ def _ladder_shape(spec: str, layers: int) -> LlamaShape:
 
 
 def ladder(engines: list[str], layers: list[int], timeout_s: float, limit_bytes: int | None, log, *,
-           shape_spec: str = LADDER_SHAPE, max_params: int | None = None, steps: int = 2, jsonl: str | None = None) -> str:
+           shape_spec: str = LADDER_SHAPE, max_params: int | None = None, steps: int = 2, jsonl: str | None = None,
+           env: dict[str, str] | None = None) -> str:
     """For each engine, rungs of ``layers`` (smallest first) until one fails: each rung its own run
     (:func:`run_one`: its own process group, killed past its limit). A rung's limit is ``limit_bytes``
     when given, else ``LADDER_MEM_FRACTION`` × ``MemAvailable`` read as the rung starts; rungs above
@@ -334,7 +349,7 @@ def ladder(engines: list[str], layers: list[int], timeout_s: float, limit_bytes:
             available = mem_available_bytes()
             limit = limit_bytes if limit_bytes is not None else int(LADDER_MEM_FRACTION * available)
             t0 = time.monotonic()
-            res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit)
+            res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit, env=env)
             log(f"ladder {engine} {n} layers: {res['status']} {res['group_peak_rss'] / GIB:.2f} GiB {res['error'][-300:]}")
             emit({**row, "status": res["status"], "group_peak_rss_gib": round(res["group_peak_rss"] / GIB, 3),
                   "limit_gib": round(limit / GIB, 3), "mem_available_gib": round(available / GIB, 3),
@@ -370,6 +385,9 @@ def main() -> None:
     ap.add_argument("--ladder-shape", default=LADDER_SHAPE, help="the rungs' width, hidden:heads:intermediate:vocab")
     ap.add_argument("--ladder-max-params", type=float, default=None, help="rungs above this many parameters are not tried")
     ap.add_argument("--jsonl", help="--ladder: append one JSON line per rung and per engine here")
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=WORKER_MALLOC_MMAP_THRESHOLD_BYTES,
+                    help="glibc's MALLOC_MMAP_THRESHOLD_ of the ranks, bytes (default: chunkzero train's, "
+                         "%(default)s); 0: glibc's default (dynamic) threshold")
     args = ap.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.limit_gib is not None and args.limit_gib <= 0:
@@ -379,15 +397,17 @@ def main() -> None:
     except ValueError:
         ap.error(f"--ladder-shape {args.ladder_shape!r}: expected four integers hidden:heads:intermediate:vocab")
     limit = None if args.limit_gib is None else int(args.limit_gib * GIB)
+    env = child_env(args.malloc_mmap_threshold or None)
     print(f"{datetime.date.today()} · {platform.processor() or platform.machine()} · {os.cpu_count()} cores · "
-          f"`{' '.join(['bench_memory.py', *sys.argv[1:]])}`\n")
+          f"`{' '.join(['bench_memory.py', *sys.argv[1:]])}` · MALLOC_MMAP_THRESHOLD_="
+          f"{env.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc default)')}\n")
     if args.ladder:
         max_params = None if args.ladder_max_params is None else int(args.ladder_max_params)
         print(ladder(args.engines, args.ladder_layers, args.timeout_s, limit, log, shape_spec=args.ladder_shape,
-                     max_params=max_params, steps=args.steps, jsonl=args.jsonl))
+                     max_params=max_params, steps=args.steps, jsonl=args.jsonl, env=env))
     else:
         print(table(args.models, args.engines, args.repeats, args.steps, args.timeout_s,
-                    limit if limit is not None else int(21 * GIB), log))
+                    limit if limit is not None else int(21 * GIB), log, env=env))
 
 
 if __name__ == "__main__":
