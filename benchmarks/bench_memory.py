@@ -351,7 +351,8 @@ def ladder(engines: list[str], layers: list[int], timeout_s: float, limit_bytes:
             t0 = time.monotonic()
             res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit, env=env)
             log(f"ladder {engine} {n} layers: {res['status']} {res['group_peak_rss'] / GIB:.2f} GiB {res['error'][-300:]}")
-            emit({**row, "status": res["status"], "group_peak_rss_gib": round(res["group_peak_rss"] / GIB, 3),
+            emit({**row, "status": res["status"], "group_peak_rss_bytes": res["group_peak_rss"], "limit_bytes": limit,
+                  "group_peak_rss_gib": round(res["group_peak_rss"] / GIB, 3),
                   "limit_gib": round(limit / GIB, 3), "mem_available_gib": round(available / GIB, 3),
                   "seconds": round(time.monotonic() - t0, 1), "error": res["error"][-300:]})
             if res["status"] != "ok":

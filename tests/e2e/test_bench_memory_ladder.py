@@ -30,7 +30,7 @@ def test_ladder_gives_a_row_per_system_and_skips_rungs_above_the_cap(tmp_path):
         rungs = {r["layers"]: r for r in rows if r["kind"] == "rung" and r["engine"] == engine}
         assert rungs[1]["status"] == "ok", rungs[1]
         assert rungs[1]["n_params"] == 18_528
-        assert 0 < rungs[1]["group_peak_rss_gib"] <= rungs[1]["limit_gib"]
+        assert 0 < rungs[1]["group_peak_rss_bytes"] <= rungs[1]["limit_bytes"]
         # no --limit-gib: the limit is a share of MemAvailable as the rung started
         assert rungs[1]["limit_gib"] < rungs[1]["mem_available_gib"]
         assert rungs[64]["status"] == "not tried: above --ladder-max-params"
@@ -45,7 +45,7 @@ def test_ladder_rung_over_its_memory_limit_is_reported_not_a_crash(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     rungs = [r for r in rows if r["kind"] == "rung"]
     assert [(r["layers"], r["status"]) for r in rungs] == [(1, "over limit")], (rungs, res.stderr[-3000:])  # stops there
-    assert rungs[0]["limit_gib"] == 0.1 and rungs[0]["group_peak_rss_gib"] > 0.1
+    assert rungs[0]["limit_bytes"] == int(0.1 * 2**30) < rungs[0]["group_peak_rss_bytes"]
     (largest,) = [r for r in rows if r["kind"] == "largest"]
     assert largest["layers"] is None and largest["first_failing"] == "1 (over limit)"
     assert "| ddp | none |" in res.stdout and "1 (over limit)" in res.stdout, res.stdout
