@@ -56,6 +56,10 @@ killed: no system is built once less than ``REPORT_MARGIN_S`` is left, and no re
 last one's duration says would not end before that margin; the rows then come from fewer repeats.
 ``--jsonl PATH`` appends one row per system (``kind: engine``, ``part: --part``) to a JSON-lines file
 (``benchmarks/gpu_rows.py``) as soon as its block is done, failures included.
+``--parts JSON`` runs several such runs (parts, each its own shape, systems and limit within
+``--timeout``) in one invocation, their ranks forked from one forkserver that imported torch once
+(``gpu_check.sh --smoke`` uses it; the GPU check keeps one invocation per part); each part appends a
+``kind: part`` row with its status.
 """
 
 from __future__ import annotations
@@ -139,6 +143,10 @@ class RunError(RuntimeError):
     pass
 
 
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch_backend", "engine_systems"]
+"""What the forkserver of ``--parts`` imports once for every rank it forks (``torch._dynamo``, with sympy,
+is otherwise imported by the first parameter initialised on the meta device: about 1 s of CPU)."""
+
 REPORT_MARGIN_S = 15.0
 """Seconds kept before the deadline for the reports (peak memory, stats) and the tables."""
 
@@ -197,9 +205,9 @@ def _load() -> str:
 def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, loads: list[float]) -> dict:
     """All systems of one precision: spawn, warm up, interleaved timed repeats, reports. A system that
     fails (or misses the deadline) is dropped with its error; the others go on."""
-    import torch.multiprocessing as mp
+    import multiprocessing as mp  # the standard one: this process never imports torch (the ranks do)
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(cfg["start_method"])
     results: dict[str, dict] = {}
     live: list[Group] = []
 
@@ -383,11 +391,75 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--jsonl", help="append one row per system to this JSON-lines file as each block ends")
     ap.add_argument("--part", default="engine", help="the rows' part name (with --jsonl)")
+    ap.add_argument("--parts", help="several parts in this one run (their rank processes forked from one server "
+                    "that imported torch once): a JSON list of objects, each with 'part', 'timeout' (seconds, its own "
+                    "limit within --timeout) and any of the shape and system options above (e.g. 'n_layer', "
+                    "'systems'); each part appends its rows and a 'kind: part' row (its status) to --jsonl")
+    ap.add_argument("--start-method", choices=["spawn", "forkserver"], default=None,
+                    help="how the rank processes start (default: spawn; forkserver with --parts)")
     args = ap.parse_args(argv)
+    if not args.parts:
+        return run(args, time.monotonic() + args.timeout, args.start_method or "spawn")
+    return run_parts(ap, args)
+
+
+def run_parts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--parts``: each part in turn, with its own deadline (its ``timeout``, within what is left of
+    ``--timeout``); a part's failure is its ``part`` row, and the next part still runs."""
+    try:
+        parts = json.loads(args.parts)
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and "part" in p and "timeout" in p for p in parts):
+            raise ValueError("a list of objects with 'part' and 'timeout'")
+    except ValueError as e:
+        ap.error(f"--parts: {e}")
+    known = set(vars(args))
+    for p in parts:
+        unknown = set(p) - known - {"part", "timeout"}
+        if unknown:
+            ap.error(f"--parts: part {p['part']!r} has unknown options {sorted(unknown)}")
+    method = args.start_method or "forkserver"
+    if method == "forkserver":  # the server imports torch and the engine once; every rank is a fork of it
+        import multiprocessing as mp
+
+        mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    end = time.monotonic() + args.timeout
+    worst = 0
+    for p in parts:
+        part_args = argparse.Namespace(**{**vars(args), **p, "parts": None})
+        t0 = time.monotonic()
+        left = end - t0
+        rc, status = 1, "failed"
+        if left < 2 * REPORT_MARGIN_S:
+            status = "not run: --timeout spent"
+        else:
+            try:
+                rc = run(part_args, t0 + min(float(p["timeout"]), left), method)
+                status = "done" if rc == 0 else "failed"
+            except Exception:  # noqa: BLE001 - this part's row says so; the next part runs
+                traceback.print_exc()
+        worst = max(worst, rc)
+        if args.jsonl:
+            n = sum(1 for r in gpu_rows.read(args.jsonl) if r.get("part") == p["part"] and r.get("kind") != "part")
+            gpu_rows.add(args.jsonl, {"part": p["part"], "kind": "part", "status": status, "rc": rc,
+                                      "seconds": round(time.monotonic() - t0), "limit_s": p["timeout"], "rows": n})
+        print(f"# part {p['part']}: {status}", file=sys.stderr, flush=True)
+    if method == "forkserver":  # reap the server now (it reaped the ranks): no process outlives the run, and
+        from multiprocessing import forkserver  # its CPU time is counted in this process's children's
+
+        stop = getattr(forkserver._forkserver, "_stop", None)
+        if stop is not None:
+            stop()
+    return worst
+
+
+def run(args: argparse.Namespace, deadline: float, start_method: str) -> int:
+    """One benchmark run (one shape, its systems and precisions), ending before ``deadline``."""
     specs = args.systems.split(",")
     for s in specs:
         parse_system(s)
     cfg = dict(vars(args))
+    cfg["start_method"] = start_method
+    cfg["timeout"] = max(1.0, deadline - time.monotonic())
     if not cfg["threads"]:
         cfg["threads"] = max(1, (os.cpu_count() or 1) // args.world_size)
     os.environ["OMP_NUM_THREADS"] = str(cfg["threads"])  # inherited by the rank processes
@@ -397,7 +469,6 @@ def main(argv=None) -> int:
     cfg["flops_per_token"] = 0.0
     load_before = _load()
     print(f"# load before: {load_before}", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + args.timeout
     rows, loads, failed = [], [], []
     started = datetime.datetime.now()
     for precision in args.precisions.split(","):
@@ -412,7 +483,7 @@ def main(argv=None) -> int:
         if args.jsonl:
             _append_rows(args, block, [(spec, r["error"]) for spec, r in res.items() if "error" in r])
     load_after = _load()
-    import torch
+    from importlib.metadata import version
 
     n_params = rows[0]["n_params"] if rows else 0
     print(f"{args.model} {n_params / 1e6:.1f}M parameters ({args.n_layer} layers × {args.n_embd}, {args.n_head} heads, "
@@ -420,7 +491,7 @@ def main(argv=None) -> int:
           f"AdamW ({args.adamw} kernel), {cfg['threads']} thread(s) per rank; {args.repeats} interleaved repeats × {args.steps} steps after "
           f"{args.warmup} warm-up per system ({args.repeats * args.steps} timed steps each)")
     print(f"\n{started:%Y-%m-%d %H:%M}, {platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
+          f"{os.cpu_count()} CPUs, torch {version('torch')}")
     print(f"load before: {load_before}\nload after:  {load_after}")
     if loads:
         print(f"1-min load average at each repeat: {min(loads):.2f} – {max(loads):.2f}")

@@ -19,11 +19,20 @@ For ZeroDDP the **bound** of the forward and backward is written out per model:
 (10 × hidden + 4 × intermediate) + 3 × vocab)``); the step adds AdamW's two state shards.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_memory.py --models 0.1B 0.5B
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_memory.py --ladder --limit-gib 21
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_memory.py --models 0.5B --engines zero   # one row
 
-``--ladder``: for each engine, the largest Llama shape (hidden 2048, 16 heads, intermediate 5632,
-vocab 32000, ``--ladder-layers`` layers) that trains 2 AdamW steps within ``--limit-gib`` (both ranks
-together), smallest rung first, stopping at the first rung that fails.
+``--ladder``: for each engine, the largest Llama shape (``--ladder-shape``, by default hidden 2048, 16
+heads, intermediate 5632, vocab 32000; ``--ladder-layers`` layers) that trains 2 AdamW steps at W = 2
+fp32, smallest rung first, stopping at the first rung that fails. Every rung is its own run (its own
+process group, killed as a group past its limit or ``--timeout-s``, so a rung out of memory is a row
+``over limit``, not a crash). A rung's limit is both ranks' RSS within 85% of ``MemAvailable`` read
+as the rung starts (what the machine has then, other work included); ``--limit-gib`` overrides it.
+``--ladder-max-params`` skips larger rungs, so a test can run it tiny; ``--jsonl`` writes one line per
+rung and per engine. The real run needs up to ~20 GiB; on a shared machine, hold the lock other
+memory-heavy jobs take, e.g.:
+
+    flock /tmp/heavy-mem.lock timeout 7200 env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_memory.py \\
+        --ladder --jsonl runs/memory_ladder.jsonl
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from llama_shape import LLAMA_SIZES, LlamaShape, llama_numel  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(HERE))
+from torch_backend.train.launch import WORKER_MALLOC_MMAP_THRESHOLD_BYTES  # noqa: E402 - no torch at import
 
 GIB = 2**30
 PHASES = ("interpreter", "wrap", "forward", "backward", "step")
@@ -156,12 +168,19 @@ def rank_main(rank: int, world: int, init_file: str, spec: dict, out_dir: str) -
     dist.destroy_process_group()
 
 
-def launcher_main(spec: dict, out_dir: str) -> None:
-    """The process-group leader of one run: spawns the ranks and waits for them."""
-    import torch.multiprocessing as mp
+def launcher_main(spec: dict, out_dir: str) -> int:
+    """The process-group leader of one run: spawns the ranks and waits for them; exit status 0 only if
+    every rank ended well. It never imports torch (only the ranks do: one import fewer per run)."""
+    import multiprocessing as mp
 
-    mp.start_processes(rank_main, args=(WORLD, os.path.join(out_dir, "store"), spec, out_dir), nprocs=WORLD,
-                       start_method="spawn")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, WORLD, os.path.join(out_dir, "store"), spec, out_dir))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 
 # ============================================================================ the launcher side
@@ -182,12 +201,23 @@ def _group_rss(pid: int) -> int:
     return total
 
 
-def run_one(engine: str, shape: LlamaShape, steps: int, *, timeout_s: float, limit_bytes: int) -> dict:
+def child_env(mmap_threshold_bytes: int | None) -> dict[str, str]:
+    """The runs' environment: glibc's ``MALLOC_MMAP_THRESHOLD_`` as ``chunkzero train`` gives its workers
+    (``None``: glibc's default, the variable removed)."""
+    env = dict(os.environ)
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap_threshold_bytes is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold_bytes)
+    return env
+
+
+def run_one(engine: str, shape: LlamaShape, steps: int, *, timeout_s: float, limit_bytes: int,
+            env: dict[str, str] | None = None) -> dict:
     """One run in its own process group; ``{"status": "ok" | "over limit" | "timeout" | "failed", "ranks": [...]}``."""
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as out_dir:
         spec = {"engine": engine, "shape": shape.__dict__, "steps": steps}
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_launch", json.dumps(spec), out_dir],
-                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         deadline, status, group_peak = time.monotonic() + timeout_s, None, 0
         while proc.poll() is None:
             used = _group_rss(proc.pid)
@@ -233,7 +263,7 @@ def _fmt(values: list[float]) -> str:
 
 
 def table(models: list[str], engines: list[str], repeats: int, steps: int, timeout_s: float, limit_bytes: int,
-          log) -> str:
+          log, env: dict[str, str] | None = None) -> str:
     lines = [f"Peak RSS per rank (GiB; max over the {WORLD} ranks; median (min–max) over {repeats} repeat(s)), "
              f"W={WORLD} gloo, fp32, {steps} AdamW steps, {BATCH}×{TOKENS} tokens per rank:", "",
              "| model | parameters | engine | " + " | ".join(PHASES) + " | ZeroDDP bound fwd+bwd / step | engine's peak allocated |",
@@ -244,7 +274,7 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
             per_phase: dict[str, list[float]] = {p: [] for p in PHASES}
             bounds, alloc, status = [], [], "ok"
             for _ in range(repeats):
-                res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit_bytes)
+                res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit_bytes, env=env)
                 log(f"{name} {engine}: {res['status']} {[r['peaks'] for r in res['ranks']]} {res['error'][-400:]}")
                 if res["status"] != "ok":
                     status = res["status"]
@@ -265,50 +295,120 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
     return "\n".join(lines)
 
 
-def ladder(engines: list[str], layers: list[int], timeout_s: float, limit_bytes: int, log) -> str:
-    lines = [f"Largest Llama shape (hidden 2048, 16 heads, intermediate 5632, vocab 32000) training 2 AdamW steps at "
-             f"W={WORLD} gloo fp32 within {limit_bytes / GIB:.0f} GiB for both ranks:", "",
-             "| engine | largest rung (layers) | parameters | both ranks' peak RSS (GiB) | first failing rung |",
-             "|---|---|---|---|---|"]
+LADDER_SHAPE = "2048:16:5632:32000"
+"""The ladder's default width (``--ladder-shape`` hidden:heads:intermediate:vocab): TinyLlama's."""
+
+LADDER_MEM_FRACTION = 0.85
+"""Share of ``MemAvailable`` (read just before each rung starts) a rung's two ranks may hold together."""
+
+
+def mem_available_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` now (bytes): what can be allocated without swapping."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable line")
+
+
+def _ladder_shape(spec: str, layers: int) -> LlamaShape:
+    hidden, heads, intermediate, vocab = (int(v) for v in spec.split(":"))
+    return LlamaShape(hidden=hidden, layers=layers, heads=heads, intermediate=intermediate, vocab=vocab)
+
+
+def ladder(engines: list[str], layers: list[int], timeout_s: float, limit_bytes: int | None, log, *,
+           shape_spec: str = LADDER_SHAPE, max_params: int | None = None, steps: int = 2, jsonl: str | None = None,
+           env: dict[str, str] | None = None) -> str:
+    """For each engine, rungs of ``layers`` (smallest first) until one fails: each rung its own run
+    (:func:`run_one`: its own process group, killed past its limit). A rung's limit is ``limit_bytes``
+    when given, else ``LADDER_MEM_FRACTION`` × ``MemAvailable`` read as the rung starts; rungs above
+    ``max_params`` parameters are not tried. One JSON line per rung and per engine (``kind``
+    ``rung`` / ``largest``) is appended to ``jsonl`` as it is known."""
+
+    def emit(row: dict) -> None:
+        if jsonl:
+            with open(jsonl, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    probe = _ladder_shape(shape_spec, 1)
+    limit_text = (f"within {limit_bytes / GIB:.1f} GiB (--limit-gib)" if limit_bytes is not None else
+                  f"within {LADDER_MEM_FRACTION:.0%} of MemAvailable at each rung's start")
+    lines = [f"Largest Llama shape (hidden {probe.hidden}, {probe.heads} heads, intermediate {probe.intermediate}, "
+             f"vocab {probe.vocab}) training {steps} AdamW steps at W={WORLD} gloo fp32, both ranks {limit_text}:", "",
+             "| engine | largest rung (layers) | parameters | both ranks' peak RSS (GiB) | its limit (GiB) | first failing rung |",
+             "|---|---|---|---|---|---|"]
     for engine in engines:
         best, fail = None, ""
-        for n in layers:
-            shape = LlamaShape(hidden=2048, layers=n, heads=16, intermediate=5632)
-            res = run_one(engine, shape, 2, timeout_s=timeout_s, limit_bytes=limit_bytes)
+        for n in sorted(layers):
+            shape = _ladder_shape(shape_spec, n)
+            numel = llama_numel(shape)
+            row = {"kind": "rung", "engine": engine, "layers": n, "n_params": numel}
+            if max_params is not None and numel > max_params:
+                emit({**row, "status": "not tried: above --ladder-max-params"})
+                continue
+            available = mem_available_bytes()
+            limit = limit_bytes if limit_bytes is not None else int(LADDER_MEM_FRACTION * available)
+            t0 = time.monotonic()
+            res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit, env=env)
             log(f"ladder {engine} {n} layers: {res['status']} {res['group_peak_rss'] / GIB:.2f} GiB {res['error'][-300:]}")
+            emit({**row, "status": res["status"], "group_peak_rss_bytes": res["group_peak_rss"], "limit_bytes": limit,
+                  "group_peak_rss_gib": round(res["group_peak_rss"] / GIB, 3),
+                  "limit_gib": round(limit / GIB, 3), "mem_available_gib": round(available / GIB, 3),
+                  "seconds": round(time.monotonic() - t0, 1), "error": res["error"][-300:]})
             if res["status"] != "ok":
                 fail = f"{n} ({res['status']})"
                 break
-            best = (n, llama_numel(shape), res["group_peak_rss"])
+            best = (n, numel, res["group_peak_rss"], limit)
+        emit({"kind": "largest", "engine": engine, "layers": best[0] if best else None,
+              "n_params": best[1] if best else None, "first_failing": fail or None})
         if best is None:
-            lines.append(f"| {engine} | none | | | {fail} |")
+            lines.append(f"| {engine} | none | | | | {fail or 'none tried'} |")
         else:
-            lines.append(f"| {engine} | {best[0]} | {best[1] / 1e9:.2f}B | {best[2] / GIB:.1f} | {fail or 'none'} |")
+            lines.append(f"| {engine} | {best[0]} | {best[1] / 1e9:.3f}B | {best[2] / GIB:.2f} | {best[3] / GIB:.1f} | "
+                         f"{fail or 'none'} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--_launch":
-        launcher_main(json.loads(sys.argv[2]), sys.argv[3])
-        return
+        sys.exit(launcher_main(json.loads(sys.argv[2]), sys.argv[3]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["0.1B", "0.5B"], choices=sorted(LLAMA_SIZES))
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
-    ap.add_argument("--limit-gib", type=float, default=21.0, help="both ranks' resident memory, per run")
-    ap.add_argument("--ladder", action="store_true")
-    ap.add_argument("--ladder-layers", type=int, nargs="+", default=[8, 16, 24, 32, 40, 48, 56, 64])
+    ap.add_argument("--limit-gib", type=float, default=None,
+                    help="both ranks' resident memory per run, GiB (default: 21 for the table; for --ladder, "
+                         f"{LADDER_MEM_FRACTION:.0%} of MemAvailable read as each rung starts)")
+    ap.add_argument("--ladder", action="store_true", help="the largest model each engine trains (see above)")
+    ap.add_argument("--ladder-layers", type=int, nargs="+", default=[8, 12, 16, 20, 24, 28, 32, 40])
+    ap.add_argument("--ladder-shape", default=LADDER_SHAPE, help="the rungs' width, hidden:heads:intermediate:vocab")
+    ap.add_argument("--ladder-max-params", type=float, default=None, help="rungs above this many parameters are not tried")
+    ap.add_argument("--jsonl", help="--ladder: append one JSON line per rung and per engine here")
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=WORKER_MALLOC_MMAP_THRESHOLD_BYTES,
+                    help="glibc's MALLOC_MMAP_THRESHOLD_ of the ranks, bytes (default: chunkzero train's, "
+                         "%(default)s); 0: glibc's default (dynamic) threshold")
     args = ap.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    limit = int(args.limit_gib * GIB)
+    if args.limit_gib is not None and args.limit_gib <= 0:
+        ap.error("--limit-gib must be positive")
+    try:
+        _ladder_shape(args.ladder_shape, 1)
+    except ValueError:
+        ap.error(f"--ladder-shape {args.ladder_shape!r}: expected four integers hidden:heads:intermediate:vocab")
+    limit = None if args.limit_gib is None else int(args.limit_gib * GIB)
+    env = child_env(args.malloc_mmap_threshold or None)
     print(f"{datetime.date.today()} · {platform.processor() or platform.machine()} · {os.cpu_count()} cores · "
-          f"`{' '.join(['bench_memory.py', *sys.argv[1:]])}`\n")
+          f"`{' '.join(['bench_memory.py', *sys.argv[1:]])}` · MALLOC_MMAP_THRESHOLD_="
+          f"{env.get('MALLOC_MMAP_THRESHOLD_', 'unset (glibc default)')}\n")
     if args.ladder:
-        print(ladder(args.engines, args.ladder_layers, args.timeout_s, limit, log))
+        max_params = None if args.ladder_max_params is None else int(args.ladder_max_params)
+        print(ladder(args.engines, args.ladder_layers, args.timeout_s, limit, log, shape_spec=args.ladder_shape,
+                     max_params=max_params, steps=args.steps, jsonl=args.jsonl, env=env))
     else:
-        print(table(args.models, args.engines, args.repeats, args.steps, args.timeout_s, limit, log))
+        print(table(args.models, args.engines, args.repeats, args.steps, args.timeout_s,
+                    limit if limit is not None else int(21 * GIB), log, env=env))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@
 #   largest        120   per rung  the largest byte-level GPT with offload_optim_frac=1.0, sized from MemAvailable and
 #                               the GPU's free memory now (>= 22 bytes per parameter on the host), down the ladder
 #   total          490 s, plus ~1 s per part to rebuild the table
+# --smoke: the same parts, but gpt2-124M, gpt2-355M and the one-rung largest share one bench_engine.py
+# run (--parts: outer 60 s per part + 15, inner 60 s each; the ranks are forks of one server that imported
+# torch once), so the whole smoke costs a handful of torch imports rather than one per part.
 #
 # World size 1 only: one GPU cannot run NCCL at W > 1 (NCCL needs one device per rank), so no NCCL
 # collective beyond a one-rank barrier runs and no reduction on the communication stream; at W = 1 the
@@ -106,20 +109,35 @@ row.update({k + "_gib": round(int(mem[k].split()[0]) / 2**20, 1) for k in ("MemT
 row["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
 gpu_rows.add(sys.argv[1], row)
 print(int(cuda))'
+# --smoke runs on the CPU whatever the machine has: its env row reads torch's version from the package
+# metadata instead of importing torch (about 2 s of CPU saved on a small VM)
+ENV_SMOKE_PY='
+import json, os, platform, sys
+from importlib.metadata import version
+sys.path.insert(0, "benchmarks")
+import gpu_rows
+row = {"part": "env", "kind": "env", "python": sys.executable, "torch": version("torch"), "cuda": None,
+       "device": "not checked (--smoke runs on the CPU)", "cpus": os.cpu_count(), "host": platform.node()}
+mem = dict(l.split(":", 1) for l in open("/proc/meminfo"))
+row.update({k + "_gib": round(int(mem[k].split()[0]) / 2**20, 1) for k in ("MemTotal", "MemAvailable")})
+row["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+gpu_rows.add(sys.argv[1], row)
+print(0)'
+((SMOKE)) && ENV_PY=$ENV_SMOKE_PY
 HAS_CUDA=$(setsid timeout -k 5 30 "$PY" -c "$ENV_PY" "$JSONL" 2>>"$LOG" | tail -1)
 [[ $HAS_CUDA == 1 ]] || HAS_CUDA=0
 table
 
 if ((SMOKE)); then
-  [[ $HAS_CUDA == 1 ]] && BACKEND=nccl || BACKEND=gloo
-  SHAPE_124M=(--n-layer 1 --n-embd 64 --n-head 2 --vocab 512 --seq 64 --batch 2)
-  SHAPE_355M=(--n-layer 2 --n-embd 64 --n-head 2 --vocab 512 --seq 64 --batch 2)
+  BACKEND=gloo
+  SHAPE_124M=(1 64 2 512 64 2)  # n_layer n_embd n_head vocab seq batch (bench_engine.py --parts entries)
+  SHAPE_355M=(2 64 2 512 64 2)
   REPS=(--warmup 1 --repeats 1 --steps 1)
   SYSTEMS_124M=zero:prefetch=1:offload_optim_frac=1.0  # one system each: the smoke checks the plumbing
   SYSTEMS_355M=zero:prefetch=1:offload_optim_frac=0.5
   STREAMS_ARGS=(--smoke)
   PLACEMENT_ARGS=(--smoke --configs auto:0.5)
-  LADDER=("1 64 2" "2 128 4")
+  LADDER=("1 64 2")  # one rung: the smoke checks the sizing and the rows, not the ceiling
   LARGE_SEQ=64
   EXTRA=(--threads 1)
 else
@@ -148,25 +166,16 @@ fi
 # every system steps with torch's fused AdamW (on the host too: 6x the for-loop kernel, bench_cpu_adam.py)
 COMMON=(--backend "$BACKEND" --world-size 1 --precisions bf16 --model gpt --peak-tflops 989 --adamw fused "${EXTRA[@]}")
 
-want streams && run_part streams 70 "$PY" benchmarks/gpu_streams.py "${STREAMS_ARGS[@]}" --budget-s 60 \
-  --jsonl "$JSONL" --part streams
-want gpt2-124M && run_part gpt2-124M 90 "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS_124M" \
-  "${SHAPE_124M[@]}" "${REPS[@]}" --timeout 80 --jsonl "$JSONL" --part gpt2-124M
-want placement && run_part placement 90 "$PY" benchmarks/gpu_placement.py --part speed "${PLACEMENT_ARGS[@]}" \
-  --budget-s 80 --jsonl "$JSONL" --part-name placement
-want gpt2-355M && run_part gpt2-355M 90 "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS_355M" \
-  "${SHAPE_355M[@]}" "${REPS[@]}" --timeout 80 --jsonl "$JSONL" --part gpt2-355M
-
-# ---- largest: sized now, from the host's MemAvailable and the GPU's free memory
-if want largest; then
-  LADDER_S=120
-  L_START=$(date +%s)
-  HOST_AVAIL=$(awk '/MemAvailable/ {print $2 * 1024}' /proc/meminfo)
-  DEV_FREE=0
+# ---- largest, the sizing: from the host's MemAvailable and the GPU's free memory now. Fills CANDIDATES
+# ("L D H n host_need host_avail dev_need dev_free", largest first) and writes a row for each rung that
+# does not fit.
+size_ladder() {
+  local host_avail dev_free=0 i L D H verdict ok n hn ha dn df
+  host_avail=$(awk '/MemAvailable/ {print $2 * 1024}' /proc/meminfo)
   if ((HAS_CUDA)); then
-    DEV_FREE=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i 0 2>/dev/null | awk '{print $1 * 2^20}')
-    [[ -n $DEV_FREE ]] || DEV_FREE=$(timeout 30 "$PY" -c 'import torch; print(torch.cuda.mem_get_info(0)[0])' 2>>"$LOG")
-    [[ -n $DEV_FREE ]] || DEV_FREE=0
+    dev_free=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i 0 2>/dev/null | awk '{print $1 * 2^20}')
+    [[ -n $dev_free ]] || dev_free=$(timeout 30 "$PY" -c 'import torch; print(torch.cuda.mem_get_info(0)[0])' 2>>"$LOG")
+    [[ -n $dev_free ]] || dev_free=0
   fi
   # host: HOST_BPP bytes per parameter (fp32 master, gradient and Adam moments, pinned, rounded up), within
   # 85% of MemAvailable; device: 8 bytes per parameter (the fp32 module built there, then the bf16
@@ -174,7 +183,7 @@ if want largest; then
   CANDIDATES=()
   for ((i = ${#LADDER[@]} - 1; i >= 0; i--)); do
     read -r L D H <<<"${LADDER[$i]}"
-    verdict=$(awk -v l="$L" -v d="$D" -v s="$LARGE_SEQ" -v bpp="$HOST_BPP" -v host="$HOST_AVAIL" -v dev="$DEV_FREE" -v cuda="$HAS_CUDA" 'BEGIN {
+    verdict=$(awk -v l="$L" -v d="$D" -v s="$LARGE_SEQ" -v bpp="$HOST_BPP" -v host="$host_avail" -v dev="$dev_free" -v cuda="$HAS_CUDA" 'BEGIN {
       n = l * (12 * d * d + 13 * d) + (256 + s) * d + 2 * d
       hn = bpp * n; dn = 8 * n + 4 * 2^30
       ok = (hn <= 0.85 * host) && (!cuda || dn <= 0.9 * dev)
@@ -186,33 +195,102 @@ if want largest; then
       row "{\"part\": \"largest\", \"kind\": \"rung\", \"n_layer\": $L, \"n_embd\": $D, \"n_params\": $n, \"host_need_gib\": $hn, \"host_available_gib\": $ha, \"device_need_gib\": $dn, \"device_free_gib\": $df, \"result\": \"not tried: does not fit\"}"
     fi
   done
-  LARGEST=none
-  for cand in "${CANDIDATES[@]}"; do
-    read -r L D H n hn ha dn df <<<"$cand"
-    left=$((LADDER_S - ($(date +%s) - L_START)))
-    base="\"part\": \"largest\", \"kind\": \"rung\", \"n_layer\": $L, \"n_embd\": $D, \"n_params\": $n, \"host_need_gib\": $hn, \"host_available_gib\": $ha, \"device_need_gib\": $dn, \"device_free_gib\": $df"
-    if ((left < 25)); then
-      row "{$base, \"result\": \"not tried: the part's time is spent\"}"
-      continue
-    fi
-    inner=$((left - 10))
-    ((inner > 100)) && inner=100
-    t0=$(date +%s)
-    run_part largest $((inner + 8)) "$PY" benchmarks/bench_engine.py "${COMMON[@]}" \
-      --systems zero:prefetch=1:offload_optim_frac=1.0 --n-layer "$L" --n-embd "$D" --n-head "$H" --vocab 256 \
-      --seq "$LARGE_SEQ" --batch 1 --warmup 1 --repeats 1 --steps 1 --timeout "$inner" --jsonl "$JSONL" \
-      --part largest
-    rc=$?
-    result=$( ((rc == 0)) && echo trains || echo "failed (exit $rc; see gpu_check.log)")
-    row "{$base, \"result\": \"$result\", \"seconds\": $(($(date +%s) - t0))}"
-    if ((rc == 0)); then
-      LARGEST="$L x $D ($n parameters)"
-      break
-    fi
-  done
-  row "{\"part\": \"largest\", \"kind\": \"note\", \"text\": \"largest byte-level GPT that trained with offload_optim_frac=1.0 (sequence $LARGE_SEQ, batch 1): $LARGEST\"}"
+}
+rung_base() {  # the JSON fields of a rung row, from a CANDIDATES entry
+  local L D H n hn ha dn df
+  read -r L D H n hn ha dn df <<<"$1"
+  echo "\"part\": \"largest\", \"kind\": \"rung\", \"n_layer\": $L, \"n_embd\": $D, \"n_params\": $n, \"host_need_gib\": $hn, \"host_available_gib\": $ha, \"device_need_gib\": $dn, \"device_free_gib\": $df"
+}
+largest_note() {
+  row "{\"part\": \"largest\", \"kind\": \"note\", \"text\": \"largest byte-level GPT that trained with offload_optim_frac=1.0 (sequence $LARGE_SEQ, batch 1): $1\"}"
   table
-  log "largest with full offload: $LARGEST"
+  log "largest with full offload: $1"
+}
+# a bench_engine.py --parts entry: `engine_part NAME INNER_S SYSTEMS n_layer n_embd n_head vocab seq batch`
+engine_part() {
+  printf '{"part": "%s", "timeout": %s, "systems": "%s", "n_layer": %s, "n_embd": %s, "n_head": %s, "vocab": %s, "seq": %s, "batch": %s}' "$@"
+}
+
+want streams && run_part streams 70 "$PY" benchmarks/gpu_streams.py "${STREAMS_ARGS[@]}" --budget-s 60 \
+  --jsonl "$JSONL" --part streams
+
+if ((SMOKE)); then
+  # The engine parts share one bench_engine.py run (--parts): its ranks are forks of one server that
+  # imported torch once, instead of a fresh interpreter per part. Each part keeps its own limit inside
+  # the run's and writes its rows and its part row as it ends; the run's process group is killed at
+  # the outer limit. The GPU run below keeps one process group and one limit per part.
+  want placement && run_part placement 90 "$PY" benchmarks/gpu_placement.py --part speed "${PLACEMENT_ARGS[@]}" \
+    --budget-s 80 --jsonl "$JSONL" --part-name placement
+  ENGINE_PARTS=()
+  want gpt2-124M && ENGINE_PARTS+=("$(engine_part gpt2-124M 60 "$SYSTEMS_124M" "${SHAPE_124M[@]}")")
+  want gpt2-355M && ENGINE_PARTS+=("$(engine_part gpt2-355M 60 "$SYSTEMS_355M" "${SHAPE_355M[@]}")")
+  RUNG=
+  if want largest; then
+    size_ladder
+    if ((${#CANDIDATES[@]})); then
+      RUNG=${CANDIDATES[0]}
+      read -r L D H _ <<<"$RUNG"
+      ENGINE_PARTS+=("$(engine_part largest 60 zero:prefetch=1:offload_optim_frac=1.0 "$L" "$D" "$H" 256 "$LARGE_SEQ" 1)")
+    fi
+  fi
+  if ((${#ENGINE_PARTS[@]})); then
+    PARTS_JSON="[$(IFS=,; echo "${ENGINE_PARTS[*]}")]"
+    INNER=$((60 * ${#ENGINE_PARTS[@]}))
+    run_part engine-parts $((INNER + 15)) "$PY" benchmarks/bench_engine.py "${COMMON[@]}" "${REPS[@]}" \
+      --timeout "$INNER" --jsonl "$JSONL" --parts "$PARTS_JSON"
+  fi
+  if want largest; then
+    LARGEST=none
+    if [[ -n $RUNG ]]; then
+      read -r L D H n _ <<<"$RUNG"
+      if grep -q '"part": "largest", "kind": "part", "status": "done"' "$JSONL"; then
+        result=trains
+        LARGEST="$L x $D ($n parameters)"
+      else
+        result="failed (see gpu_check.log)"
+      fi
+      row "{$(rung_base "$RUNG"), \"result\": \"$result\"}"
+    fi
+    largest_note "$LARGEST"
+  fi
+else
+  want gpt2-124M && run_part gpt2-124M 90 "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS_124M" \
+    "${SHAPE_124M[@]}" "${REPS[@]}" --timeout 80 --jsonl "$JSONL" --part gpt2-124M
+  want placement && run_part placement 90 "$PY" benchmarks/gpu_placement.py --part speed "${PLACEMENT_ARGS[@]}" \
+    --budget-s 80 --jsonl "$JSONL" --part-name placement
+  want gpt2-355M && run_part gpt2-355M 90 "$PY" benchmarks/bench_engine.py "${COMMON[@]}" --systems "$SYSTEMS_355M" \
+    "${SHAPE_355M[@]}" "${REPS[@]}" --timeout 80 --jsonl "$JSONL" --part gpt2-355M
+
+  # ---- largest: down the ladder, each rung its own part (process group, inner limit below the outer)
+  if want largest; then
+    LADDER_S=120
+    L_START=$(date +%s)
+    size_ladder
+    LARGEST=none
+    for cand in "${CANDIDATES[@]}"; do
+      read -r L D H n _ <<<"$cand"
+      left=$((LADDER_S - ($(date +%s) - L_START)))
+      if ((left < 25)); then
+        row "{$(rung_base "$cand"), \"result\": \"not tried: the part's time is spent\"}"
+        continue
+      fi
+      inner=$((left - 10))
+      ((inner > 100)) && inner=100
+      t0=$(date +%s)
+      run_part largest $((inner + 8)) "$PY" benchmarks/bench_engine.py "${COMMON[@]}" \
+        --systems zero:prefetch=1:offload_optim_frac=1.0 --n-layer "$L" --n-embd "$D" --n-head "$H" --vocab 256 \
+        --seq "$LARGE_SEQ" --batch 1 --warmup 1 --repeats 1 --steps 1 --timeout "$inner" --jsonl "$JSONL" \
+        --part largest
+      rc=$?
+      result=$( ((rc == 0)) && echo trains || echo "failed (exit $rc; see gpu_check.log)")
+      row "{$(rung_base "$cand"), \"result\": \"$result\", \"seconds\": $(($(date +%s) - t0))}"
+      if ((rc == 0)); then
+        LARGEST="$L x $D ($n parameters)"
+        break
+      fi
+    done
+    largest_note "$LARGEST"
+  fi
 fi
 
 row "{\"part\": \"total\", \"kind\": \"part\", \"status\": \"finished\", \"seconds\": $(($(date +%s) - START)), \"rows\": $(wc -l <"$JSONL")}"

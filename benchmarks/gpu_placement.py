@@ -59,6 +59,8 @@ def run_one(cfg: dict) -> dict:
 
     device = torch.device(cfg["device"])
     cuda = device.type == "cuda"
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
     gcfg = GPTConfig(block_size=cfg["seq"], vocab_size=256, n_layer=cfg["n_layer"], n_head=cfg["n_head"],
                      n_embd=cfg["n_embd"])
     torch.manual_seed(0)
@@ -244,6 +246,8 @@ def main() -> None:
     elif device != "cuda":
         raise SystemExit("no CUDA device: run with --smoke to check the plumbing on the CPU")
     base = {"device": device, "seq": args.seq, "batch": args.batch, "steps": args.steps}
+    if args.smoke:  # one torch thread: a tiny model's steps on every core of a shared CPU only spin
+        base["threads"] = 1
     if args.part in ("speed", "both"):
         part_speed(args, base)
     if args.part in ("largest", "both"):

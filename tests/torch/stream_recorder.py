@@ -17,8 +17,9 @@ order CUDA would guarantee, with one vector clock per stream (and one for the ho
 - a storage is allocated on the stream current at its first access (storages older than the recording
   count as compute-stream ones), and freed when its last reference goes (a weak reference on the
   storage); ``record_stream`` marks the streams its free waits for. Pinned host memory (the layer's
-  ``host_empty``) is freed safely whatever the order: torch's host allocator reuses a block only after
-  the events it recorded on the streams that copied it.
+  ``host_empty``, and the pinned arena's slices cut from such memory) is freed safely whatever the
+  order: torch's host allocator reuses a block, and the arena a slice, only after the streams that
+  used it are done.
 
 The check, per storage: an access conflicting with an earlier access on another stream (one of them a
 write) must come after its stream waited for that one; and when it is freed, its allocation stream,
@@ -95,6 +96,8 @@ class StreamRecorder(TorchDispatchMode):
         self.violations: list[str] = []
         self.freed_cross_stream = 0
         """Storages used on a stream other than their allocation stream and then freed (checked)."""
+        self.host_ranges: list[tuple[int, int]] = []
+        """``(start, end)`` addresses of the pinned host memory handed out by :meth:`host_empty`."""
         self.comm_uses = 0
         """Tensor accesses of ops queued on the communication stream."""
         self._count = 0
@@ -140,6 +143,7 @@ class StreamRecorder(TorchDispatchMode):
         buf = self._buffer(t, self._stack[-1])
         buf.host = True
         buf.history.append("(pinned host memory)")
+        self.host_ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
         return t
 
     def wait_work(self, work, issued_on) -> None:
@@ -158,6 +162,10 @@ class StreamRecorder(TorchDispatchMode):
             self._count += 1
             buf = Buffer(f"#{self._count} {tuple(t.shape)} {t.dtype}", stream, storage.nbytes())
             buf.history.append(f"allocate on {stream}")
+            ptr = storage.data_ptr()
+            if storage.nbytes() and any(a <= ptr < b for a, b in self.host_ranges):
+                buf.host = True  # a slice of a pinned slab: the arena waits for the streams before reuse
+                buf.history.append("(pinned arena slice)")
             self.buffers[key] = buf
             weakref.finalize(storage, self._freed, key)
         return buf

@@ -10,37 +10,25 @@ from __future__ import annotations
 import torch
 
 from . import collectives
+from .pinned import host_arena, pinned_block_bytes
 
 __all__ = ["ChunkShardIO", "copied", "held_bytes", "host_empty", "pinned_block_bytes"]
 
 
-def pinned_block_bytes(nbytes: int) -> int:
-    """The bytes torch's caching host allocator holds for a pinned request of ``nbytes``: the block is
-    rounded up to a power of two (up to twice the request; 0 stays 0).
-
-    Raises:
-        ValueError: ``nbytes`` is negative.
-    """
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    return 0 if nbytes == 0 else 1 << (int(nbytes) - 1).bit_length()
-
-
 def held_bytes(t: torch.Tensor) -> int:
-    """Bytes ``t``'s memory really takes: its own for device and pageable host memory, the allocator's
-    rounded block (:func:`pinned_block_bytes`) for a pinned host tensor that owns its storage."""
-    n = t.numel() * t.element_size()
-    if t.device.type == "cpu" and t.is_pinned() and t.untyped_storage().nbytes() == n:
-        return pinned_block_bytes(n)
-    return n
+    """Bytes ``t``'s memory takes: ``numel × element_size``. Pinned host tensors are slices of the
+    pinned arena (:func:`host_empty`), not rounded blocks of their own; the arena's slack (slab bytes
+    no slice uses) is reported apart (``MemoryReport.pinned_held_bytes``)."""
+    return t.numel() * t.element_size()
 
 
 def host_empty(numel: int, dtype: torch.dtype, like_device: torch.device) -> torch.Tensor:
     """An empty 1-D host tensor, pinned when the compute device has streams (CUDA; so copies can be
-    async): allocated by the stream layer (:func:`collectives.stream_layer`), whose pinned memory is
-    reused only after the streams that copied it are done."""
+    async): a slice of the process's pinned arena for that device (:mod:`torch_backend.zero.pinned`:
+    no power-of-two rounding per buffer), whose ranges are reused only after the device's streams are
+    done with them."""
     if collectives.uses_streams(like_device):
-        return collectives.stream_layer().host_empty(numel, dtype)
+        return host_arena(torch.device(like_device), collectives.stream_layer()).empty(numel, dtype)
     return torch.empty(numel, dtype=dtype)
 
 
@@ -159,7 +147,7 @@ class ChunkShardIO:
     # ------------------------------------------------------------------ memory
     def bytes_by_kind(self) -> list[tuple[torch.device, str, int]]:
         """``(device, kind, bytes)`` of everything this chunk holds now, on the device each tensor is on;
-        pinned host tensors at the size of the allocator's block (:func:`held_bytes`), device→host
+        pinned host tensors at their size (:func:`held_bytes`), device→host
         gradient copies in flight (their device shard and pinned staging buffer) included."""
         out = []
         shared = self.shard is not None and self.master is not None and self.shard.data_ptr() == self.master.data_ptr()

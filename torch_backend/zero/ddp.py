@@ -53,6 +53,7 @@ from .config import (AutoPlacementPolicy, MixedPrecision, PlacementPolicy, Prefe
                      resolve_placement, resolve_prefetch)
 from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
 from .memory import AllocationTracker, MemoryReport
+from .pinned import arena_bytes
 from .module_layout import ParamGroups, build_layout, collect_parameters
 from .runtime import ChunkRuntime, Entry
 from .topology import Topology, build_topology
@@ -490,7 +491,8 @@ class ZeroDDP(nn.Module):
         """
         return MemoryReport.collect(self.chunks, self.device, optimizer, offload_optim_chunks=self.offload_optim_chunks,
                                     offload_param_chunks=self.offload_param_chunks,
-                                    peak_gathered_chunks=self._runtime.sched.peak_gathered, tracker=self.allocations)
+                                    peak_gathered_chunks=self._runtime.sched.peak_gathered, tracker=self.allocations,
+                                    **arena_bytes(self.device))
 
     def reset_peak_memory(self) -> None:
         """Start :meth:`memory_report`'s allocation peaks again from what is allocated now (as

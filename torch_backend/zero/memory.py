@@ -135,6 +135,11 @@ class MemoryReport:
         peak_allocated: ``{device: {kind: bytes}}`` — each kind's peak since construction or
             ``ZeroDDP.reset_peak_memory()``.
         peak_allocated_total: ``{device: bytes}`` — the peak of all the engine's allocations together.
+        pinned_held_bytes: bytes of pinned host memory the process's pinned arena holds for this
+            compute device (:mod:`torch_backend.zero.pinned`: the slabs themselves, what is locked);
+            0 where the device has no streams (CPU: nothing is pinned).
+        pinned_used_bytes: the part of ``pinned_held_bytes`` its live slices use (the pinned tensors
+            counted in :attr:`bytes`, each rounded up to the arena's 512-byte alignment).
     """
 
     bytes: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -145,6 +150,8 @@ class MemoryReport:
     allocated: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_allocated: dict[str, dict[str, int]] = field(default_factory=dict)
     peak_allocated_total: dict[str, int] = field(default_factory=dict)
+    pinned_held_bytes: int = 0
+    pinned_used_bytes: int = 0
 
     @classmethod
     def collect(cls, chunks, device, optimizer=None, tracker: AllocationTracker | None = None,
@@ -152,7 +159,8 @@ class MemoryReport:
         """The report of what ``chunks`` (:class:`~torch_backend.zero.chunks.Chunk`) and ``optimizer``'s
         state shards hold now; ``device``: the compute device (always listed); ``tracker``: the
         engine's :class:`AllocationTracker` (the ``allocated`` fields); ``decisions``: the
-        placement fields (``offload_optim_chunks``, ``offload_param_chunks``, ``peak_gathered_chunks``)."""
+        placement fields (``offload_optim_chunks``, ``offload_param_chunks``, ``peak_gathered_chunks``)
+        and the pinned arena's (``pinned_held_bytes``, ``pinned_used_bytes``)."""
         report: dict[str, dict[str, int]] = {}
 
         def add(where, kind, n):
@@ -211,6 +219,8 @@ class MemoryReport:
             lines.append(f"frozen parameters on {dev}: " + ", ".join(f"{d} {b}" for d, b in sorted(per.items())))
         lines.append(f"offloaded optimizer chunks: {list(self.offload_optim_chunks)}; parameter chunks: "
                      f"{list(self.offload_param_chunks)}; peak gathered chunks: {self.peak_gathered_chunks}")
+        if self.pinned_held_bytes:
+            lines.append(f"pinned host memory: {self.pinned_held_bytes} bytes held, {self.pinned_used_bytes} used")
         for dev, per in self.peak_allocated.items():
             lines.append(f"peak allocated on {dev}: {self.peak_allocated_total.get(dev, 0)} bytes in all; by kind: "
                          + ", ".join(f"{k} {b}" for k, b in per.items() if b))
