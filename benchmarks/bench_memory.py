@@ -380,7 +380,7 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per run")
     ap.add_argument("--limit-gib", type=float, default=None,
                     help="both ranks' resident memory per run, GiB (default: 21 for the table; for --ladder, "
-                         f"{LADDER_MEM_FRACTION:.0%} of MemAvailable read as each rung starts)")
+                         f"{LADDER_MEM_FRACTION * 100:.0f}%% of MemAvailable read as each rung starts)")
     ap.add_argument("--ladder", action="store_true", help="the largest model each engine trains (see above)")
     ap.add_argument("--ladder-layers", type=int, nargs="+", default=[8, 12, 16, 20, 24, 28, 32, 40])
     ap.add_argument("--ladder-shape", default=LADDER_SHAPE, help="the rungs' width, hidden:heads:intermediate:vocab")
