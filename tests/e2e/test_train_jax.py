@@ -15,6 +15,8 @@ import pytest
 from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
 
 STEPS = ["--warmup", "2", "--eval-interval", "2", "--save-interval", "2"]
+NORM_RTOL = 1e-3
+"""The logged gradient norm of the two fp32 engines (a norm after clipping would read --max-norm's 1.0)."""
 GLOBAL_BATCH = 12
 """Sequences per step at every world size of the tests (2, 4 and 3): micro-batch *i* is the same global
 batch whenever world size × --batch-size is, so a run that changes world size at a checkpoint trains the
@@ -53,6 +55,10 @@ def test_jax_run_matches_torch(runs):
         assert j_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, j_train[s], t_train[s])
     for s in j_val:
         assert j_val[s] == pytest.approx(t_val[s], abs=LOSS_TOL), (s, j_val[s], t_val[s])
+    # the gradient norm before clipping, logged per step as torch logs it (fp32: summation order only)
+    t_norm, j_norm = ({r["step"]: r["grad_norm"] for r in read_metrics(o)[0]} for o in (torch_out, jax_out))
+    for s in j_train:
+        assert j_norm[s] == pytest.approx(t_norm[s], rel=NORM_RTOL), (s, j_norm[s], t_norm[s])
     summary = json.loads((jax_out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"].startswith("jax")
     for name in ("loss.png", "sample.txt", "summary.txt", "train.log"):
