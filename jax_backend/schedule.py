@@ -237,6 +237,9 @@ class ShardedTrainer:
             collectives; fp32 masters and optimizer state).
         max_norm: clip the global gradient L2 norm to it (one scalar all-reduce), as
             :class:`torch_backend.ZeroOptimizer`'s ``max_norm``; ``None`` (default) does not clip.
+        grad_norm: also return the global gradient L2 norm before clipping (torch's
+            ``ZeroOptimizer.last_grad_norm``) from :attr:`step_fn`, as its third output (one scalar
+            all-reduce, shared with clipping's). Default ``False``: ``step_fn`` returns two outputs.
         donate: donate the state to the step (its buffers are reused for the new state).
         replica_axis: a second mesh axis the state is replicated over (hybrid sharding,
             :class:`jax_backend.hybrid.HybridZeroTrainer`): the batch is split over
@@ -252,7 +255,7 @@ class ShardedTrainer:
 
     def __init__(self, program: Program, units: Sequence[GatherUnit], mesh: Mesh, tx: optax.GradientTransformation,
                  *, mixed_precision: str = "fp32", max_norm: float | None = None, axis: str = DEFAULT_AXIS,
-                 donate: bool = True, replica_axis: str | None = None):
+                 donate: bool = True, replica_axis: str | None = None, grad_norm: bool = False):
         if mixed_precision not in COMPUTE_DTYPES:
             raise ConfigError(f"mixed_precision must be one of {sorted(COMPUTE_DTYPES)}, got {mixed_precision!r}")
         if max_norm is not None and not max_norm > 0:
@@ -266,6 +269,7 @@ class ShardedTrainer:
         self.mixed_precision = mixed_precision
         self.compute_dtype = COMPUTE_DTYPES[mixed_precision]
         self.max_norm = max_norm
+        self.grad_norm = bool(grad_norm)
         self.units: dict[str, GatherUnit] = {u.key: u for u in units}
         self.unit_of: dict[str, str] = {n: u.key for u in units for n in u.tensors}
         _check_names(program, self.unit_of, f"{self.name} units")
@@ -382,12 +386,13 @@ class ShardedTrainer:
         Raises:
             ConfigError: a bad batch.
         """
-        new_state, losses = self._step(state, self.shard_batch(batch))
+        new_state, losses, *_ = self._step(state, self.shard_batch(batch))
         return new_state, jnp.sum(losses)
 
     @property
     def step_fn(self) -> Callable:
-        """The jitted ``(state, sharded_batch) -> (state, f32[W] loss parts)``."""
+        """The jitted ``(state, sharded_batch) -> (state, f32[W] loss parts)``; with ``grad_norm=True``
+        ``(state, f32[W] loss parts, f32[] gradient norm before clipping)`` (replicated)."""
         return self._step
 
     def lower(self, batch_size: int, seq_len: int) -> jax.stages.Lowered:
@@ -397,7 +402,7 @@ class ShardedTrainer:
 
     def _build(self) -> Callable:
         program, units, unit_of, axis, batch_axis = self.program, self.units, self.unit_of, self.axis, self.batch_axis
-        world, tx, max_norm = self.world_size, self.tx, self.max_norm
+        world, tx, max_norm, with_norm = self.world_size, self.tx, self.max_norm, self.grad_norm
         low, dtype, trainable = self.low_precision, self.compute_dtype, self.trainable
 
         def local_step(state: TrainState, batch):
@@ -406,23 +411,27 @@ class ShardedTrainer:
             loss_sum, grads = run_schedule(program, units, unit_of, compute, batch,
                                            jnp.asarray(1.0 / n_tokens, jnp.float32), axis)
             grads = {k: jax.tree.map(lambda g: g.astype(jnp.float32), grads[k]) for k in trainable}
-            if max_norm is not None:
+            norm = None
+            if max_norm is not None or with_norm:
                 sq_sharded = sum((jnp.sum(jnp.square(x)) for k in trainable if units[k].sharded
                                   for x in jax.tree.leaves(grads[k])), jnp.zeros((), jnp.float32))
                 sq_whole = sum((jnp.sum(jnp.square(x)) for k in trainable if not units[k].sharded
                                 for x in jax.tree.leaves(grads[k])), jnp.zeros((), jnp.float32))
                 norm = jnp.sqrt(jax.lax.psum(sq_sharded, axis) + sq_whole)
+            if max_norm is not None:
                 factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
                 grads = jax.tree.map(lambda g: g * factor, grads)
             master_tr = {k: state.master[k] for k in trainable}
             updates, opt_state = tx.update(grads, state.opt_state, master_tr)
             master = {**state.master, **optax.apply_updates(master_tr, updates)}
             params = jax.tree.map(lambda m: m.astype(dtype), master) if low else None
-            return TrainState(master, params, opt_state), (loss_sum / n_tokens).reshape(1)
+            loss = (loss_sum / n_tokens).reshape(1)
+            return (TrainState(master, params, opt_state), loss) + ((norm,) if with_norm else ())
 
         specs = self.state_specs()
         batch_specs = {"idx": P(batch_axis), "targets": P(batch_axis)}
-        return jax.shard_map(local_step, mesh=self.mesh, in_specs=(specs, batch_specs), out_specs=(specs, P(batch_axis)),
+        out_specs = (specs, P(batch_axis)) + ((P(),) if with_norm else ())
+        return jax.shard_map(local_step, mesh=self.mesh, in_specs=(specs, batch_specs), out_specs=out_specs,
                              check_vma=False)
 
 

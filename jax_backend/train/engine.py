@@ -96,7 +96,8 @@ class JaxEngine:
     kind = "zero"
     loss_scale = 1.0
     skipped_steps = 0
-    last_grad_norm = None
+    last_grad_norm: float | None = None
+    """The global gradient L2 norm before clipping of the last step (``None`` before the first)."""
 
     def __init__(self, cfg: TrainConfig, mesh, *, resume_from: Path | None = None):
         self.cfg, self.mesh = cfg, mesh
@@ -114,7 +115,7 @@ class JaxEngine:
             adamw_meta(learning_rate=cfg.lr, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=cfg.weight_decay,
                        max_norm=cfg.max_norm or None), param_groups=groups)
         self.trainer = ZeroTrainer(self.program, layout, mesh, tx, optimizer_meta=optim_meta,
-                                   mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None)
+                                   mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None, grad_norm=True)
         if resume_from is not None:
             self.trainer.source = restored.meta
             state = self.trainer.from_chunks(restored.chunks, restored.opt_state_chunks, restored.meta.optimizer.step)
@@ -143,8 +144,10 @@ class JaxEngine:
 
     # ------------------------------------------------------------------ step, evaluation
     def step(self, batch: dict[str, jax.Array]) -> float:
-        """One optimizer step on a global batch; the mean token loss before the update."""
-        self.state, losses = self.trainer.step_fn(self.state, batch)
+        """One optimizer step on a global batch; the mean token loss before the update. Sets
+        :attr:`last_grad_norm` (the global gradient L2 norm before clipping, as torch's engine reports it)."""
+        self.state, losses, norm = self.trainer.step_fn(self.state, batch)
+        self.last_grad_norm = float(np.asarray(norm.addressable_data(0)))
         return float(np.asarray(self._sum(losses).addressable_data(0)))
 
     def _eval_loss(self, chunks, batch):

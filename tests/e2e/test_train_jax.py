@@ -15,6 +15,12 @@ import pytest
 from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
 
 STEPS = ["--warmup", "2", "--eval-interval", "2", "--save-interval", "2"]
+NORM_RTOL = 1e-3
+"""The logged gradient norm of the two fp32 engines (a norm after clipping would read --max-norm's 1.0)."""
+GLOBAL_BATCH = 12
+"""Sequences per step at every world size of the tests (2, 4 and 3): micro-batch *i* is the same global
+batch whenever world size × --batch-size is, so a run that changes world size at a checkpoint trains the
+uninterrupted run's stream."""
 LOSS_TOL = 2e-3
 """nats/token: two fp32 engines (torch's and XLA's kernels sum in other orders) over 6 steps; an LR one
 step off or a lost weight-decay group moves the loss by more."""
@@ -31,10 +37,12 @@ def runs(tmp_path_factory):
     corpus = make_corpus(tmp / "corpus")
     common = [*SMALL, *STEPS, "--data", str(corpus)]
     torch_out = tmp / "torch"
-    p = run_train(*common, "--steps", "6", "--nproc", "2", "--out", str(torch_out), cwd=tmp)
+    p = run_train(*common, "--steps", "6", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2), "--out",
+                  str(torch_out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     jax_out = tmp / "jax"
-    p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "2", "--out", str(jax_out), cwd=tmp)
+    p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2),
+                  "--out", str(jax_out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     return tmp, common, torch_out, jax_out
 
@@ -47,6 +55,10 @@ def test_jax_run_matches_torch(runs):
         assert j_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, j_train[s], t_train[s])
     for s in j_val:
         assert j_val[s] == pytest.approx(t_val[s], abs=LOSS_TOL), (s, j_val[s], t_val[s])
+    # the gradient norm before clipping, logged per step as torch logs it (fp32: summation order only)
+    t_norm, j_norm = ({r["step"]: r["grad_norm"] for r in read_metrics(o)[0]} for o in (torch_out, jax_out))
+    for s in j_train:
+        assert j_norm[s] == pytest.approx(t_norm[s], rel=NORM_RTOL), (s, j_norm[s], t_norm[s])
     summary = json.loads((jax_out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"].startswith("jax")
     for name in ("loss.png", "sample.txt", "summary.txt", "train.log"):
@@ -55,24 +67,26 @@ def test_jax_run_matches_torch(runs):
 
 
 def test_switch_torch_jax_torch(runs):
-    """torch steps 1-2 → JAX (1 process × 2 devices) steps 3-4 → torch steps 5-6: the losses of the
-    uninterrupted torch run."""
+    """torch (W = 2) steps 1-2 → JAX (2 processes × 2 devices) steps 3-4 → torch (W = 3) steps 5-6, the
+    same 12 sequences per step throughout: the losses of the uninterrupted torch run (W = 2)."""
     tmp, common, torch_out, _ = runs
     out = tmp / "switch"
     shutil.copytree(torch_out, out)
     for step in ("4", "6"):
         shutil.rmtree(out / "checkpoints" / step)
-    p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "1", "--devices-per-process", "2",
-                  "--resume", "--out", str(out), cwd=tmp)
+    p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "2", "--devices-per-process", "2",
+                  "--batch-size", str(GLOBAL_BATCH // 4), "--resume", "--out", str(out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     shutil.rmtree(out / "checkpoints" / "6")  # torch resumes from JAX's checkpoint 4 (and trains 5-6 again)
-    p = run_train(*common, "--steps", "6", "--nproc", "2", "--resume", "--out", str(out), cwd=tmp)
+    p = run_train(*common, "--steps", "6", "--nproc", "3", "--batch-size", str(GLOBAL_BATCH // 3), "--resume",
+                  "--out", str(out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     (t_train, t_val), (s_train, s_val) = _losses(torch_out), _losses(out)
     assert sorted(s_train) == list(range(1, 7))
     for s in range(3, 7):
         assert s_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, s_train[s], t_train[s])
     assert s_val[6] == pytest.approx(t_val[6], abs=LOSS_TOL)
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 3
 
 
 def test_bad_input_is_one_line(tmp_path):

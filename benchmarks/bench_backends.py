@@ -1,0 +1,119 @@
+"""The two engines of ``chunkzero train`` side by side: the default job's model at W = 2 on this machine.
+
+Each repeat runs ``chunkzero train`` once per engine, in an order that alternates from repeat to repeat
+(so a shared machine's drifting load hits both alike), on the same settings: the CPU default model
+(``gpt-mini``), ``--seq-len`` and ``--batch-size`` at their defaults, fp32, W = 2 — torch as 2 gloo workers
+(``--nproc 2``, each with cores / 2 intra-op threads, as ``chunkzero train`` sets them), JAX as 2 JAX
+processes of 1 CPU device each (``--backend jax --nproc 2``; XLA's CPU thread pool is its default, the
+machine's cores, in each process). No evaluation beyond the one at step 0, no checkpoint, no sample.
+
+Per engine, over the repeats (min / median / max):
+
+- **tokens/s**: tokens per step / the median step time of steps 2 … ``--steps`` (``metrics.jsonl``'s
+  training seconds);
+- **first step s**: step 1's time, which for JAX includes tracing and compiling the step (torch's first
+  step allocates its buffers);
+- **to first step s**: the command's wall time less its steps after the first: start-up, joining the
+  processes, data, model, the step-0 evaluation, step 1, and the outputs at the end;
+- **peak RSS per process** (MiB, ``ru_maxrss``, the whole process, every library it imported).
+
+JAX processes import torch too (the data stream, the model's initial weights and the report are the
+torch job's own modules), which counts in their RSS.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_backends.py [--repeats 5] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS_FILES = ["argparse.py", "textwrap.py", "string.py", "shlex.py", "json/decoder.py", "json/encoder.py",
+                "ast.py", "dataclasses.py", "inspect.py", "typing.py", "functools.py"]
+ENGINES = {"torch": ["--nproc", "2"], "jax": ["--backend", "jax", "--nproc", "2", "--devices-per-process", "1"]}
+
+
+def make_corpus(dest: Path) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    dest.mkdir(parents=True, exist_ok=True)
+    for rel in CORPUS_FILES:
+        if (stdlib / rel).is_file():
+            shutil.copy(stdlib / rel, dest / rel.replace("/", "_"))
+    return dest
+
+
+def run_once(engine: str, common: list[str], out: Path, cwd: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "chunkzero.cli", "train", *common, *ENGINES[engine], "--out", str(out),
+                        "--overwrite"], cwd=cwd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"{engine} run failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
+    times = [train[0]["time_s"]] + [b["time_s"] - a["time_s"] for a, b in zip(train, train[1:])]
+    summary = json.loads((out / "summary.json").read_text())
+    tokens_per_step = train[0]["tokens"]
+    later = statistics.median(times[1:])
+    return {"tokens_per_s": tokens_per_step / later, "first_step_s": times[0],
+            "to_first_step_s": wall - sum(times[1:]),
+            "peak_rss_mib": [m["peak_rss_mib"] for m in summary["peak_memory"]], "wall_s": wall}
+
+
+def spread(values) -> str:
+    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first one's time reported apart)")
+    ap.add_argument("--json", type=Path, default=None, help="write every run's numbers here")
+    args = ap.parse_args(argv)
+    load_before = os.getloadavg()
+    rows: dict[str, list[dict]] = {e: [] for e in ENGINES}
+    with tempfile.TemporaryDirectory(prefix="bench-backends-") as tmp:
+        work = Path(tmp)
+        corpus = make_corpus(work / "corpus")
+        common = ["--steps", str(args.steps), "--warmup", "2", "--eval-interval", str(10 * args.steps),
+                  "--eval-batches", "1", "--sample-tokens", "0", "--save-interval", "0", "--data", str(corpus),
+                  "--device", "cpu"]
+        for i in range(args.repeats):
+            order = list(ENGINES) if i % 2 == 0 else list(reversed(ENGINES))
+            for engine in order:
+                r = run_once(engine, common, work / engine, work)
+                rows[engine].append(r)
+                print(f"repeat {i + 1} {engine}: {r['tokens_per_s']:.0f} tokens/s, first step {r['first_step_s']:.1f} s, "
+                      f"to first step {r['to_first_step_s']:.1f} s, peak RSS {r['peak_rss_mib']} MiB", flush=True)
+    load_after = os.getloadavg()
+    cores = os.cpu_count()
+    print()
+    print(f"gpt-mini, fp32, W = 2, {args.steps} steps per run, {args.repeats} interleaved repeats; {cores} cores; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
+    print()
+    print("| engine | tokens/s min / median / max | first step s | to first step s | peak RSS / process MiB (median) |")
+    print("|---|---|---|---|---|")
+    for engine, rs in rows.items():
+        rss = [statistics.median(r["peak_rss_mib"][k] for r in rs) for k in range(len(rs[0]["peak_rss_mib"]))]
+        print(f"| {engine} ({' '.join(ENGINES[engine])}) | {spread([r['tokens_per_s'] for r in rs])} | "
+              f"{spread([r['first_step_s'] for r in rs])} | {spread([r['to_first_step_s'] for r in rs])} | "
+              f"{' / '.join(f'{m:.0f}' for m in rss)} |")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "load": [load_before, load_after]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
