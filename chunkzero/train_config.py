@@ -152,7 +152,9 @@ class TrainConfig:
             "minimum); 0 never stops", "optimization", metavar="N", minimum=0)
     ema_decay: float | None = option(
         None, "keep an fp32 EMA of the weights with this decay (ZeroEMA, sharded beside the optimizer state, "
-              "checkpointed), evaluate it beside the live weights at each evaluation and plot both",
+              "checkpointed), evaluate it beside the live weights at each evaluation and plot both; with --resume "
+              "this value replaces the checkpoint's decay (its EMA weights are kept), and without it the "
+              "checkpoint's EMA is dropped",
         "optimization", metavar="F", minimum=0, default_help="no EMA")
     ema_warmup: bool = option(
         False, "with --ema-decay: warm the EMA up, using min(decay, (1 + n) / (10 + n)) at its n-th update (ZeroEMA's "
