@@ -119,3 +119,15 @@ def test_the_sample_names_the_prompt_it_was_given(tmp_path):
     engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
     prompt, text = sample_text(engine, load_run_corpus(cfg), cfg, torch.device("cpu"))
     assert prompt == "def " and text.startswith("def ")
+
+
+def test_cli_refuses_jax_hybrid_in_one_line(tmp_path):
+    from .helpers import describe, run_train
+
+    p = run_train("--backend", "jax", "--shard-group-size", "1", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert p.returncode == 2, describe(p)
+    assert p.stderr.strip().splitlines() == [
+        "chunkzero train: error: --shard-group-size 1 (hybrid sharding) is for --backend torch: --backend jax trains "
+        "flat ZeRO-3 over all 2 devices (jax_backend.hybrid is not wired into chunkzero train); drop the option or "
+        "pass --shard-group-size 2"]
+    assert not (tmp_path / "o").exists()
