@@ -25,7 +25,8 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
 
     Returns:
         A JSON-ready dict: ``path``, ``steps`` (all committed steps of the root), ``step``,
-        ``world_size``, ``mixed_precision``, ``format_version``, ``optimizer``, ``loss_scaler``,
+        ``world_size`` (the layout's: under hybrid sharding the shard group size ``S``), ``replicas``
+        (hybrid sharding's ``R``, the saving run having ``W = S · R`` ranks; 1 for flat ZeRO-3), ``mixed_precision``, ``format_version``, ``optimizer``, ``loss_scaler``,
         ``data_position``, ``model_config``, ``ema`` (decay, update count, warm-up; ``None`` without an
         EMA), ``bytes_on_disk``, ``chunks`` (per chunk: index, dtype, size,
         utilized, padding, keep_gathered, requires_grad, tensors, bytes) and ``tensors`` (per tensor: name,
@@ -62,6 +63,7 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
         "step": meta.step,
         "format_version": doc.get("version"),
         "world_size": meta.world_size,
+        "replicas": meta.replicas,
         "chunk_size": layout.chunk_size,
         "mixed_precision": meta.mixed_precision,
         "parameters": layout.utilized_numel,
@@ -103,12 +105,20 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
+def _fmt_world(shard_group_size: int, replicas: int) -> str:
+    """The saving run's ranks: flat ``world size W``, or hybrid ``S``, ``R`` and ``W = S · R``."""
+    if replicas == 1:
+        return f"world size {shard_group_size}"
+    return (f"hybrid sharding: shard group size S = {shard_group_size}, R = {replicas} replicas, world size "
+            f"W = S·R = {shard_group_size * replicas} (each shard saved once)")
+
+
 def format_inspection(info: dict[str, Any], *, max_tensors: int | None = None) -> str:
     """Human-readable text of :func:`inspect_checkpoint`'s result."""
     lines = [
         f"checkpoint {info['path']}",
         f"  step {info['step']} (steps here: {', '.join(map(str, info['steps'])) or '-'}), format version {info['format_version']}",
-        f"  world size {info['world_size']}, chunk size {info['chunk_size']:,} elements, {info['mixed_precision']}",
+        f"  {_fmt_world(info['world_size'], info.get('replicas', 1))}, chunk size {info['chunk_size']:,} elements, {info['mixed_precision']}",
         f"  {info['parameters']:,} parameter elements (+{info['padding']:,} padding) in {len(info['chunks'])} chunks, "
         f"{len(info['tensors'])} tensors; {info['arrays']} arrays, {_fmt_bytes(info['array_bytes'])} "
         f"({_fmt_bytes(info['bytes_on_disk'])} on disk)",

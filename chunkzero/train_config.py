@@ -152,8 +152,14 @@ class TrainConfig:
             "minimum); 0 never stops", "optimization", metavar="N", minimum=0)
     ema_decay: float | None = option(
         None, "keep an fp32 EMA of the weights with this decay (ZeroEMA, sharded beside the optimizer state, "
-              "checkpointed), evaluate it beside the live weights at each evaluation and plot both",
+              "checkpointed), evaluate it beside the live weights at each evaluation and plot both; with --resume "
+              "this value replaces the checkpoint's decay (its EMA weights are kept), and without it the "
+              "checkpoint's EMA is dropped",
         "optimization", metavar="F", minimum=0, default_help="no EMA")
+    ema_warmup: bool = option(
+        False, "with --ema-decay: warm the EMA up, using min(decay, (1 + n) / (10 + n)) at its n-th update (ZeroEMA's "
+               "warmup=True), so the early weights, close to the random initialization, fade out fast",
+        "optimization")
     seed: int = option(1337, "seed of the initialisation and the data stream; the same seed and world size give "
                              "the same loss sequence, bit for bit, on the same kind of machine (CPU model or GPU, "
                              "torch build)", "optimization", metavar="N")
@@ -238,10 +244,19 @@ class TrainConfig:
             raise ConfigError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
         if self.ema_decay is not None and self.engine == "ddp":
             raise ConfigError("--ema-decay needs --engine zero (the EMA is kept beside ZeroOptimizer's state)")
+        if self.ema_warmup and self.ema_decay is None:
+            raise ConfigError("--ema-warmup needs --ema-decay (it warms the EMA of the weights up)")
         if self.ema_decay is not None and self.backend == "jax":
             raise ConfigError("--ema-decay is for --backend torch (the JAX engine keeps no EMA yet)")
         if self.engine == "ddp" and self.shard_group_size is not None:
             raise ConfigError("--shard-group-size needs --engine zero (hybrid sharding of ZeroDDP)")
+        if self.backend == "jax" and self.shard_group_size is not None:
+            world = (self.nproc or 2) * self.devices_per_process  # jax_backend.train.run's world size
+            if self.shard_group_size != world:
+                raise ConfigError(
+                    f"--shard-group-size {self.shard_group_size} (hybrid sharding) is for --backend torch: "
+                    f"--backend jax trains flat ZeRO-3 over all {world} devices (jax_backend.hybrid is not wired "
+                    f"into chunkzero train); drop the option or pass --shard-group-size {world}")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
 

@@ -51,9 +51,17 @@ def read(step_dir: Path, meta: CheckpointMeta, model, optimizer, rank: int,
 def load(optimizer, meta: CheckpointMeta, shards: dict[int, np.ndarray] | None, step_dir, *,
          load_hyperparameters: bool) -> None:
     """Hand the read shards and the saved update count (with ``load_hyperparameters`` also the decay
-    and warm-up) to ``optimizer.ema``; an EMA the checkpoint lacks restarts at the loaded masters."""
+    and warm-up) to ``optimizer.ema``; an EMA the checkpoint lacks restarts at the loaded masters.
+
+    Logged (logger ``chunkzero.checkpoint``, rank 0 only): a checkpoint's EMA that an optimizer without
+    a ZeroEMA drops (a warning), and, with ``load_hyperparameters``, a saved decay or warm-up that
+    replaces the EMA's own (an info line; ``load_hyperparameters=False`` keeps the EMA's)."""
     ema = _ema_of(optimizer)
     if ema is None:
+        if optimizer is not None and meta.ema is not None and _is_rank0(optimizer):
+            logger.warning("checkpoint %s holds an EMA of the weights (decay %g, %d updates) and the optimizer keeps "
+                           "none: the EMA is dropped (to keep it, build a ZeroEMA before loading; chunkzero train: "
+                           "pass --ema-decay)", step_dir, meta.ema.decay, meta.ema.update_count)
         return
     if shards is None:
         logger.warning("checkpoint %s holds no EMA: the optimizer's EMA restarts at the loaded weights (update count 0)",
@@ -67,4 +75,13 @@ def load(optimizer, meta: CheckpointMeta, shards: dict[int, np.ndarray] | None, 
     saved = meta.ema.to_dict()
     if not load_hyperparameters:
         saved = {"update_count": saved["update_count"]}
+    elif (saved["decay"], bool(saved["warmup"])) != (ema.decay, ema.warmup) and _is_rank0(optimizer):
+        logger.info("checkpoint %s: its EMA decay %g%s replaces the ZeroEMA's %g%s (pass load_hyperparameters=False "
+                    "to keep the ZeroEMA's)", step_dir, saved["decay"], ", with warm-up" if saved["warmup"] else "",
+                    ema.decay, ", with warm-up" if ema.warmup else "")
     ema.load_state(saved)
+
+
+def _is_rank0(optimizer) -> bool:
+    """Whether this is rank 0 of the optimizer's model (a single process is)."""
+    return int(getattr(getattr(optimizer, "model", None), "rank", 0)) == 0

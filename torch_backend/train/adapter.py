@@ -52,7 +52,7 @@ class Engine:
             if cfg.ema_decay is not None:
                 from torch_backend import ZeroEMA
 
-                self.ema = ZeroEMA(self.optim, cfg.ema_decay)
+                self.ema = ZeroEMA(self.optim, cfg.ema_decay, warmup=getattr(cfg, "ema_warmup", False))
         else:
             from torch.nn.parallel import DistributedDataParallel
 

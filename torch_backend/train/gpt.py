@@ -68,8 +68,21 @@ class Block(nn.Module):
         return x
 
 
+def _retie_lm_head(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` of a state dict that stores the tied weight once, under
+    ``transformer.wte.weight`` (a ``chunkzero export --format safetensors`` file, like Hugging Face's):
+    ``lm_head.weight`` is the same tensor, so it is filled in from it and a strict load succeeds. A state
+    dict that holds both names is loaded as it is."""
+    wte, head = prefix + "transformer.wte.weight", prefix + "lm_head.weight"
+    if wte in state_dict and head not in state_dict:
+        state_dict[head] = state_dict[wte]
+
+
 class GPT(nn.Module):
     """GPT-2 architecture (pre-LayerNorm, learned positions, tied output head).
+
+    ``load_state_dict`` accepts a state dict without ``lm_head.weight`` (the tied head, stored once under
+    ``transformer.wte.weight`` as a safetensors export writes it), strict included.
 
     Args:
         config: a :class:`GPTConfig`.
@@ -89,6 +102,7 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied (GPT-2, Press & Wolf 2017)
+        self.register_load_state_dict_pre_hook(_retie_lm_head)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections

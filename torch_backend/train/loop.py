@@ -97,19 +97,47 @@ def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, ran
     that has none). ``previous_config``: the earlier run's ``config.json``, for checkpoints without the
     schedule in their ``extra`` (rank 0 warns when the LR schedule changes, see
     :func:`warn_schedule_change`)."""
+    from chunkzero.checkpoint import read_meta, resolve_step_dir
     from torch_backend import load_checkpoint
 
-    meta = load_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim)
+    root = Path(cfg.out) / CHECKPOINT_DIR
+    saved = read_meta(resolve_step_dir(root))  # metadata only: the EMA settings, said once below
+    if engine.ema is not None and saved.ema is not None:  # load_checkpoint then replaces nothing
+        engine.ema.decay, engine.ema.warmup = saved.ema.decay, saved.ema.warmup
+    meta = load_checkpoint(root, engine.model, engine.optim, step=saved.step)
     sampler.load_state_dict((meta.data_position or {}).get("sampler", {}))
     log.info("resumed from step %d (%s/%s/%d)", meta.step, cfg.out, CHECKPOINT_DIR, meta.step)
+    resume_ema_settings(engine, meta, cfg, rank)
     extra = dict(meta.extra or {})
     if rank == 0:
+        if not cfg.save_interval:
+            log.info("--resume without --save-interval: this session saves no checkpoint (the latest stays step %d); "
+                     "pass --save-interval N to keep saving", meta.step)
         if "steps" in extra:
             warn_schedule_change(extra, f"checkpoint {meta.step}", cfg, meta.step)
         else:
             warn_schedule_change(previous_config, f"{cfg.out}/config.json", cfg, meta.step)
     counters = extra.get("counters")
     return meta.step + 1, (counters if isinstance(counters, dict) else None)
+
+
+def resume_ema_settings(engine: Engine, meta, cfg: TrainConfig, rank: int) -> None:
+    """The resumed run's command line wins for the EMA's hyper-parameters: ``load_checkpoint`` put the
+    checkpoint's decay and warm-up into ``engine.ema`` (with its shards and update count); a different
+    ``--ema-decay`` / ``--ema-warmup`` replaces them, and rank 0 says so in one line (so ``config.json``,
+    which records this run's options, is true of the EMA). Without ``--ema-decay`` the checkpoint's EMA
+    is dropped: ``load_checkpoint`` warns (rank 0)."""
+    if engine.ema is None or meta.ema is None:
+        return
+    saved = {"--ema-decay": meta.ema.decay, "--ema-warmup": meta.ema.warmup}
+    wanted = {"--ema-decay": float(cfg.ema_decay), "--ema-warmup": bool(cfg.ema_warmup)}
+    changed = [f"{k} {wanted[k]:g} (the checkpoint's: {saved[k]:g})" if k == "--ema-decay"
+               else f"{k} {'on' if wanted[k] else 'off'} (the checkpoint's: {'on' if saved[k] else 'off'})"
+               for k in saved if saved[k] != wanted[k]]
+    engine.ema.decay, engine.ema.warmup = wanted["--ema-decay"], wanted["--ema-warmup"]
+    if changed and rank == 0:
+        log.info("--resume: %s: this run's setting is used from step %d on (the EMA's weights and its %d updates "
+                 "are kept)", ", ".join(changed), meta.step + 1, meta.ema.update_count)
 
 
 def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, device: torch.device,
@@ -169,7 +197,7 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     finally:
         report.close_progress()
 
-    prompt, sample = sample_text(engine, corpus, cfg, device) if cfg.sample_tokens else ("", "")
+    prompt, sample = sample_text(engine, corpus, cfg, device) if cfg.sample_tokens else (None, None)
     memory, chunks = zip(*all_gather_json([peak_memory_mib(device), engine.chunk_report(rank)], group))
     summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=list(memory),
                              chunks=list(chunks), prompt=prompt, sample=sample,

@@ -134,7 +134,7 @@ class Report:
         """The run's ``summary.json``: first and last losses of the whole run (all sessions, from
         ``metrics.jsonl``; on ranks other than 0, of this session) with their steps, tokens, times, peak
         ``memory`` and ``chunks`` (:meth:`Engine.chunk_report`) per rank and the ``sample``.
-        ``val_loss``: the last evaluation's."""
+        ``val_loss``: the last evaluation's. ``sample``: ``None`` with ``--sample-tokens 0`` (no sample drawn)."""
         cfg, nan = self.cfg, float("nan")
         m = self.metrics
         (t0_step, first), (t1_step, last) = (m.train[0], m.train[-1]) if m.train \
@@ -152,22 +152,25 @@ class Report:
             "train_loss_first_step": t0_step, "train_loss_last_step": t1_step,
             "val_loss_step0": val0, "val_loss_final": val_loss, "val_ratio": val_loss / val0 if val0 else nan,
             "val_loss_first_step": v0_step, "val_loss_final_step": v1_step,
-            "ema_val_loss_final": m.ema_val[-1][1] if m.ema_val else None,
+            # the EMA's loss at the final evaluation only: a resume without --ema-decay dropped the EMA, and an
+            # earlier session's EMA loss is not this step's
+            "ema_val_loss_final": m.ema_val[-1][1] if m.ema_val and m.ema_val[-1][0] == v1_step else None,
             "wall_time_s": wall_time_s, "train_time_s": self.train_time_s,
             "tokens_per_s": self.session_tokens / self.train_time_s if self.train_time_s else 0.0,
             "peak_memory": memory, "memory_report": engine.memory_report(), "chunks": chunks,
-            "out": str(cfg.out), "sample": {"prompt": prompt, "text": sample},
+            "out": str(cfg.out),
+            "sample": {"prompt": prompt, "text": sample} if cfg.sample_tokens and sample is not None else None,
         }
 
     def finish(self, summary: dict) -> None:
-        """Rank 0: close ``metrics.jsonl``; write ``sample.txt``, ``loss.png``, ``summary.txt`` and
-        ``summary.json``; log the sample and the summary table."""
+        """Rank 0: close ``metrics.jsonl``; write ``sample.txt`` (unless ``--sample-tokens 0``), ``loss.png``,
+        ``summary.txt`` and ``summary.json``; log the sample and the summary table."""
         if not self.is_main:
             return
         cfg, out = self.cfg, Path(self.cfg.out)
         self.metrics.close()
-        prompt, sample = summary["sample"]["prompt"], summary["sample"]["text"]
-        (out / "sample.txt").write_text(sample + "\n", encoding="utf-8")
+        if summary["sample"] is not None:  # --sample-tokens 0 draws none, and leaves an earlier sample.txt as it is
+            (out / "sample.txt").write_text(summary["sample"]["text"] + "\n", encoding="utf-8")
         sizes = sorted({w for _, w in self.metrics.sessions} | {self.world_size})
         workers = (f"{self.world_size}" if len(sizes) == 1 else "/".join(map(str, sizes)))
         plot_loss(out / "loss.png", self.metrics,
@@ -175,7 +178,8 @@ class Report:
         table = summary_table(summary)
         (out / "summary.txt").write_text(table + "\n", encoding="utf-8")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        log.info("sample (prompt %r):\n%s\n", prompt, sample)
+        if summary["sample"] is not None:
+            log.info("sample (prompt %r):\n%s\n", summary["sample"]["prompt"], summary["sample"]["text"])
         log.info("%s", table)
 
 
@@ -349,10 +353,18 @@ def chunk_rows(s: dict) -> list[tuple[str, str]]:
     state = _per_rank([x["model_state_bytes"] for x in chunks], _fmt_mib)
     peak = _per_rank([x["peak_gathered_chunks"] for x in chunks], str)
     s_, r_ = c.get("shard_group_size", w), c.get("replicas", 1)
-    over = f"{w} rank(s)" if r_ == 1 else f"S = {s_} rank(s) per shard group, replicated R = {r_} times (hybrid)"
+    if w == 1:
+        over = f"{c['sharded_chunks']} kept whole on the one rank"
+    elif s_ == 1:  # every rank holds every chunk whole: DDP with chunked buckets
+        over = f"{c['sharded_chunks']} replicated on each of the {w} rank(s) (shard group size 1: DDP with chunked buckets)"
+    elif r_ == 1:
+        over = f"{c['sharded_chunks']} sharded over {w} rank(s)"
+    else:
+        over = (f"{c['sharded_chunks']} sharded over S = {s_} rank(s) per shard group, replicated R = {r_} times "
+                f"(hybrid, W = {w})")
     rows = [
         ("chunks", f"{c['chunks']}, chunk size {c['chunk_size']:,} elements ({how}; a larger tensor gets a chunk of its own), "
-                   f"{c['sharded_chunks']} sharded over {over}"),
+                   f"{over}"),
         ("shard per rank", f"{shard} of the {_fmt_mib(c['param_bytes'])} {s['mixed_precision']} parameters; "
                            f"model state {state} (with gradients, fp32 masters, optimizer state)"),
         ("peak gathered", f"{peak} of {c['sharded_chunks']} sharded chunks at once"),
@@ -360,8 +372,15 @@ def chunk_rows(s: dict) -> list[tuple[str, str]]:
     if "intra_sent_bytes" in c:
         intra = _per_rank([x.get("intra_sent_bytes", 0) for x in chunks], _fmt_mib)
         inter = _per_rank([x.get("inter_sent_bytes", 0) for x in chunks], _fmt_mib)
-        rows.append(("collectives", f"S = {s_}, R = {r_}: each rank sent {intra} within its shard group and {inter} "
-                                    "across the replicas (chunk collectives, ring algorithm, whole run)"))
+        if s_ == 1:
+            both = _per_rank([x.get("intra_sent_bytes", 0) + x.get("inter_sent_bytes", 0) for x in chunks], _fmt_mib)
+            text = f"each rank sent {both} (gradient all-reduces of whole chunks, ring algorithm, this session)"
+        elif r_ > 1:
+            text = (f"S = {s_}, R = {r_}: each rank sent {intra} within its shard group and {inter} across the "
+                    "replicas (chunk collectives, ring algorithm, this session)")
+        else:
+            text = f"each rank sent {intra} (chunk collectives, ring algorithm, this session)"
+        rows.append(("collectives", text))
     return rows
 
 
@@ -389,7 +408,8 @@ def summary_table(s: dict) -> str:
         ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
         *chunk_rows(s),
         ("peak memory", mem),
-        ("outputs", f"{s['out']}/ (metrics.jsonl, loss.png, sample.txt, summary.txt, train.log)"),
+        ("outputs", f"{s['out']}/ (metrics.jsonl, loss.png, {'sample.txt, ' if s.get('sample') else ''}summary.txt, "
+                    "train.log)"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["chunkzero train — summary", "-" * 25] + [f"{k:<{width}}  {v}" for k, v in rows]

@@ -1,0 +1,133 @@
+"""``chunkzero train`` options and reports, in-process (no workers): ``--backend jax`` refusing hybrid
+sharding, ``--ema-warmup``, the summary's chunk rows in flat / S = 1 / hybrid terms, a stale EMA loss
+never reported as the final one, ``--sample-tokens 0`` drawing and writing no sample, ``chunkzero
+inspect`` of a hybrid checkpoint, and a safetensors export loading strictly into the byte-level GPT."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from chunkzero.errors import ConfigError
+from chunkzero.train_config import TrainConfig
+
+
+def test_jax_backend_refuses_a_hybrid_shard_group_size():
+    with pytest.raises(ConfigError, match=r"--shard-group-size 2 \(hybrid sharding\) is for --backend torch.*all 4 "
+                                          r"devices.*--shard-group-size 4"):
+        TrainConfig(backend="jax", nproc=4, shard_group_size=2).check()
+    with pytest.raises(ConfigError, match="--shard-group-size 1 .*all 2 devices"):  # the JAX launcher's 2 processes
+        TrainConfig(backend="jax", shard_group_size=1).check()
+    TrainConfig(backend="jax", nproc=2, devices_per_process=2, shard_group_size=4).check()  # S = W: flat, allowed
+    TrainConfig(backend="torch", nproc=4, shard_group_size=2).check()
+
+
+def test_ema_warmup_needs_an_ema_and_reaches_zero_ema():
+    with pytest.raises(ConfigError, match="--ema-warmup needs --ema-decay"):
+        TrainConfig(ema_warmup=True).check()
+    cfg = TrainConfig(ema_decay=0.9, ema_warmup=True, model="gpt-tiny", mixed_precision="fp32", lr=1e-3)
+    cfg.check()
+    assert cfg.to_dict()["ema_warmup"] is True  # what config.json records
+    from torch_backend.train.adapter import Engine
+    from torch_backend.train.models import build_module
+
+    engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
+    assert engine.ema.warmup and engine.ema.decay == 0.9 and engine.ema.current_decay() == pytest.approx(0.1)
+
+
+def _chunk(s, r, intra=3 * 2**20, inter=2**20):
+    return {"chunks": 2, "chunk_size": 100, "sharded_chunks": 2, "shard_bytes": 2**20, "param_bytes": 2**22,
+            "model_state_bytes": 2**21, "peak_gathered_chunks": 1, "shard_group_size": s, "replicas": r,
+            "intra_sent_bytes": intra, "inter_sent_bytes": inter}
+
+
+def test_summary_names_s_and_r_only_when_hybrid():
+    from torch_backend.train.report import chunk_rows
+
+    flat = dict(chunk_rows({"chunks": [_chunk(3, 1, inter=0)] * 3, "world_size": 3, "mixed_precision": "fp32"}))
+    assert "2 sharded over 3 rank(s)" in flat["chunks"], flat
+    assert "S =" not in flat["collectives"] and "replica" not in flat["collectives"], flat
+    assert "3.00 MiB" in flat["collectives"] and "this session" in flat["collectives"], flat
+
+    ddp = dict(chunk_rows({"chunks": [_chunk(1, 2, intra=0)] * 2, "world_size": 2, "mixed_precision": "fp32"}))
+    assert "replicated on each of the 2 rank(s)" in ddp["chunks"] and "DDP with chunked buckets" in ddp["chunks"], ddp
+    assert "sharded over" not in ddp["chunks"] and "S =" not in ddp["collectives"], ddp
+    assert "1.00 MiB" in ddp["collectives"], ddp
+
+    hybrid = dict(chunk_rows({"chunks": [_chunk(2, 2)] * 4, "world_size": 4, "mixed_precision": "fp32"}))
+    assert "S = 2 rank(s) per shard group, replicated R = 2 times (hybrid, W = 4)" in hybrid["chunks"], hybrid
+    assert hybrid["collectives"].startswith("S = 2, R = 2: each rank sent 3.00 MiB") and "this session" in \
+        hybrid["collectives"] and "1.00 MiB across the replicas" in hybrid["collectives"], hybrid
+    assert "whole run" not in " ".join(flat.values()) + " ".join(hybrid.values())
+
+
+def _report(tmp_path, history, **cfg_kwargs):
+    """A rank-1 Report (it writes nothing) whose metrics hold ``history``, and a summary call."""
+    from torch_backend.train.report import Report
+
+    cfg = TrainConfig(out=str(tmp_path), steps=6, model="gpt-tiny", mixed_precision="fp32", **cfg_kwargs)
+    report = Report(cfg, rank=1, world_size=1, device=torch.device("cpu"), backend="none", start=5,
+                    tokens_per_step=8)
+    for r in history:
+        report.metrics.write(r)
+    engine = SimpleNamespace(skipped_steps=0, memory_report=lambda: None)
+    corpus = SimpleNamespace(summary=lambda: {"source": "x", "train_tokens": 1, "val_tokens": 1})
+    return report, lambda **kw: report.summary(params=1, corpus=corpus, engine=engine, val_loss=1.0, memory=[{}],
+                                               chunks=[None], wall_time_s=1.0, **kw)
+
+
+def test_a_dropped_ema_reports_no_final_ema_loss(tmp_path):
+    """An earlier session's EMA loss (step 4) is not the final one of a resume to step 6 that keeps no EMA."""
+    from torch_backend.train.report import summary_table
+
+    history = [{"kind": "val", "step": 0, "val_loss": 5.0, "ema_val_loss": 5.0},
+               {"kind": "val", "step": 4, "val_loss": 3.0, "ema_val_loss": 3.5},
+               {"kind": "val", "step": 6, "val_loss": 2.5}]
+    _, summary = _report(tmp_path, history)
+    s = summary(prompt="def ", sample="def x")
+    assert s["val_loss_final"] == 2.5 and s["ema_val_loss_final"] is None
+    assert "EMA val loss" not in summary_table(s)
+    _, summary = _report(tmp_path, history[:-1] + [{"kind": "val", "step": 6, "val_loss": 2.5, "ema_val_loss": 2.7}])
+    assert summary(prompt="def ", sample="def x")["ema_val_loss_final"] == 2.7
+
+
+def test_sample_tokens_zero_writes_and_logs_no_sample(tmp_path, caplog):
+    (tmp_path / "sample.txt").write_text("an earlier session's sample\n")
+    report, summary = _report(tmp_path, [{"kind": "val", "step": 6, "val_loss": 2.5}], sample_tokens=0)
+    s = summary(prompt=None, sample=None)
+    assert s["sample"] is None
+    report.is_main = True  # rank 0's outputs
+    with caplog.at_level("INFO", logger="chunkzero.train"):
+        report.finish(s)
+    assert (tmp_path / "sample.txt").read_text() == "an earlier session's sample\n"  # kept, not replaced
+    assert "sample (prompt" not in caplog.text and "sample.txt" not in (tmp_path / "summary.txt").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["sample"] is None
+
+
+def test_the_sample_names_the_prompt_it_was_given(tmp_path):
+    """With a sample, the summary's prompt is --prompt (decoded from the byte tokens), not ''."""
+    from torch_backend.train.adapter import Engine
+    from torch_backend.train.models import build_module, load_run_corpus
+    from torch_backend.train.report import sample_text
+
+    (tmp_path / "a.py").write_text("def f(x):\n    return x\n" * 400)
+    cfg = TrainConfig(model="gpt-tiny", mixed_precision="fp32", lr=1e-3, data=[str(tmp_path / "a.py")], seq_len=16,
+                      sample_tokens=4, block_size=64)
+    engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
+    prompt, text = sample_text(engine, load_run_corpus(cfg), cfg, torch.device("cpu"))
+    assert prompt == "def " and text.startswith("def ")
+
+
+def test_cli_refuses_jax_hybrid_in_one_line(tmp_path):
+    from .helpers import describe, run_train
+
+    p = run_train("--backend", "jax", "--shard-group-size", "1", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert p.returncode == 2, describe(p)
+    assert p.stderr.strip().splitlines() == [
+        "chunkzero train: error: --shard-group-size 1 (hybrid sharding) is for --backend torch: --backend jax trains "
+        "flat ZeRO-3 over all 2 devices (jax_backend.hybrid is not wired into chunkzero train); drop the option or "
+        "pass --shard-group-size 2"]
+    assert not (tmp_path / "o").exists()
