@@ -28,11 +28,9 @@ process group, killed as a group past its limit or ``--timeout-s``, so a rung ou
 ``over limit``, not a crash). A rung's limit is both ranks' RSS within 85% of ``MemAvailable`` read
 as the rung starts (what the machine has then, other work included); ``--limit-gib`` overrides it.
 ``--ladder-max-params`` skips larger rungs, so a test can run it tiny; ``--jsonl`` writes one line per
-rung and per engine. The real run needs up to ~20 GiB; on a shared machine, hold the lock other
-memory-heavy jobs take, e.g.:
+rung and per engine. The real run needs up to ~20 GiB, so run nothing else memory-heavy beside it:
 
-    flock /tmp/heavy-mem.lock timeout 7200 env PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_memory.py \\
-        --ladder --jsonl runs/memory_ladder.jsonl
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_memory.py --ladder --jsonl runs/memory_ladder.jsonl
 """
 
 from __future__ import annotations
