@@ -30,6 +30,8 @@ TensorStore/zarr, RNG states are JSON (:mod:`.rng`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import os
@@ -150,12 +152,14 @@ def save_checkpoint(
         ``directory/<step>``.
 
     Raises:
-        ConfigError: bad ``step``, ``max_to_keep`` or ``timeout_s``, or metadata that is not JSON-serializable.
+        ConfigError: ``model`` is not a ZeroDDP, bad ``step``, ``max_to_keep`` or ``timeout_s``, or metadata
+            that is not JSON-serializable.
         CheckpointError: the ranks were given different directories, steps, ``max_to_keep`` or chunk
             layouts (on every rank, before anything is written; names the field and both values);
             ``step`` exists already or is before the latest step; another rank did not arrive within
             ``timeout_s``; or Orbax failed.
     """
+    load_modes.require_zero_ddp(model, "save_checkpoint")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
     timeout_s = orbax_store.check_timeout(timeout_s)
@@ -219,6 +223,8 @@ def load_checkpoint(
     staged: bool = True,
     mode: str = "resume",
     force: bool = False,
+    prefix: str = "",
+    model_prefix: str = "",
 ) -> CheckpointMeta | WeightsLoad:
     """Restore ``model`` and ``optimizer`` from a checkpoint of any world size or chunk size.
 
@@ -260,27 +266,41 @@ def load_checkpoint(
             the checkpoint's tensors the model lacks are skipped, both logged and returned.
             ``"inference"``: the parameters only, then ``model.eval()``; a tensor the checkpoint lacks
             raises unless ``force``.
-        force: with ``mode="inference"``, load even if the checkpoint lacks some of the model's tensors
-            (SAT's ``force_inference``; they keep their current values).
+        force: with ``mode="inference"`` only, load even if the checkpoint lacks some of the model's
+            tensors (SAT's ``force_inference``; they keep their current values).
+        prefix, model_prefix: weights-only modes: match the checkpoint's tensor names to the model's
+            after removing ``prefix`` from them (only names under it are considered, as in
+            :func:`~torch_backend.load_pretrained`'s ``prefix``: load a sub-model of the saved one) and
+            then putting ``model_prefix`` before them (the model wraps the saved one, e.g.
+            ``model_prefix="backbone."``).
 
     Returns:
         ``mode="resume"``: the checkpoint's :class:`~chunkzero.checkpoint.CheckpointMeta`
         (``meta.data_position``, ``meta.model_config``, ``meta.extra`` …). The weights-only modes: a
         :class:`~torch_backend.checkpoint.load_modes.WeightsLoad` (``missing_keys``,
-        ``unexpected_keys``, ``step == 0``, ``meta``).
+        ``unexpected_keys``, ``mode``, ``step == 0``, ``meta``), which unpacks as
+        ``missing, unexpected`` like torch's ``load_state_dict`` result.
 
     Raises:
         CheckpointError: no such step, a truncated or missing array (names the file and array), a
             tensor of the model missing from the checkpoint or vice versa, an optimizer of another class,
             a checkpoint without optimizer state, param groups of other tensors (with
             ``load_hyperparameters``), another rank failed (names it and its error), or the ranks
-            resolved different step directories (names both). On every rank together.
+            resolved different step directories (names both); with ``mode="resume"`` every tensor
+            the model lacks or the checkpoint lacks is listed (capped). A weights-only load that
+            matches no tensor at all (names of both sides shown, a prefix suggested). On every rank together.
         CheckpointFormatError: malformed metadata (names the file and field).
         ShapeMismatchError: a tensor's shape differs between the model and the checkpoint.
-        ConfigError: an unknown ``mode``, or an optimizer given to a weights-only mode.
+        ConfigError: ``model`` is not a ZeroDDP, an unknown ``mode``, an optimizer given to a
+            weights-only mode, ``force`` with another mode than ``"inference"``, or a prefix with
+            ``mode="resume"``.
     """
-    mode = load_modes.resolve_mode(mode, optimizer)
+    load_modes.require_zero_ddp(model, "load_checkpoint")
+    mode = load_modes.resolve_mode(mode, optimizer, force)
     weights_only = mode != "resume"
+    if (prefix or model_prefix) and not weights_only:
+        raise ConfigError("prefix= and model_prefix= apply to the weights-only modes: mode='resume' restores the "
+                          "optimizer state of the very same tensors; pass mode='finetune'")
     missing: list[str] = []
     unexpected: list[str] = []
     model.synchronize()  # no collective still writing a shard this load overwrites
@@ -292,14 +312,21 @@ def load_checkpoint(
     try:
         step_dir = orbax_store.committed_step_dir(directory, step)
         meta = read_meta(step_dir)
-        if weights_only:  # the same layouts on every rank: every rank finds the same keys
-            missing, unexpected = compare_layouts(meta.layout, model.layout, source=str(step_dir))
+        saved_layout, saved_names = load_modes.renamed(meta.layout, prefix, model_prefix)
+        # the same layouts on every rank: every rank finds the same keys
+        missing, unexpected = compare_layouts(saved_layout, model.layout, source=str(step_dir))
+        unexpected = [saved_names.get(n, n) for n in unexpected]
+        if weights_only:
+            load_modes.check_matched(model.layout, meta.layout, missing, str(step_dir))
             load_modes.check_missing(mode, missing, force, str(step_dir))
+        else:
+            load_modes.check_complete(missing, unexpected, str(step_dir))
         optim_keys = _check_optimizer(model, optimizer, meta, step_dir, load_hyperparameters)
-        reader = ChunkReader(step_dir, meta)
+        read_from = meta if saved_layout is meta.layout else dataclasses.replace(meta, layout=saved_layout)
+        reader = ChunkReader(step_dir, read_from)
         into = {} if staged else optim_shards.live_buffers(model, optimizer, optim_keys)
         shard_rank = int(getattr(model, "shard_rank", rank))  # the layout's rank (hybrid: in the shard group)
-        params, optim = read_shards(step_dir, meta, model.layout, shard_rank, optim_keys=optim_keys, reader=reader,
+        params, optim = read_shards(step_dir, read_from, model.layout, shard_rank, optim_keys=optim_keys, reader=reader,
                                     into=into, missing_ok=weights_only)
         ema = ema_shards.read(step_dir, meta, model, optimizer, shard_rank, reader)
     except Exception as e:  # agree first, re-raise after
@@ -329,7 +356,7 @@ def load_checkpoint(
     for i, shard in params.items():
         model.load_master_shard(i, to_torch(shard))  # in place already: refreshes the low-precision shard
     if weights_only:
-        result = load_modes.WeightsLoad(meta, mode, missing, unexpected)
+        result = load_modes.WeightsLoad(missing, unexpected, mode, meta)
         load_modes.report(result, rank, str(step_dir))
         load_modes.finish(model, mode)
         return result

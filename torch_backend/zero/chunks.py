@@ -20,11 +20,14 @@ A chunk owns, on this rank (the design of ColossalAI Gemini's ``Chunk``, itself 
   compute dtype, then all-gathers. Where the two dtypes differ, a frozen chunk at world size 1 is
   gathered (a cast copy) per use instead of staying resident, and a keep-gathered one keeps its
   whole storage-dtype chunk plus the compute-dtype buffer, refreshed from it on load.
-- ``buffer`` — the full chunk in the compute dtype; the module's parameters are views into it for
-  the chunk's lifetime. Released, its storage is resized to zero bytes (the parameters keep their
-  shapes but hold no data); gathered, it is resized back and filled by an all-gather (FSDP2's
-  trick), so shapes never change and views autograd saved in forward (``weight.t()`` saved by
-  ``F.linear``) see the re-gathered data in backward.
+- ``buffer`` — the full chunk in the compute dtype. Released, its storage is resized to zero bytes;
+  gathered, it is resized back and filled by an all-gather (FSDP2's trick), so views autograd saved
+  in forward (``weight.t()`` saved by ``F.linear``) see the re-gathered data in backward. The
+  module's parameter objects are kept (FSDP2 swaps in sharded DTensors instead): while the chunk is
+  gathered each one's ``.data`` is its view into the buffer; released, a placeholder of the same
+  shape, dtype and device that reads as NaN and holds no memory (a stride-0 expand of one element),
+  so a read outside the engine (``module.weight.sum()``, the inner module's ``state_dict()``) shows
+  NaN instead of touching a zero-byte storage; the full values are ``ZeroDDP.state_dict()``'s.
 - ``grad_buffer`` — the full-chunk gradient (compute dtype) accumulated in backward until reduced.
 
 **Its life.** The chunk owns the state of its tensors (the core :class:`chunkzero.ChunkStates`:
@@ -82,6 +85,15 @@ class Pin(enum.Enum):
 
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _released_placeholder(view: torch.Tensor) -> torch.Tensor:
+    """What a parameter of a released chunk holds in place of its ``view`` of the buffer: the full
+    shape, dtype and device, every element NaN, no memory (one element expanded with stride 0; one
+    per parameter, so a write into a one-element parameter shows in no other). Reads outside the
+    engine see NaN, never stale values or memory past a zero-byte storage; an in-place write into a
+    multi-element one raises (torch refuses writes to overlapping memory)."""
+    return torch.full((), float("nan"), dtype=view.dtype, device=view.device).expand(view.shape)
 
 
 class Chunk(ChunkShardIO):
@@ -214,11 +226,20 @@ class Chunk(ChunkShardIO):
             self._gathered = False
         self.storage_key = storage_key(self.buffer)
         """Identity of the gathered buffer's storage (views of it found by the backward's pack hook)."""
-        for t in self.placements:
-            params[t.name].data = self.buffer[t.offset : t.end].view(t.shape)
+        # Each parameter holds its view of the buffer while the chunk is gathered, and a placeholder
+        # of its full shape while it is released (module docstring): both made once, swapped by
+        # ``.data`` assignments (a few per gather and release).
+        self._param_views = [(params[t.name], self.buffer[t.offset : t.end].view(t.shape)) for t in self.placements]
+        self._param_placeholders = [(p, _released_placeholder(v)) for p, v in self._param_views]
+        self._point_params(gathered=self.resident)
         if not self.resident:
             self.buffer.untyped_storage().resize_(0)
         self.account_persistent()
+
+    def _point_params(self, *, gathered: bool) -> None:
+        """Point every parameter's ``.data`` at its view of the gathered buffer, or at its placeholder."""
+        for p, t in self._param_views if gathered else self._param_placeholders:
+            p.data = t
 
     def account_persistent(self) -> None:
         """(Re)count the persistent tensors in the tracker — the parameter shard (the master itself in
@@ -269,6 +290,7 @@ class Chunk(ChunkShardIO):
             nbytes = self.size * self.buffer.element_size()
             self.buffer.untyped_storage().resize_(nbytes)
             self._gathered_key = self.tracker.add("gathered_buffers", self.buffer.device, nbytes)
+            self._point_params(gathered=True)
         self.topology.count(INTRA, "all_gather", self.size * self.buffer.element_size())
         self._gather = collectives.all_gather_flat(self.buffer, self._gather_source(), self.group, async_op=async_op,
                                                    tracker=self.tracker)
@@ -303,6 +325,7 @@ class Chunk(ChunkShardIO):
             return False
         for name in self.states.names_in(S.HOLD, S.COMPUTE):
             self.states.transition(name, S.FREE)
+        self._point_params(gathered=False)  # before the storage goes: no parameter ever points past it
         self.buffer.untyped_storage().resize_(0)
         self.tracker.free(self._gathered_key)
         self._gathered_key = None
