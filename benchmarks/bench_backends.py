@@ -28,33 +28,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-CORPUS_FILES = ["argparse.py", "textwrap.py", "string.py", "shlex.py", "json/decoder.py", "json/encoder.py",
-                "ast.py", "dataclasses.py", "inspect.py", "typing.py", "functools.py"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_runs import make_corpus, train_env  # noqa: E402
+
 ENGINES = {"torch": ["--nproc", "2"], "jax": ["--backend", "jax", "--nproc", "2", "--devices-per-process", "1"]}
 
 
-def make_corpus(dest: Path) -> Path:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    dest.mkdir(parents=True, exist_ok=True)
-    for rel in CORPUS_FILES:
-        if (stdlib / rel).is_file():
-            shutil.copy(stdlib / rel, dest / rel.replace("/", "_"))
-    return dest
-
-
 def run_once(engine: str, common: list[str], out: Path, cwd: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = train_env()
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "chunkzero.cli", "train", *common, *ENGINES[engine], "--out", str(out),
                         "--overwrite"], cwd=cwd, env=env, capture_output=True, text=True)

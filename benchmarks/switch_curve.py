@@ -30,35 +30,25 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import sysconfig  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
+from train_runs import CORPUS_FILES as STDLIB_CORPUS_FILES, make_corpus, train_env  # noqa: E402
 
 GLOBAL_BATCH = 12
-CORPUS_FILES = ["argparse.py", "textwrap.py", "string.py", "shlex.py", "json/decoder.py", "json/encoder.py",
-                "ast.py", "dataclasses.py", "inspect.py", "typing.py", "functools.py", "pathlib/__init__.py"]
+CORPUS_FILES = (*STDLIB_CORPUS_FILES, "pathlib/__init__.py")
 """About 1 MB of the standard library's source (files that are missing are skipped)."""
-
-
-def make_corpus(dest: Path) -> Path:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    dest.mkdir(parents=True, exist_ok=True)
-    for rel in CORPUS_FILES:
-        if (stdlib / rel).is_file():
-            shutil.copy(stdlib / rel, dest / rel.replace("/", "_"))
-    return dest
 
 
 def train(*args: str, cwd: Path) -> float:
     """Run ``chunkzero train`` (this checkout); its wall time in seconds. Raises on a non-zero exit."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = train_env()
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "chunkzero.cli", "train", *args], cwd=cwd, env=env,
                        capture_output=True, text=True)
@@ -132,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="switch-curve-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        corpus = make_corpus(work / "corpus")
+        corpus = make_corpus(work / "corpus", CORPUS_FILES)
         common = ["--model", "gpt-tiny", "--seq-len", "64", "--lr", "3e-3", "--warmup", "5", "--steps", str(args.steps),
                   "--eval-interval", str(max(1, third // 2)), "--eval-batches", "4", "--save-interval", str(third),
                   "--sample-tokens", "0", "--data", str(corpus), "--overwrite"]

@@ -88,6 +88,26 @@ def prepare_out_dir(cfg: TrainConfig) -> Path:
     return out
 
 
+def write_run_config(cfg: TrainConfig, corpus, world_size: int) -> dict | None:
+    """Prepare ``--out`` (:func:`prepare_out_dir`) and write ``--out/config.json``: ``cfg`` with
+    ``world_size`` and ``data_summary`` (``corpus.summary()``). Rank / process 0 of either backend runs it.
+
+    Returns:
+        With ``--resume``, the ``config.json`` it replaced (the checkpointed run's settings), or ``None``
+        when that is missing or not JSON; ``None`` without ``--resume``.
+    """
+    out = prepare_out_dir(cfg)
+    previous_config = None
+    if cfg.resume:
+        try:
+            previous_config = json.loads((out / "config.json").read_text())
+        except (OSError, ValueError):
+            previous_config = None
+    (out / "config.json").write_text(json.dumps(
+        {**cfg.to_dict(), "world_size": world_size, "data_summary": corpus.summary()}, indent=2) + "\n")
+    return previous_config
+
+
 def check_resume(cfg: TrainConfig) -> CheckpointMeta:
     """``--resume``'s checks that need only the latest checkpoint's metadata (no array is read): it is
     readable and its step is below ``--steps``, the run's total. Run before any worker starts, with

@@ -20,8 +20,7 @@ import tempfile
 from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError, ConfigError
-from chunkzero.run_dir import check_out_dir, check_resume, fresh_run_dir, previous_settings
-from chunkzero.train_config import TrainConfig, resumed_schedule_steps, with_device_defaults
+from chunkzero.train_config import TrainConfig, with_device_defaults
 from chunkzero.workers import COORDINATOR_ENV, WorkerFailure, launch_processes
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -41,7 +40,7 @@ def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | N
         ConfigError / DataError: one line naming the input at fault.
     """
     from torch_backend.train.models import load_run_corpus, model_block_size
-    from torch_backend.train.resolve import check_resume_model
+    from torch_backend.train.resolve import check_run_out
 
     cfg = dataclasses.replace(cfg)
     cfg.check()
@@ -59,17 +58,10 @@ def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | N
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
     if check_out:
-        if cfg.out is None:
-            cfg.out = str(fresh_run_dir(Path("runs")))
-        check_out_dir(cfg)
-        cfg.schedule_steps = cfg.steps
-        if cfg.resume:
-            meta = check_resume(cfg)
-            check_resume_model(cfg, meta)
-            if meta.mixed_precision == "fp16":
-                raise ConfigError(f"--resume: the checkpoint in {cfg.out} was trained in fp16, which --backend jax "
-                                  "does not run")
-            cfg.schedule_steps = resumed_schedule_steps(cfg, previous_settings(cfg, meta)[0])
+        meta = check_run_out(cfg)
+        if meta is not None and meta.mixed_precision == "fp16":
+            raise ConfigError(f"--resume: the checkpoint in {cfg.out} was trained in fp16, which --backend jax "
+                              "does not run")
     corpus = load_run_corpus(cfg)
     cfg.validated = True
     return cfg, corpus

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError
 from chunkzero.process_exit import exit_without_finalization
-from chunkzero.run_dir import prepare_out_dir
+from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
 from chunkzero.workers import EXIT_PEER_LOST, write_result
 
@@ -80,14 +80,7 @@ def worker_main(cfg: TrainConfig) -> dict:
         out = Path(cfg.out)
         previous_config = None
         if place.process_id == 0:
-            prepare_out_dir(cfg)
-            if cfg.resume:
-                try:
-                    previous_config = json.loads((out / "config.json").read_text())
-                except (OSError, ValueError):
-                    previous_config = None
-            (out / "config.json").write_text(json.dumps(
-                {**cfg.to_dict(), "world_size": cfg.world_size, "data_summary": corpus.summary()}, indent=2) + "\n")
+            previous_config = write_run_config(cfg, corpus, cfg.world_size)
             setup_logging(0, out)
         all_gather_json(None)  # --out exists before anyone writes into it
         pid_dir = out / "pids"

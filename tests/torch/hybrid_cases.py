@@ -4,11 +4,7 @@ References are single-process full-batch runs of an identical module (``zero_cas
 
 from __future__ import annotations
 
-import copy
-
 import torch
-import torch.nn.functional as F
-
 from zero_cases import FP32, assert_state_close, gpt2_loss, hf_gpt2, mean_over_ranks, micro, reference_run
 
 HYPER = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -128,29 +124,9 @@ def worker_bad_shard_group_size(rank: int, world: int):
 
 def worker_moe_idle_expert(rank: int, world: int, shard_group_size: int):
     """An expert idle on one rank (rank 0: its micro-batch routes only to expert 0) under hybrid sharding."""
-    from recipe_cases import ADAMW, MoE, _train_both
-    from torch_backend import ZeroDDP, ZeroOptimizer
+    from recipe_cases import moe_idle_expert_run
 
-    module = MoE()
-    ref = copy.deepcopy(module)
-    model = ZeroDDP(module, chunk_size=600, prefetch=1, shard_group_size=shard_group_size)
-    expert_chunks = {model.layout.tensor(f"experts.{i}.0.weight").chunk for i in range(2)}
-    assert len(expert_chunks) == 2 and model.replicas == world // shard_group_size, model.layout.summary()
-    optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
-    g = torch.Generator().manual_seed(5)
-    data = []
-    for _ in range(3):
-        x = torch.randn(4 * world, 4, generator=g)
-        n = x.shape[0] // world
-        x[:n, 0] = x[:n, 0].abs()
-        data.append((x, torch.randn(4 * world, generator=g)))
-
-    def loss_fn(m, batch):
-        x, y = batch
-        return F.mse_loss(m(x), y)
-
-    _train_both(model, optim, ref, ref_opt, loss_fn, data, rank, world)
+    moe_idle_expert_run(rank, world, shard_group_size)
     return True
 
 

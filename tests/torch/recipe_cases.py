@@ -177,15 +177,17 @@ class MoE(nn.Module):
         return self.out(y + h).squeeze(-1)
 
 
-def worker_moe(rank: int, world: int):
-    """An expert idle on one rank only (its own chunk) trains equal to the reference."""
+def moe_idle_expert_run(rank: int, world: int, shard_group_size: int | None = None):
+    """Train :class:`MoE` with an expert idle on rank 0 (each expert in its own chunk; shards over
+    ``shard_group_size`` ranks, all when ``None``) and its single-process reference, asserting they agree
+    (:func:`_train_both`). Returns the ZeroDDP model."""
     from torch_backend import ZeroDDP, ZeroOptimizer
 
     module = MoE()
     ref = copy.deepcopy(module)
-    model = ZeroDDP(module, chunk_size=600, prefetch=1)
+    model = ZeroDDP(module, chunk_size=600, prefetch=1, shard_group_size=shard_group_size)
     expert_chunks = {model.layout.tensor(f"experts.{i}.0.weight").chunk for i in range(2)}
-    assert len(expert_chunks) == 2, model.layout.summary()
+    assert len(expert_chunks) == 2 and model.replicas == world // (shard_group_size or world), model.layout.summary()
     optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
     g = torch.Generator().manual_seed(5)
@@ -202,7 +204,12 @@ def worker_moe(rank: int, world: int):
         return F.mse_loss(m(x), y)
 
     _train_both(model, optim, ref, ref_opt, loss_fn, data, rank, world)
-    return model.collective_stats
+    return model
+
+
+def worker_moe(rank: int, world: int):
+    """An expert idle on one rank only (its own chunk) trains equal to the reference."""
+    return moe_idle_expert_run(rank, world).collective_stats
 
 
 def worker_no_silent_noops(rank: int, world: int):

@@ -3,20 +3,7 @@ interpreter (one process), then checked; and its export command (``--ema``) on t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
-
-
-def readme_example() -> str:
-    """The first python block after the "## EMA weights" heading."""
-    text = README.read_text()
-    after = text[text.index("\n## EMA weights"):]
-    return after.split("```python\n", 1)[1].split("```", 1)[0]
+from readme_blocks import README, python_block_after, run_example, run_python
 
 
 CHECKS = """
@@ -34,15 +21,10 @@ print("EXAMPLE OK")
 
 
 def test_readme_ema_example_runs(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", readme_example() + CHECKS], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "EXAMPLE OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_example(python_block_after("## EMA weights") + CHECKS, tmp_path)
     text = README.read_text()
     command = "chunkzero export runs/ema-demo --format safetensors runs/ema-hf --ema"
     assert command in text
-    proc = subprocess.run([sys.executable, "-m", "chunkzero.cli", *command.split()[1:]], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_python(["-m", "chunkzero.cli", *command.split()[1:]], tmp_path)
     assert proc.returncode == 0 and "(EMA weights)" in proc.stdout, proc.stdout + proc.stderr
     assert (tmp_path / "runs" / "ema-hf" / "model.safetensors").is_file()

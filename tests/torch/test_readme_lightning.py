@@ -3,31 +3,17 @@ fresh interpreter (Lightning's launcher starts the second rank), then its checkp
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from readme_blocks import example_env, python_block_after, run_python
 
 pytest.importorskip("lightning")
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    after = text[text.index("\n## PyTorch Lightning"):]
-    return after.split("```python\n", 1)[1].split("```", 1)[0]
-
 
 def test_readme_lightning_example_runs(tmp_path):
-    (tmp_path / "lit.py").write_text(readme_example())
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    (tmp_path / "lit.py").write_text(python_block_after("## PyTorch Lightning"))
+    env = example_env(OMP_NUM_THREADS="1")
     for args in ([], ["resume"]):
-        proc = subprocess.run([sys.executable, "lit.py", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = run_python(["lit.py", *args], tmp_path, env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     from chunkzero.checkpoint import latest_step, read_meta
 

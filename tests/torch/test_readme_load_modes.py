@@ -3,20 +3,7 @@ verbatim in a fresh interpreter (one process), then checked against the checkpoi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
-
-
-def readme_example() -> str:
-    """The first python block after the "### Load modes" heading."""
-    text = README.read_text()
-    after = text[text.index("\n### Load modes"):]
-    return after.split("```python\n", 1)[1].split("```", 1)[0]
+from readme_blocks import python_block_after, run_example
 
 
 CHECKS = """
@@ -29,9 +16,5 @@ print("EXAMPLE OK")
 
 
 def test_readme_load_mode_example_runs(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", readme_example() + CHECKS], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "EXAMPLE OK" in proc.stdout and "['cls_head.weight', 'cls_head.bias']" in proc.stdout
+    proc = run_example(python_block_after("### Load modes") + CHECKS, tmp_path)
+    assert "['cls_head.weight', 'cls_head.bias']" in proc.stdout

@@ -3,21 +3,9 @@ verbatim in a fresh interpreter (one process, the tiny GPT-2 it configures), the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
-
-
-def readme_example() -> str:
-    """The first python block after the "## Real models" heading."""
-    text = README.read_text()
-    after = text[text.index("\n## Real models"):]
-    return after.split("```python\n", 1)[1].split("```", 1)[0]
+from readme_blocks import python_block_after, run_example
 
 
 CHECKS = """
@@ -46,8 +34,4 @@ print("EXAMPLE OK")
 
 
 def test_readme_real_models_example_runs(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    code = readme_example() + textwrap.dedent(CHECKS)
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "EXAMPLE OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    run_example(python_block_after("## Real models") + textwrap.dedent(CHECKS), tmp_path)

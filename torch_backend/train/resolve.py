@@ -172,6 +172,30 @@ def check_resume_model(cfg: TrainConfig, meta: CheckpointMeta) -> None:
                           f"{trained}): {e}") from None
 
 
+def check_run_out(cfg: TrainConfig) -> CheckpointMeta | None:
+    """Resolve and check ``--out`` in place, for either backend's launcher: ``runs/<timestamp>`` when
+    unset, usable (:func:`chunkzero.run_dir.check_out_dir`), and ``cfg.schedule_steps`` set to
+    ``--steps`` or, with ``--resume``, to the kept schedule of a checkpoint whose step is below
+    ``--steps`` and whose tensors are the model's (:func:`check_resume_model`).
+
+    Returns:
+        The checkpoint's metadata with ``--resume``, else ``None``.
+
+    Raises:
+        ConfigError: naming ``--out``, the checkpoint or the tensor at fault.
+    """
+    if cfg.out is None:
+        cfg.out = str(fresh_run_dir(Path("runs")))
+    check_out_dir(cfg)
+    cfg.schedule_steps = cfg.steps
+    if not cfg.resume:
+        return None
+    meta = check_resume(cfg)
+    check_resume_model(cfg, meta)
+    cfg.schedule_steps = resumed_schedule_steps(cfg, previous_settings(cfg, meta)[0])
+    return meta
+
+
 def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, data_mod.Corpus]:
     """Check every user input before any worker starts; return the resolved config and the corpus.
 
@@ -198,14 +222,7 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
     check_precision(cfg.mixed_precision, cfg.device)
     if check_out:
-        if cfg.out is None:
-            cfg.out = str(fresh_run_dir(Path("runs")))
-        check_out_dir(cfg)
-        cfg.schedule_steps = cfg.steps
-        if cfg.resume:
-            meta = check_resume(cfg)
-            check_resume_model(cfg, meta)
-            cfg.schedule_steps = resumed_schedule_steps(cfg, previous_settings(cfg, meta)[0])
+        check_run_out(cfg)
     corpus = load_run_corpus(cfg)
     cfg.validated = True
     return cfg, corpus

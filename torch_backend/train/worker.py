@@ -14,7 +14,6 @@ and under ``torchrun`` the CLI arranges the same exit (:func:`exit_without_final
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 import sys
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from chunkzero.errors import ChunkZeroError, LossScaleError
-from chunkzero.run_dir import prepare_out_dir
+from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
 
 from ..zero.collectives import all_gather_json, barrier, world_group
@@ -118,14 +117,7 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
         out = Path(cfg.out)
         previous_config = None
         if rank == 0:
-            prepare_out_dir(cfg)
-            if cfg.resume:
-                try:
-                    previous_config = json.loads((out / "config.json").read_text())
-                except (OSError, ValueError):
-                    previous_config = None
-            (out / "config.json").write_text(json.dumps(
-                {**cfg.to_dict(), "world_size": world, "data_summary": corpus.summary()}, indent=2) + "\n")
+            previous_config = write_run_config(cfg, corpus, world)
             setup_logging(rank, out)
         barrier(group)
         pid_dir = out / "pids"
