@@ -33,6 +33,7 @@ Batches are ``{"idx": int32[B, T], "targets": int32[B, T]}``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -139,13 +140,18 @@ def _set(tree: dict, path: Sequence, value) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def gpt_program(config: Any, name: str | None = None) -> Program:
+def gpt_program(config: Any, name: str | None = None, *, hf_conv1d: bool = False) -> Program:
     """The GPT of :mod:`jax_backend.gpt` as stages: ``embed`` (``wte``, ``wpe``), ``h.0`` … ``h.{L-1}``
     (one per transformer block), ``head`` (``ln_f`` and the tied ``wte``).
 
     Args:
         config: a :class:`chunkzero.configs.GPTConfig` (or anything :func:`chunkzero.configs.as_gpt_config`
             takes); ``dropout`` must be 0.
+        hf_conv1d: the tensors of Hugging Face ``GPT2LMHeadModel`` instead of ``nn.Linear``'s: the same
+            names, but the four projection weights (``attn.c_attn``, ``attn.c_proj``, ``mlp.c_fc``,
+            ``mlp.c_proj``) are ``Conv1D`` ``(in, out)`` — Flax's kernel layout, read without a transpose.
+            The specs, ``init`` and every stage then speak HF's shapes, so a chunk layout of an HF
+            GPT-2 (the torch engine's) trains here as it is.
 
     Raises:
         ConfigError: dropout > 0 (stages are deterministic).
@@ -155,6 +161,9 @@ def gpt_program(config: Any, name: str | None = None) -> Program:
         raise ConfigError(f"the staged GPT needs dropout=0, got {cfg.dropout}")
     rules = {r.torch_name: r for r in param_rules(cfg)}
     specs = tuple(param_specs(cfg))
+    if hf_conv1d:  # Conv1D (in, out): the transposed Linear shape, the kernel's own
+        specs = tuple(dataclasses.replace(s, shape=s.shape[::-1]) if rules[s.name].transpose else s for s in specs)
+    transposed = {n for n, r in rules.items() if r.transpose and not hf_conv1d}
     block_gd, block_abs = nnx.split(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
     ln_gd, ln_abs = nnx.split(nnx.eval_shape(
         lambda: nnx.LayerNorm(cfg.n_embd, epsilon=cfg.layer_norm_eps, use_bias=cfg.bias, use_fast_variance=False,
@@ -164,7 +173,7 @@ def gpt_program(config: Any, name: str | None = None) -> Program:
         pure: dict = {}
         for n, v in tensors.items():
             r = rules[n]
-            _set(pure, r.flax_path[strip:], v.T if r.transpose else v)
+            _set(pure, r.flax_path[strip:], v.T if n in transposed else v)
         return _nnx_merge(graphdef, abstract, pure)
 
     def embed(t, h, batch):
@@ -189,7 +198,8 @@ def gpt_program(config: Any, name: str | None = None) -> Program:
     stages.append(Stage("head", tuple(n for n in names if n.startswith("transformer.ln_f.")) + ("transformer.wte.weight",), head))
 
     def init(seed: int = 0) -> dict[str, jax.Array]:
-        return dict(flax_to_torch(init_gpt(cfg, seed)))
+        params = flax_to_torch(init_gpt(cfg, seed))
+        return {n: v if n in transposed or not rules[n].transpose else v.T for n, v in params.items()}
 
     return Program(name or "gpt", specs, tuple(stages), init, cfg.vocab_size, cfg.block_size, cfg)
 

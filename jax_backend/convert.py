@@ -306,13 +306,27 @@ _HF_BUFFERS = (".attn.bias", ".attn.masked_bias")
 def hf_gpt2_config(hf_config: Any) -> GPTConfig:
     """The :class:`GPTConfig` of a ``transformers.GPT2Config`` (or its ``to_dict()``).
 
+    Dropout is not carried (the GPT it returns has ``dropout=0``).
+
     Raises:
-        ConfigError: an activation other than the tanh GELU (``gelu_new`` / ``gelu_pytorch_tanh``).
+        ConfigError: an activation other than the tanh GELU (``gelu_new`` / ``gelu_pytorch_tanh``), or a
+            GPT-2 variant this GPT does not compute (naming the field): an MLP width ``n_inner`` other
+            than ``4·n_embd``, unscaled or layer-scaled attention, an untied head, cross-attention.
     """
     d = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
     act = d.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ConfigError(f"Hugging Face GPT-2 activation {act!r} is not the tanh GELU this GPT uses")
+    n_inner = d.get("n_inner")
+    variants = {"n_inner": n_inner is not None and n_inner != 4 * d["n_embd"],
+                "scale_attn_weights": not d.get("scale_attn_weights", True),
+                "scale_attn_by_inverse_layer_idx": bool(d.get("scale_attn_by_inverse_layer_idx", False)),
+                "tie_word_embeddings": not d.get("tie_word_embeddings", True),
+                "add_cross_attention": bool(d.get("add_cross_attention", False))}
+    for key, unsupported in variants.items():
+        if unsupported:
+            raise ConfigError(f"Hugging Face GPT-2 {key}={d.get(key)!r} is a variant this GPT does not compute "
+                              "(it has a 4·n_embd MLP, 1/sqrt(head size) attention, a tied head, no cross-attention)")
     return GPTConfig(block_size=d["n_positions"], vocab_size=d["vocab_size"], n_layer=d["n_layer"], n_head=d["n_head"],
                      n_embd=d["n_embd"], dropout=0.0, bias=True, layer_norm_eps=d.get("layer_norm_epsilon", 1e-5))
 

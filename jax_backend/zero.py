@@ -168,7 +168,8 @@ class ZeroTrainer(ShardedTrainer):
         Args:
             path, step: a checkpoint root or step directory, and the step (default: the latest).
             mesh, axis: where to train; the layout is the saved one relaid out for ``mesh.shape[axis]``.
-            program: the model as stages (default: the GPT of the checkpoint's ``model_config``).
+            program: the model as stages (default: the GPT of the checkpoint's ``model_config``; a Hugging
+                Face GPT-2 config, ``model_type`` ``"gpt2"``, gives its HF-named, ``Conv1D``-shaped program).
             kwargs: more :class:`ZeroTrainer` arguments (``donate`` …); ``mixed_precision`` and
                 ``max_norm`` override the saved ones.
 
@@ -187,7 +188,12 @@ class ZeroTrainer(ShardedTrainer):
         if program is None:
             if not meta.model_config:
                 raise ConfigError(f"checkpoint {str(restored.path)!r} has no model_config: pass program=")
-            program = gpt_program(GPTConfig.from_dict(meta.model_config))
+            if meta.model_config.get("model_type") == "gpt2":  # a Hugging Face GPT-2: HF names, Conv1D shapes
+                from .convert import hf_gpt2_config
+
+                program = gpt_program(hf_gpt2_config(meta.model_config), "hf-gpt2", hf_conv1d=True)
+            else:
+                program = gpt_program(GPTConfig.from_dict(meta.model_config))
         if meta.mixed_precision == "fp16" and "mixed_precision" not in kwargs:
             raise ConfigError(f"checkpoint {str(restored.path)!r} was trained in fp16, which the JAX step does not "
                               "run: pass mixed_precision='fp32' or 'bf16'")

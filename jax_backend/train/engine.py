@@ -1,8 +1,10 @@
 """:class:`JaxEngine`: :class:`jax_backend.ZeroTrainer` set up as ``chunkzero train`` sets up the torch
 engine, behind the interface the loop and :class:`torch_backend.train.report.Report` read.
 
-The same run as torch's: the byte-level GPT initialised by ``torch.manual_seed(seed)`` (the torch module
-is built once and its weights packed, so both engines start from the same bytes), the chunk layout of
+The same run as torch's: the model initialised by ``torch.manual_seed(seed)`` (the torch module is built
+once and its weights packed, so both engines start from the same bytes) — a byte-level GPT, or a Hugging
+Face GPT-2 directory under HF's own tensor names and ``Conv1D`` ``(in, out)`` shapes
+(:func:`jax_backend.blocks.gpt_program` with ``hf_conv1d``), so its checkpoints are the torch run's — the chunk layout of
 :class:`torch_backend.ZeroDDP` (the core search over the same tensor specs, in the compute dtype),
 AdamW with betas (0.9, 0.95), eps 1e-8, the two param groups of
 :func:`torch_backend.train.adapter.decay_groups` (weight decay on tensors of 2 or more dimensions),
@@ -34,9 +36,9 @@ from chunkzero.layout import ChunkLayout
 from chunkzero.search import search_chunk_size
 from chunkzero.train_config import TrainConfig
 
-from ..blocks import gpt_program
+from ..blocks import Program, gpt_program
 from ..checkpoint import restore_checkpoint
-from ..convert import param_specs
+from ..convert import hf_gpt2_config
 from ..optim import adamw_meta, param_groups_adamw
 from ..zero import ZeroTrainer
 
@@ -60,10 +62,36 @@ def lr_schedule(cfg: TrainConfig):
     return schedule
 
 
+def run_program(cfg: TrainConfig) -> Program:
+    """The staged program of ``cfg.model``: a byte-level GPT by name, or (``cfg.model_kind == "hf"``) the
+    Hugging Face GPT-2 of that directory under HF's tensor names and shapes.
+
+    Raises:
+        ConfigError: a Hugging Face config this GPT does not compute (:func:`jax_backend.convert.hf_gpt2_config`).
+    """
+    if cfg.model_kind == "hf":
+        from torch_backend.train.models import hf_config
+
+        return gpt_program(hf_gpt2_config(hf_config(cfg.model)), "hf-gpt2", hf_conv1d=True)
+    return gpt_program(GPT_CONFIGS[cfg.model])
+
+
+def run_model_config(cfg: TrainConfig) -> dict:
+    """The ``model_config`` a checkpoint of this run records, as the torch engine records it (the HF config's
+    ``to_dict()`` for a Hugging Face directory, the byte-level GPT's config otherwise)."""
+    if cfg.model_kind == "hf":
+        import json
+
+        from torch_backend.train.models import hf_config
+
+        return json.loads(json.dumps(hf_config(cfg.model).to_dict()))
+    return GPT_CONFIGS[cfg.model].to_dict()
+
+
 def build_layout(cfg: TrainConfig, world: int) -> ChunkLayout:
     """The layout ZeroDDP builds for ``cfg.model`` at ``world`` ranks (same specs, same search)."""
     dtype = "bfloat16" if cfg.mixed_precision == "bf16" else "float32"
-    specs = [dataclasses.replace(s, dtype=dtype) for s in param_specs(GPT_CONFIGS[cfg.model])]
+    specs = [dataclasses.replace(s, dtype=dtype) for s in run_program(cfg).specs]
     if cfg.chunk_size is not None:
         return ChunkLayout.build(specs, cfg.chunk_size, world)
     found = search_chunk_size(specs, world)
@@ -102,7 +130,7 @@ class JaxEngine:
     def __init__(self, cfg: TrainConfig, mesh, *, resume_from: Path | None = None):
         self.cfg, self.mesh = cfg, mesh
         self.world = int(mesh.devices.size)
-        self.program = gpt_program(GPT_CONFIGS[cfg.model])
+        self.program = run_program(cfg)
         self.meta = None
         if resume_from is not None:
             restored = restore_checkpoint(resume_from, mesh, with_optimizer=True)
@@ -165,7 +193,7 @@ class JaxEngine:
         import orbax.checkpoint as ocp
 
         self.trainer.save_checkpoint(directory, self.state, step=step, data_position=data_position, extra=extra,
-                                     model_config=GPT_CONFIGS[self.cfg.model].to_dict(), timeout_s=self.cfg.timeout_s,
+                                     model_config=run_model_config(self.cfg), timeout_s=self.cfg.timeout_s,
                                      options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
     def full_params(self) -> dict[str, np.ndarray]:
