@@ -59,6 +59,21 @@ def test_a_request_of_a_slab_or_more_gets_an_exact_slab():
     del small, big, again
 
 
+def test_an_own_slab_rounded_up_by_the_allocator_is_reused_for_its_request():
+    """Where registration fails, a slab is a power-of-two block of torch's host allocator, larger than
+    the request: the next request of that size must reuse it, not pile up new slabs."""
+    def rounded(nbytes):
+        block = pinned_block_bytes(nbytes)
+        return torch.empty(block, dtype=torch.uint8), block
+
+    arena = PinnedArena(rounded, slab_bytes=MiB)
+    for _ in range(3):
+        t = arena.empty(3 * MiB // 4 + 1, torch.float32)  # 3 MiB + 4 bytes in a 4 MiB block
+        del t
+        gc.collect()
+    assert arena.num_slabs == 1 and arena.held_bytes == 4 * MiB
+
+
 def test_a_freed_range_is_reused_only_after_its_events_are_waited_for():
     log = []
     clock = iter(range(1000))

@@ -49,7 +49,7 @@ def _aligned(nbytes: int) -> int:
 
 
 class _Slab:
-    __slots__ = ("free", "held", "memory", "nbytes", "own", "ptr", "used")
+    __slots__ = ("free", "held", "memory", "nbytes", "own", "ptr", "request", "used")
 
     def __init__(self, memory: torch.Tensor, held: int):
         self.memory = memory  # keeps the slab's memory alive (and registered)
@@ -57,6 +57,7 @@ class _Slab:
         self.nbytes = memory.numel()
         self.held = int(held)
         self.own = False
+        self.request = self.nbytes  # an own slab: the request it was made for (its block may be larger)
         self.free: list[list] = [[0, self.nbytes, []]]  # [offset, nbytes, events to wait for], by offset
         self.used = 0
 
@@ -110,6 +111,7 @@ class PinnedArena:
         if slab is None:
             slab = _Slab(*self._allocate(need if own else self.slab_bytes))
             slab.own = own
+            slab.request = need if own else slab.nbytes
             self._slabs.append(slab)
             self.held_bytes += slab.held
             offset = self._take(slab, 0, need)
@@ -122,7 +124,7 @@ class PinnedArena:
 
     def _find(self, need: int, own: bool):
         for slab in self._slabs:
-            if slab.own != own or (own and slab.nbytes != need):  # own slabs are reused at their size only
+            if slab.own != own or (own and slab.request != need):  # own slabs are reused at their size only
                 continue
             for i, (offset, n, _) in enumerate(slab.free):
                 if n >= need:
@@ -199,7 +201,7 @@ def pinned_slab(nbytes: int) -> tuple[torch.Tensor, int]:
         memory = raw[start : start + nbytes]
         memory.zero_()  # touch the pages before they are locked
         if int(register(memory.data_ptr(), nbytes, 0)) == 0:
-            weakref.finalize(raw, _unregister, cudart, memory.data_ptr())
+            weakref.finalize(memory, _unregister, cudart, memory.data_ptr())  # the slab keeps ``memory``
             return memory, nbytes
     block = pinned_block_bytes(nbytes)
     return torch.empty(block, dtype=torch.uint8, pin_memory=True), block

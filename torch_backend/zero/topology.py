@@ -1,7 +1,7 @@
 """Hybrid sharding's process groups: shard within a group of ranks, replicate across the groups.
 
 ``ZeroDDP(..., shard_group_size=S)`` on a data-parallel group of ``W = S · R`` ranks (HSDP in FSDP2's
-terms, ZeRO++'s hpZ / MiCS in DeepSpeed's). :class:`Topology` owns the two groups and answers every
+terms, MiCS in DeepSpeed's). :class:`Topology` owns the two groups and answers every
 "which group, which rank" question, so nothing else in the engine knows about the two levels:
 
 - the **shard group** (*intra* level): ``S`` ranks with consecutive group ranks ``g·S … g·S+S-1``
@@ -104,8 +104,9 @@ class Topology:
 
     @property
     def hybrid(self) -> bool:
-        """Whether shards are replicated (``R > 1`` with ``S > 1``: two levels of groups)."""
-        return self.replicas > 1
+        """Whether shards are replicated (``R > 1`` with ``S > 1``: two levels of groups). ``S = 1`` is one
+        level: every chunk whole on every rank, all-reduced over the data-parallel group."""
+        return self.replicas > 1 and self.shard_group_size > 1
 
     def count(self, level: str, kind: str, nbytes: int) -> None:
         """Count a chunk collective of ``nbytes`` payload on ``level`` (:class:`CollectiveBytes`)."""
