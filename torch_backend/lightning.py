@@ -52,6 +52,7 @@ from chunkzero.checkpoint import is_step_dir, latest_step, orbax_store
 from chunkzero.errors import CheckpointError, ConfigError
 
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
+from .zero.collectives import all_gather_json
 from .lightning_state import from_json, to_json
 from .zero import ZeroDDP, ZeroOptimizer
 
@@ -292,7 +293,8 @@ class ZeroStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write ``filepath`` as a chunkzero checkpoint directory (collective: every rank calls it, as
         ``Trainer.save_checkpoint`` does). A chunkzero checkpoint already at ``filepath`` with a step at or
-        after this one is replaced (a file path is Lightning's to overwrite).
+        after this one is replaced (a file path is Lightning's to overwrite): those steps are removed first,
+        older ones only once the new step is written. Rank 0's view of ``filepath`` decides for all ranks.
 
         Raises:
             ConfigError: ``storage_options`` given, or Lightning state that is not JSON data or tensors.
@@ -303,15 +305,24 @@ class ZeroStrategy(DDPStrategy):
         path = Path(filepath)
         state = to_json({k: v for k, v in checkpoint.items() if k not in _SHARDED_KEYS}, "Lightning checkpoint")
         step = int(checkpoint.get("global_step", self.lightning_module.trainer.global_step))
-        if path.exists() and not _is_chunkzero_checkpoint(path):
-            raise CheckpointError(f"{str(path)!r} exists and is not a chunkzero checkpoint directory; not overwritten")
-        if path.exists():
+        # rank 0's view of ``filepath`` decides for every rank (one JSON gather: no rank waits in a barrier
+        # another skipped, and no peer data is unpickled)
+        if not path.exists():
+            view = "new"
+        elif not _is_chunkzero_checkpoint(path):
+            view = "foreign"
+        else:
             last = latest_step(path)
-            if last is not None and last >= step:
-                self.barrier("ZeroStrategy.save_checkpoint:before-replace")
-                if self.is_global_zero:
-                    shutil.rmtree(path)
-                self.barrier("ZeroStrategy.save_checkpoint:replaced")
+            view = "replace" if last is not None and last >= step else "keep"
+        view = all_gather_json(view, self.zero_model.process_group)[0]
+        if view == "foreign":
+            raise CheckpointError(f"{str(path)!r} exists and is not a chunkzero checkpoint directory; not overwritten")
+        if view == "replace":  # only the steps at or after this one: the older ones stay until the save is done
+            if self.is_global_zero:
+                for d in path.iterdir():
+                    if d.is_dir() and d.name.isdigit() and int(d.name) >= step:
+                        shutil.rmtree(d)
+            all_gather_json("replaced", self.zero_model.process_group)
         optimizer = self.zero_optimizer if self.optimizers else None
         save_checkpoint(path, self.zero_model, optimizer, step=step, extra={LIGHTNING_KEY: state}, max_to_keep=1,
                         timeout_s=self.checkpoint_timeout_s)

@@ -98,6 +98,7 @@ def main(phase: str, out: Path) -> None:
               "max_norm": strategy.zero_optimizer.max_norm, "global_step": trainer.global_step}
     if phase == "train":
         trainer.save_checkpoint(out / "ckpt")
+        trainer.save_checkpoint(out / "ckpt")  # again at the same step: replaced (rank 0 decides), then resumed
     else:
         result["restored"] = module.restored
     torch.save(result, out / f"{phase}_rank{strategy.global_rank}.pt")
