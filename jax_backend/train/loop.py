@@ -31,7 +31,7 @@ def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) 
     import jax
 
     from torch_backend.train import data as data_mod
-    from torch_backend.train.report import Report, peak_memory_mib, sample_text
+    from torch_backend.train.report import Report, peak_memory_mib
 
     from ..processes import all_gather_json, process_mesh
     from .engine import JaxEngine
@@ -105,13 +105,12 @@ def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) 
     finally:
         report.close_progress()
 
-    prompt, sample = _sample(engine, corpus, cfg) if cfg.sample_tokens else ("", "")
+    prompt, sample = _sample(engine, corpus, cfg) if cfg.sample_tokens else (None, None)
     memory, chunks = zip(*all_gather_json([peak_memory_mib(device), engine.chunk_report(place.process_id)]))
     summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=list(memory),
                              chunks=list(chunks), prompt=prompt, sample=sample,
                              wall_time_s=time.perf_counter() - t_start)
     report.finish(summary)
-    del sample_text
     return summary
 
 
