@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from examples_runner import ROOT, run_example, run_python
 
 
@@ -20,6 +21,7 @@ print("EXAMPLE OK")
 """
 
 
+@pytest.mark.slow  # about 37 s on 2 busy cores
 def test_ema_example_runs(tmp_path):
     run_example("ema.py", tmp_path, checks=CHECKS)
     text = (ROOT / "docs" / "checkpoints.md").read_text()
