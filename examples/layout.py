@@ -6,5 +6,5 @@ specs = model_specs("hf-gpt2")                       # sizes only: HF GPT-2 smal
 res = search_chunk_size(specs, world_size=8)         # chunk size in elements
 layout = ChunkLayout.build(specs, res.chunk_size, 8)
 print(layout.summary().splitlines()[0], layout.owned_range("transformer.wte.weight", rank=3))
-for cost in compare_strategies(specs, 8, "bf16", layout=layout):  # chunk ZeRO-3, FSDP, DDP: bytes per rank
-    print(f"{cost.strategy:12s} {cost.param_bytes + cost.grad_bytes + cost.master_bytes + cost.optimizer_state_bytes:,} B")
+for c in compare_strategies(specs, 8, "bf16", layout=layout):  # chunk ZeRO-3, FSDP, DDP: model-state bytes per rank
+    print(f"{c.strategy:12s} {c.param_bytes + c.grad_bytes + c.master_bytes + c.optimizer_state_bytes:,} B")

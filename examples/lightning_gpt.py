@@ -1,16 +1,22 @@
 """Lightning with ZeroStrategy: python examples/lightning_gpt.py (2 CPU ranks: Lightning starts the second),
 then python examples/lightning_gpt.py resume (1 rank, from the 2-rank checkpoint)."""
-import sys, torch, torch.nn.functional as F, lightning.pytorch as pl
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
+
 from chunkzero.lightning import ZeroStrategy
 from torch_backend.train.gpt import GPT, gpt_config
+
 
 class LitGPT(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.model = GPT(gpt_config("gpt-tiny"))
 
-    def training_step(self, x, batch_idx):
+    def training_step(self, x, batch_idx):  # noqa: ARG002 (Lightning's signature)
         logits = self.model(x[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
 

@@ -1,8 +1,10 @@
 """Fine-tune from a checkpoint into a model with a new head: python examples/load_modes.py."""
 import torch
 from torch import nn
+
 from torch_backend import ZeroDDP, load_checkpoint, save_checkpoint
 from torch_backend.train.gpt import GPT, gpt_config
+
 
 class GPTWithHead(GPT):  # the pre-trained GPT plus a new classification head (SAT's mixin)
     def __init__(self, config, classes=3):

@@ -5,7 +5,8 @@ import os
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 mngr = ocp.CheckpointManager(os.path.abspath("runs/ckpt"), item_handlers={  # Orbax wants absolute paths
     "state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})

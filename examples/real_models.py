@@ -1,8 +1,12 @@
 """Real models: full fine-tuning from pretrained weights built on the meta device, then LoRA.
 python examples/real_models.py (one process), or torchrun --nproc-per-node N examples/real_models.py."""
-import os, torch, torch.distributed as dist
+import os
+
+import torch
+import torch.distributed as dist
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import GPT2Config, GPT2LMHeadModel
+
 from torch_backend import ZeroDDP, ZeroOptimizer
 from torch_backend.checkpoint.pretrained import load_pretrained
 
@@ -27,9 +31,11 @@ other = [p for p in hf.parameters() if p.dim() < 2]   # biases and LayerNorm: no
 optim = ZeroOptimizer(model, torch.optim.AdamW, lr=3e-4, eps=1e-6, param_groups=[
     {"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 1.5e-4}])
 sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda step: min(1.0, (step + 1) / 100))  # warm-up
-for step in range(3):
+for _ in range(3):
     optim.backward(model(input_ids=ids, labels=ids).loss)
-    optim.step(); optim.zero_grad(); sched.step()
+    optim.step()
+    optim.zero_grad()
+    sched.step()
 
 # 2. LoRA: peft freezes the base, whose chunks then keep only their shard, in the dtype the base came in
 lora = get_peft_model(GPT2LMHeadModel.from_pretrained("runs/gpt2"), LoraConfig(
@@ -37,8 +43,9 @@ lora = get_peft_model(GPT2LMHeadModel.from_pretrained("runs/gpt2"), LoraConfig(
 lora.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 lora_model = ZeroDDP(lora, mixed_precision="bf16")
 lora_optim = ZeroOptimizer(lora_model, torch.optim.AdamW, lr=1e-3)  # steps the adapters only
-for step in range(3):
+for _ in range(3):
     lora_optim.backward(lora_model(input_ids=ids, labels=ids).loss)
-    lora_optim.step(); lora_optim.zero_grad()
+    lora_optim.step()
+    lora_optim.zero_grad()
 print(lora_optim.memory_report())                   # no fp32 master, gradient or state for the base
 adapters = get_peft_model_state_dict(lora, state_dict=lora_model.state_dict())  # full fp32, every rank

@@ -49,3 +49,9 @@ def test_every_example_is_run_by_a_test_and_shown_in_the_docs():
     for name in files:
         assert f'"{name}"' in tests, f"no test runs examples/{name}"
         assert f"examples/{name}" in docs, f"no page shows or names examples/{name}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", page.read_text()):
+        assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from examples_runner import ROOT, run_example, run_python
 
-
 CHECKS = """
 from chunkzero.checkpoint import read_meta
 live = model.state_dict()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from examples_runner import run_example
 
-
 CHECKS = """
 assert missing == ["cls_head.weight", "cls_head.bias"] and unexpected == [], (missing, unexpected)
 want, got = pretrained.state_dict(), model.state_dict()

@@ -7,7 +7,6 @@ import textwrap
 import pytest
 from examples_runner import run_example
 
-
 CHECKS = """
 import math
 from safetensors.torch import load_file

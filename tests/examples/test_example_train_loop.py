@@ -31,7 +31,8 @@ print("EXAMPLE OK")
 @pytest.mark.slow  # about 25 s on 2 cores
 def test_train_loop_example_then_jax_restore(tmp_path):
     run_example("train_loop.py", tmp_path, checks=CHECKS)
-    proc = run_python(["-m", "chunkzero.cli", "export", "runs/ckpt", "--format", "safetensors", "runs/export"], tmp_path)
+    export = ["-m", "chunkzero.cli", "export", "runs/ckpt", "--format", "safetensors", "runs/export"]
+    proc = run_python(export, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     env = example_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     run_example("jax_restore.py", tmp_path, checks=JAX_CHECKS, env=env)
