@@ -76,13 +76,13 @@ def test_hybrid_checkpoint_resumes_flat_and_reads_with_plain_orbax_and_restore_c
     assert all(s["params"].keys() == saved[0]["params"].keys() for s in saved)
     run_distributed(hybrid_cases.worker_resume, 3, str(root), saved[0], timeout=900)
 
-    # plain Orbax (the README's snippet, in a fresh interpreter): each tensor at its layout offset
-    from test_checkpoint_orbax import readme_snippet
+    # plain Orbax (examples/read_with_orbax.py, in a fresh interpreter): each tensor at its layout offset
+    from test_checkpoint_orbax import orbax_example
 
     np.savez(tmp_path / "expected.npz", **{k: v.numpy() for k, v in saved[0]["params"].items()})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    code = readme_snippet() + textwrap.dedent(CHECKS)
+    code = orbax_example() + textwrap.dedent(CHECKS)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "PLAIN ORBAX OK" in r.stdout, r.stdout + r.stderr
 
