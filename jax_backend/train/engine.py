@@ -1,5 +1,5 @@
 """:class:`JaxEngine`: :class:`jax_backend.ZeroTrainer` set up as ``chunkzero train`` sets up the torch
-engine, behind the interface the loop and :class:`torch_backend.train.report.Report` read.
+engine, behind the interface the loop and :class:`chunkzero.job.report.Report` read.
 
 The same run as torch's: the model initialised by ``torch.manual_seed(seed)`` (the torch module is built
 once and its weights packed, so both engines start from the same bytes) — a byte-level GPT, or a Hugging
@@ -12,7 +12,7 @@ clipping at ``--max-norm`` and the LR schedule of :func:`chunkzero.train_config.
 count. ``--resume`` restores the latest checkpoint, torch's or JAX's, at any world size.
 
 A step's micro-batches: device ``r`` of the mesh (rank ``r``) trains micro-batches ``i·A … i·A + A − 1``
-of :class:`torch_backend.train.data.BatchSampler` at rank ``r`` (``A`` = ``--grad-accum``), stacked into
+of :class:`chunkzero.job.data.BatchSampler` at rank ``r`` (``A`` = ``--grad-accum``), stacked into
 one batch of ``A·B`` sequences: the mean loss over them has the gradient torch accumulates
 (``loss / A`` per micro-batch). Each process builds only its own devices' rows.
 """
@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from chunkzero.checkpoint import chunk_key
 from chunkzero.configs import GPT_CONFIGS
+from chunkzero.job.models import hf_config
 from chunkzero.layout import ChunkLayout
 from chunkzero.search import search_chunk_size
 from chunkzero.train_config import TrainConfig
@@ -70,21 +71,15 @@ def run_program(cfg: TrainConfig) -> Program:
         ConfigError: a Hugging Face config this GPT does not compute (:func:`jax_backend.convert.hf_gpt2_config`).
     """
     if cfg.model_kind == "hf":
-        from torch_backend.train.models import hf_config
-
         return gpt_program(hf_gpt2_config(hf_config(cfg.model)), "hf-gpt2", hf_conv1d=True)
     return gpt_program(GPT_CONFIGS[cfg.model])
 
 
 def run_model_config(cfg: TrainConfig) -> dict:
     """The ``model_config`` a checkpoint of this run records, as the torch engine records it (the HF config's
-    ``to_dict()`` for a Hugging Face directory, the byte-level GPT's config otherwise)."""
+    ``config.json`` for a Hugging Face directory, the byte-level GPT's config otherwise)."""
     if cfg.model_kind == "hf":
-        import json
-
-        from torch_backend.train.models import hf_config
-
-        return json.loads(json.dumps(hf_config(cfg.model).to_dict()))
+        return hf_config(cfg.model)
     return GPT_CONFIGS[cfg.model].to_dict()
 
 

@@ -39,8 +39,8 @@ def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | N
     Raises:
         ConfigError / DataError: one line naming the input at fault.
     """
-    from torch_backend.train.models import load_run_corpus, model_block_size
-    from torch_backend.train.resolve import check_run_out
+    from chunkzero.job.checks import check_run_out
+    from chunkzero.job.models import load_run_corpus, model_block_size
 
     cfg = dataclasses.replace(cfg)
     cfg.check()
@@ -78,16 +78,15 @@ def check_hf_model(cfg: TrainConfig) -> None:
     Raises:
         ConfigError: one line naming the directory and the field at fault.
     """
-    from torch_backend.train.models import hf_config
-    from torch_backend.train.resolve import model_tensor_specs
+    from chunkzero.job.models import hf_config, model_tensor_specs
 
     from .engine import run_program
 
     c = hf_config(cfg.model)
-    if c.model_type != "gpt2":
+    if c["model_type"] != "gpt2":
         raise ConfigError(f"--backend jax trains the byte-level GPTs and Hugging Face GPT-2 directories; --model "
-                          f"{cfg.model} is a {c.model_type!r} model, which only --backend torch trains")
-    dropout = {k: getattr(c, k, 0.0) for k in HF_DROPOUT_KEYS if getattr(c, k, 0.0)}
+                          f"{cfg.model} is a {c['model_type']!r} model, which only --backend torch trains")
+    dropout = {k: c.get(k, 0.0) for k in HF_DROPOUT_KEYS if c.get(k, 0.0)}
     if dropout:
         raise ConfigError(f"--backend jax trains without dropout; --model {cfg.model} sets "
                           f"{', '.join(f'{k}={v}' for k, v in dropout.items())} (set them to 0 in its config.json, "
@@ -96,7 +95,7 @@ def check_hf_model(cfg: TrainConfig) -> None:
         program = run_program(cfg)
     except ConfigError as e:
         raise ConfigError(f"--backend jax: --model {cfg.model}: {e}") from None
-    torch_specs = [(s.name, s.shape, s.aliases) for s in model_tensor_specs(cfg)]
+    torch_specs = [(s.name, s.shape, s.aliases) for s in model_tensor_specs(cfg)]  # the torch engine's tensors
     jax_specs = [(s.name, s.shape, s.aliases) for s in program.specs]
     if torch_specs != jax_specs:
         i = next(i for i in range(max(len(torch_specs), len(jax_specs)))

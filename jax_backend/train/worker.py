@@ -43,8 +43,8 @@ def _check_together(cfg: TrainConfig, place):
     """Each process checks its inputs (a launched run's were checked by the launcher: only the corpus is
     loaded); process 0 alone checks ``--out`` and the checkpoint, and its ``out`` and ``schedule_steps`` are
     every process's. Returns ``(error or None, config, corpus)``."""
+    from chunkzero.job.models import load_run_corpus
     from jax_backend.processes import all_gather_json
-    from torch_backend.train.models import load_run_corpus
 
     from .run import validate
 
@@ -67,8 +67,8 @@ def worker_main(cfg: TrainConfig) -> dict:
     """What one process runs. Returns ``{"status": "ok", "summary": ...}`` or ``{"status": "error",
     "message": ...}`` (bad input: the CLI prints it once and exits 2); exits with
     :data:`~chunkzero.workers.EXIT_PEER_LOST` when another process vanished mid-run."""
+    from chunkzero.job.report import setup_logging
     from jax_backend.processes import all_gather_json, join_processes, process_place
-    from torch_backend.train.report import setup_logging
 
     place = process_place()
     setup_logging(place.process_id, None)

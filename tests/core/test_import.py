@@ -8,6 +8,7 @@ def test_core_imports_no_framework():
         "import chunkzero.checkpoint, chunkzero.configs, chunkzero.inspection, chunkzero.cli\n"
         "import chunkzero.checkpoint.reader, chunkzero.checkpoint.orbax_store, chunkzero.checkpoint.export\n"
         "import chunkzero.lightning\n"
+        "import chunkzero.job.data, chunkzero.job.models, chunkzero.job.checks, chunkzero.job.report\n"
         "bad = [m for m in ('torch', 'jax', 'flax', 'orbax', 'optax', 'tensorstore', 'lightning') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

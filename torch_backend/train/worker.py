@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from chunkzero.errors import ChunkZeroError, LossScaleError
+from chunkzero.job.models import load_run_corpus
+from chunkzero.job.report import setup_logging
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
 
 from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
-from .models import load_run_corpus
 from .process_exit import exit_without_finalization_at_exit
-from .report import setup_logging
 from .resolve import resolve_device, threads_per_worker, validate
 from .loop import StepHook, train
 

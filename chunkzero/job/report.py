@@ -17,17 +17,26 @@ import os
 import resource
 import sys
 from pathlib import Path
-
-import torch
+from typing import Protocol
 
 from chunkzero.errors import DataError
 from chunkzero.train_config import TrainConfig
 
 from . import data as data_mod
-from .adapter import Engine
-from .gpt import generate
 
 log = logging.getLogger("chunkzero.train")
+
+
+class Engine(Protocol):
+    """What the report reads of an engine (torch's ``Engine``, the JAX engine)."""
+
+    loss_scale: float
+    last_grad_norm: float | None
+    skipped_steps: int
+
+    def describe(self) -> str: ...
+
+    def memory_report(self) -> dict | None: ...
 
 
 class Report:
@@ -37,7 +46,7 @@ class Report:
 
     Args:
         cfg: the resolved config (``out`` set).
-        rank, world_size: this worker and the run's workers; ``device``: this worker's.
+        rank, world_size: this worker and the run's workers; ``device_type``: this worker's (``"cpu"``, ``"cuda"``).
         backend: the process group's backend (``"gloo"``, ``"nccl"``, ``"none"``).
         start: the first step this session trains (1, or the step after a resumed checkpoint).
         tokens_per_step: ``world_size · grad_accum · batch_size · seq_len``.
@@ -46,9 +55,9 @@ class Report:
             the checkpoint gives them on rank 0, else ``(start - 1) · tokens_per_step``.
     """
 
-    def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device, backend: str,
+    def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, device_type: str, backend: str,
                  start: int, tokens_per_step: int, counters: dict | None = None):
-        self.cfg, self.rank, self.world_size, self.device, self.backend = cfg, rank, world_size, device, backend
+        self.cfg, self.rank, self.world_size, self.device_type, self.backend = cfg, rank, world_size, device_type, backend
         self.is_main = rank == 0
         self.start, self.tokens_per_step = start, tokens_per_step
         path = Path(cfg.out) / "metrics.jsonl"
@@ -79,7 +88,7 @@ class Report:
             return
         cfg = self.cfg
         log.info("model %s: %s parameters, %s, engine %s; %d worker(s) on %s (%s); %s tokens per step",
-                 cfg.model, f"{params:,}", cfg.mixed_precision, cfg.engine, self.world_size, self.device.type,
+                 cfg.model, f"{params:,}", cfg.mixed_precision, cfg.engine, self.world_size, self.device_type,
                  self.backend, f"{self.tokens_per_step:,}")
         log.info("data %s: %s train / %s val tokens (%s)", corpus.description, f"{corpus.train.size:,}",
                  f"{corpus.val.size:,}", "; ".join(corpus.notes))
@@ -144,7 +153,7 @@ class Report:
         return {
             "model": cfg.model, "params": params, "mixed_precision": cfg.mixed_precision, "engine": cfg.engine,
             "chunk_size_searched": cfg.chunk_size is None,
-            "world_size": self.world_size, "device": self.device.type, "backend": self.backend,
+            "world_size": self.world_size, "device": self.device_type, "backend": self.backend,
             "data": corpus.summary(), "steps": cfg.steps,
             "skipped_steps": engine.skipped_steps,
             "tokens_per_step": self.tokens_per_step, "tokens": self.tokens,
@@ -174,7 +183,7 @@ class Report:
         sizes = sorted({w for _, w in self.metrics.sessions} | {self.world_size})
         workers = (f"{self.world_size}" if len(sizes) == 1 else "/".join(map(str, sizes)))
         plot_loss(out / "loss.png", self.metrics,
-                  f"{cfg.model} · {workers} × {self.device.type} · {cfg.mixed_precision} · seed {cfg.seed}")
+                  f"{cfg.model} · {workers} × {self.device_type} · {cfg.mixed_precision} · seed {cfg.seed}")
         table = summary_table(summary)
         (out / "summary.txt").write_text(table + "\n", encoding="utf-8")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
@@ -183,34 +192,22 @@ class Report:
         log.info("%s", table)
 
 
-def sample_text(engine: Engine, corpus: data_mod.Corpus, cfg: TrainConfig, device: torch.device) -> tuple[str, str]:
-    """``(prompt, text)``: the prompt and the prompt followed by ``cfg.sample_tokens`` sampled tokens. Every rank
-    must call it (each forward gathers chunks); all ranks sample the same tokens (same seed)."""
-    tok = corpus.tokenizer
+def prompt_ids(corpus: data_mod.Corpus, cfg: TrainConfig) -> list[int]:
+    """The sample's prompt as token ids: ``--prompt`` encoded (its last ``block_size`` tokens) or, for
+    pre-tokenized data without a tokenizer, the first 16 validation tokens. Each engine samples after it
+    in its own framework, seeded from ``cfg.seed``."""
     try:
-        ids = list(tok.encode(cfg.prompt.encode("utf-8")))
+        ids = list(corpus.tokenizer.encode(cfg.prompt.encode("utf-8")))
     except DataError:
         ids = []
     if not ids:  # pre-tokenized data without a tokenizer: prompt with the first validation tokens
         ids = [int(t) for t in corpus.val[:16]]
-    ids = ids[-cfg.block_size:]
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    engine.model.eval()
-    out = generate(engine.model, idx, cfg.sample_tokens, block_size=min(cfg.block_size, cfg.seq_len),
-                   temperature=cfg.temperature, top_k=cfg.top_k, generator=gen)
-    engine.model.train()
-    return tok.decode(ids), tok.decode(out[0].tolist())
+    return [int(t) for t in ids[-cfg.block_size:]]
 
 
-
-def peak_memory_mib(device: torch.device) -> dict:
-    """This rank's peak memory: CUDA allocator peak on a GPU, else the process's peak resident set."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-    d = {"peak_rss_mib": round(rss, 1)}
-    if device.type == "cuda":
-        d["peak_cuda_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    return d
+def peak_memory_mib() -> dict:
+    """This process's peak resident set, ``{"peak_rss_mib": float}`` (an engine adds its device's peak)."""
+    return {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}  # KiB on Linux
 
 
 def read_metrics_history(path: Path, upto_step: int) -> list[dict]:
