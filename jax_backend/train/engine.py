@@ -1,8 +1,8 @@
 """:class:`JaxEngine`: :class:`jax_backend.ZeroTrainer` set up as ``chunkzero train`` sets up the torch
 engine, behind the interface the loop and :class:`chunkzero.job.report.Report` read.
 
-The same run as torch's: the model initialised by ``torch.manual_seed(seed)`` (the torch module is built
-once and its weights packed, so both engines start from the same bytes) — a byte-level GPT, or a Hugging
+The same run as torch's: the model initialised from the same bytes (:func:`initial_params`: the core's
+numpy initialization, or a directory's safetensors read with numpy; no torch) — a byte-level GPT, or a Hugging
 Face GPT-2 directory under HF's own tensor names and ``Conv1D`` ``(in, out)`` shapes
 (:func:`jax_backend.blocks.gpt_program` with ``hf_conv1d``), so its checkpoints are the torch run's — the chunk layout of
 :class:`torch_backend.ZeroDDP` (the core search over the same tensor specs, in the compute dtype),
@@ -32,6 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from chunkzero.checkpoint import chunk_key
 from chunkzero.configs import GPT_CONFIGS
+from chunkzero.errors import ConfigError
+from chunkzero.job.init import gpt_initial_params
 from chunkzero.job.models import hf_config
 from chunkzero.layout import ChunkLayout
 from chunkzero.search import search_chunk_size
@@ -102,11 +104,34 @@ def param_groups(layout: ChunkLayout, cfg: TrainConfig) -> list[dict]:
             {**hp, "weight_decay": 0.0, "params": [n for n in names if dims[n] < 2]}]
 
 
-def initial_params(cfg: TrainConfig) -> dict[str, np.ndarray]:
-    """The torch job's initial weights (``torch.manual_seed(seed)``), by tensor name, as numpy."""
-    from torch_backend.train.models import build_module
+def initial_params(cfg: TrainConfig, specs) -> dict[str, np.ndarray]:
+    """The run's initial weights by tensor name, numpy fp32: a byte-level GPT's numpy initialization of
+    ``cfg.seed`` (:func:`chunkzero.job.init.gpt_initial_params`, the torch engine's too), or a Hugging Face
+    directory's safetensors weights, read with numpy (HF's names, with or without the ``transformer.`` prefix).
 
-    return {k: v.detach().numpy() for k, v in build_module(cfg).state_dict().items()}
+    Raises:
+        ConfigError: a Hugging Face directory without safetensors weights, or missing one of ``specs``.
+    """
+    if cfg.model_kind != "hf":
+        return gpt_initial_params(GPT_CONFIGS[cfg.model], cfg.seed)
+    from safetensors.numpy import load_file
+
+    files = sorted(Path(cfg.model).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"--model {cfg.model}: no *.safetensors weights (the JAX engine reads only safetensors)")
+    stored = {}
+    for f in files:
+        stored.update(load_file(f))
+    out = {}
+    for spec in specs:
+        for name in (spec.name, *spec.aliases):
+            value = stored.get(name, stored.get(name.removeprefix("transformer.")))
+            if value is not None:
+                out[spec.name] = np.asarray(value, np.float32)
+                break
+        else:
+            raise ConfigError(f"--model {cfg.model}: its safetensors weights have no tensor {spec.name}")
+    return out
 
 
 class JaxEngine:
@@ -145,7 +170,7 @@ class JaxEngine:
             # one buffer per leaf: the step donates its state, and the restored Adam and schedule counts share one
             self.state = jax.tree.map(jnp.copy, state)
         else:
-            self.state = self.trainer.init(initial_params(cfg))
+            self.state = self.trainer.init(initial_params(cfg, self.program.specs))
         self.layout = layout
         self._batch_sharding = NamedSharding(mesh, P(self.trainer.axis))
         self._replicated = NamedSharding(mesh, P())

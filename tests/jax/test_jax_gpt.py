@@ -151,3 +151,21 @@ def test_restore_gpt_needs_a_config(torch_run, tmp_path):
         jb.restore_gpt(tmp_path, jb.make_mesh(1))
     model, _ = jb.restore_gpt(tmp_path, jb.make_mesh(1), config="gpt-tiny")
     assert model.config == jb.GPT_CONFIGS["gpt-tiny"]
+
+
+def test_both_engines_start_from_the_numpy_initialization():
+    """torch's GPT and the JAX engine load chunkzero.job.init's weights of the run's seed (no torch in JAX's)."""
+    from chunkzero.job.init import gpt_initial_params
+    from chunkzero.train_config import TrainConfig
+    from jax_backend.train.engine import initial_params, run_program
+
+    cfg = TrainConfig(model="gpt-tiny", seed=11)
+    cfg.model_kind = "gpt"
+    want = gpt_initial_params(tgpt.GPT_CONFIGS["gpt-tiny"], 11)
+    torch_sd = tgpt.GPT(tgpt.GPT_CONFIGS["gpt-tiny"], seed=11).state_dict()
+    jax_init = initial_params(cfg, run_program(cfg).specs)
+    for name, value in want.items():
+        np.testing.assert_array_equal(torch_sd[name].numpy(), value)
+        np.testing.assert_array_equal(jax_init[name], value)
+    assert not np.array_equal(gpt_initial_params(tgpt.GPT_CONFIGS["gpt-tiny"], 12)["transformer.wte.weight"],
+                              want["transformer.wte.weight"])

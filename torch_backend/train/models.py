@@ -19,13 +19,15 @@ from .gpt import GPT, GPT_CONFIGS, generate
 
 
 def build_module(cfg: TrainConfig) -> nn.Module:
-    """The model to train, on CPU in fp32, initialised from ``torch.manual_seed(cfg.seed)``.
+    """The model to train, on CPU in fp32, the same on every rank: a byte-level GPT with the numpy
+    initialization of ``cfg.seed`` (:func:`chunkzero.job.init.gpt_initial_params`, the JAX engine's too), or a
+    Hugging Face directory's weights (any tensor they lack drawn after ``torch.manual_seed(cfg.seed)``).
 
     Raises:
         ConfigError: a Hugging Face directory whose model cannot be loaded.
     """
-    torch.manual_seed(cfg.seed)
     if cfg.model_kind == "hf":
+        torch.manual_seed(cfg.seed)
         from transformers import AutoModelForCausalLM
 
         try:
@@ -33,7 +35,7 @@ def build_module(cfg: TrainConfig) -> nn.Module:
         except Exception as e:
             raise ConfigError(f"--model {cfg.model}: cannot load the model: {str(e).splitlines()[0]}") from None
         return module.float()  # fp32 master values whatever the stored dtype; ZeroDDP casts for compute
-    return GPT(GPT_CONFIGS[cfg.model])
+    return GPT(GPT_CONFIGS[cfg.model], seed=cfg.seed)
 
 
 def logits_of(output) -> torch.Tensor:
