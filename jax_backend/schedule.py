@@ -27,7 +27,7 @@ head) stays gathered in between, and its gradients stay allocated between its tw
 :func:`reference_train` is the unsharded reference the trainers are tested against.
 
 Shapes: batches are ``{"idx": int32[B, T], "targets": int32[B, T]}`` with ``B`` divisible by ``W``
-(sharded ``P('dp')`` on ``B``); the step returns the new state and ``f32[W]`` whose sum is the mean
+(sharded ``P('shard')`` on ``B``); the step returns the new state and ``f32[W]`` whose sum is the mean
 token cross-entropy of the global batch.
 """
 

@@ -46,7 +46,7 @@ def _check_together(cfg: TrainConfig, place):
     from chunkzero.job.models import load_run_corpus
     from jax_backend.processes import all_gather_json
 
-    from .run import validate
+    from .checks import validate
 
     error, corpus = None, None
     try:

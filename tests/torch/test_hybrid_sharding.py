@@ -92,7 +92,7 @@ def test_hybrid_checkpoint_resumes_flat_and_reads_with_plain_orbax_and_restore_c
 
     from jax_backend.checkpoint import restore_chunks
 
-    chunks, layout = restore_chunks(root, Mesh(np.array(jax.devices()), ("dp",)))
+    chunks, layout = restore_chunks(root, Mesh(np.array(jax.devices()), ("shard",)))
     assert layout.world_size == 8
     for t in layout.tensors:
         got = np.asarray(chunks[f"chunk_{t.chunk:04d}"])[t.offset : t.end].astype(np.float32)
