@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -246,15 +247,16 @@ class Metrics:
             self._record(r)
         if path is not None and history is not None:
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
+            tmp.write_text("".join(json.dumps(strict_record(r), allow_nan=False) + "\n" for r in history),
+                           encoding="utf-8")
             os.replace(tmp, path)
         self.f = open(path, "a", buffering=1) if path is not None else None
 
     def _record(self, record: dict) -> None:
         if record.get("kind") == "train" and "loss" in record:
-            self.train.append((record["step"], record["loss"]))
+            self.train.append((record["step"], _number(record["loss"])))
         elif record.get("kind") == "val" and "val_loss" in record:
-            self.val.append((record["step"], record["val_loss"]))
+            self.val.append((record["step"], _number(record["val_loss"])))
             if isinstance(record.get("ema_val_loss"), (int, float)):
                 self.ema_val.append((record["step"], record["ema_val_loss"]))
         elif record.get("kind") == "session" and isinstance(record.get("world_size"), int):
@@ -265,31 +267,60 @@ class Metrics:
         return next((v for s, v in self.val if s == step), None)
 
     def write(self, record: dict) -> None:
+        """Append ``record``; a non-finite number (inf/nan) is written as ``null``, with ``"non_finite": true``
+        (strict JSON: no bare ``NaN``/``Infinity``)."""
         self._record(record)
         if self.f is not None:
-            self.f.write(json.dumps(record) + "\n")
+            self.f.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
 
     def close(self) -> None:
         if self.f is not None:
             self.f.close()
 
 
+def _number(value) -> float:
+    """A logged loss as a float: ``null`` (a non-finite value, :func:`strict_record`) reads as nan."""
+    return float("nan") if value is None else value
+
+
+def strict_record(record: dict) -> dict:
+    """``record`` with each non-finite float replaced by ``None`` and ``"non_finite": True`` added when there was one."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    return {**record, **dict.fromkeys(bad), "non_finite": True} if bad else record
+
+
 def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
-    """The loss curve: training loss per step (and its running mean) and validation loss points (of the
+    """Write :func:`loss_figure` to ``path`` (``loss.png``)."""
+    fig = loss_figure(metrics, title)
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def loss_figure(metrics: Metrics, title: str):
+    """The loss curve (a matplotlib figure, Agg): training loss per step (and its running mean) and validation loss points (of the
     live weights, and of the EMA weights when the run keeps an EMA); a dashed
-    line where each resumed session began, labelled with its world size (and the first session's)."""
+    line where each resumed session began, labelled with its world size (and the first session's); a red
+    cross at the foot of the plot at each step whose training or validation loss was not finite."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if metrics.train:
-        steps, losses = zip(*metrics.train)
+    finite = [(s, v) for s, v in metrics.train if math.isfinite(v)]
+    non_finite = sorted({s for s, v in (*metrics.train, *metrics.val) if not math.isfinite(v)})
+    if finite:
+        steps, losses = zip(*finite)
         ax.plot(steps, losses, lw=0.7, alpha=0.45, color="tab:blue", label="train (per step)")
         k = max(1, len(losses) // 50)
         smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
         ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train (mean of {k})")
+    if non_finite:
+        plural = "s" if len(non_finite) != 1 else ""
+        ax.scatter(non_finite, [0.03] * len(non_finite), transform=ax.get_xaxis_transform(), marker="x", s=18,
+                   color="tab:red", zorder=3, label=f"non-finite loss ({len(non_finite)} step{plural})")
     if metrics.val:
         vs, vl = zip(*metrics.val)
         ax.plot(vs, vl, "o-", color="tab:orange", lw=1.4, ms=4, label="validation" if not metrics.ema_val else "validation (live weights)")
@@ -309,8 +340,7 @@ def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left" if metrics.sessions else "best", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
 def _fmt_time(s: float) -> str:

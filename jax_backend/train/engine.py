@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from chunkzero.checkpoint import chunk_key
 from chunkzero.configs import GPT_CONFIGS
 from chunkzero.errors import ConfigError
+from chunkzero.job.guards import NonFiniteStop
 from chunkzero.job.init import gpt_initial_params
 from chunkzero.job.models import hf_config
 from chunkzero.layout import ChunkLayout
@@ -143,12 +144,13 @@ class JaxEngine:
 
     kind = "zero"
     loss_scale = 1.0
-    skipped_steps = 0
     last_grad_norm: float | None = None
     """The global gradient L2 norm before clipping of the last step (``None`` before the first)."""
 
     def __init__(self, cfg: TrainConfig, mesh, *, resume_from: Path | None = None):
         self.cfg, self.mesh = cfg, mesh
+        self.guard = NonFiniteStop(cfg.max_skipped_steps)
+        """Steps skipped for non-finite gradients: the run stops at ``--max-skipped-steps`` in a row."""
         self.world = int(mesh.devices.size)
         self.program = run_program(cfg)
         self.meta = None
@@ -163,7 +165,8 @@ class JaxEngine:
             adamw_meta(learning_rate=cfg.lr, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=cfg.weight_decay,
                        max_norm=cfg.max_norm or None), param_groups=groups)
         self.trainer = ZeroTrainer(self.program, layout, mesh, tx, optimizer_meta=optim_meta,
-                                   mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None, grad_norm=True)
+                                   mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None, grad_norm=True,
+                                   skip_nonfinite=True)
         if resume_from is not None:
             self.trainer.source = restored.meta
             state = self.trainer.from_chunks(restored.chunks, restored.opt_state_chunks, restored.meta.optimizer.step)
@@ -191,12 +194,24 @@ class JaxEngine:
         return out
 
     # ------------------------------------------------------------------ step, evaluation
-    def step(self, batch: dict[str, jax.Array]) -> float:
-        """One optimizer step on a global batch; the mean token loss before the update. Sets
-        :attr:`last_grad_norm` (the global gradient L2 norm before clipping, as torch's engine reports it)."""
+    def step(self, step: int, batch: dict[str, jax.Array]) -> tuple[float, bool]:
+        """Optimizer step ``step`` on a global batch: ``(mean token loss before the update, applied)``. A step
+        whose gradient norm is not finite is skipped (the state is kept) and counted by :attr:`guard`. Sets
+        :attr:`last_grad_norm` (the global gradient L2 norm before clipping, as torch's engine reports it).
+
+        Raises:
+            LossScaleError: the ``--max-skipped-steps``-th skip in a row.
+        """
         self.state, losses, norm = self.trainer.step_fn(self.state, batch)
         self.last_grad_norm = float(np.asarray(norm.addressable_data(0)))
-        return float(np.asarray(self._sum(losses).addressable_data(0)))
+        applied = math.isfinite(self.last_grad_norm)
+        self.guard.record(step, applied)
+        return float(np.asarray(self._sum(losses).addressable_data(0))), applied
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients in this session."""
+        return self.guard.skipped_steps
 
     def _eval_loss(self, chunks, batch):
         tensors = {t.name: chunks[chunk_key(t.chunk)][t.offset:t.end].reshape(t.shape) for t in self.layout.tensors}

@@ -19,6 +19,7 @@ import logging
 import time
 from pathlib import Path
 
+from chunkzero.job.guards import warn_dropped_ema
 from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
 
@@ -62,6 +63,7 @@ def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) 
                      meta.world_size)
             warn_schedule_change(extra if "steps" in extra else previous_config,
                                  f"checkpoint {meta.step}" if "steps" in extra else f"{cfg.out}/config.json", cfg, meta.step)
+            warn_dropped_ema(meta, ckpt_root / str(meta.step), "--backend jax")
         start = meta.step + 1
         counters = extra.get("counters") if isinstance(extra.get("counters"), dict) else None
     val_rows = {r: data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
@@ -89,8 +91,8 @@ def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) 
                 xs, ys = zip(*(s.arrays_at(s.offsets(s.index + m)) for m in range(cfg.grad_accum)))
                 s.index += cfg.grad_accum
                 rows[r] = (_cat(xs), _cat(ys))
-            loss = engine.step(engine.global_batch(rows))
-            report.train_step(step, loss, lr, engine, True, time.perf_counter() - t0)
+            loss, applied = engine.step(step, engine.global_batch(rows))  # a LossScaleError on every process alike
+            report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
                 sampler = next(iter(samplers.values()))
                 engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=CHECKPOINTS_KEPT,

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from chunkzero.errors import ChunkZeroError
+from chunkzero.errors import ChunkZeroError, LossScaleError
+from chunkzero.job.guards import stop_message
 from chunkzero.process_exit import exit_without_finalization
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
@@ -64,8 +65,9 @@ def _check_together(cfg: TrainConfig, place):
 
 
 def worker_main(cfg: TrainConfig) -> dict:
-    """What one process runs. Returns ``{"status": "ok", "summary": ...}`` or ``{"status": "error",
-    "message": ...}`` (bad input: the CLI prints it once and exits 2); exits with
+    """What one process runs. Returns ``{"status": "ok", "summary": ...}``, ``{"status": "error",
+    "message": ...}`` (bad input: the CLI prints it once and exits 2) or ``{"status": "failed", "message": ...}``
+    (the run cannot make progress, :class:`chunkzero.job.guards.NonFiniteStop`: exit 1); exits with
     :data:`~chunkzero.workers.EXIT_PEER_LOST` when another process vanished mid-run."""
     from chunkzero.job.report import setup_logging
     from jax_backend.processes import all_gather_json, join_processes, process_place
@@ -90,6 +92,8 @@ def worker_main(cfg: TrainConfig) -> dict:
 
         summary = train(cfg, corpus, place, previous_config)
         return {"status": "ok", "summary": summary}
+    except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
+        return {"status": "failed", "message": stop_message(e, cfg)}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:
