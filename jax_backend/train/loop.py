@@ -6,9 +6,9 @@ with :class:`jax_backend.train.engine.JaxEngine`:
 
 The report is the job core's :class:`chunkzero.job.report.Report` (``metrics.jsonl``, progress bar,
 ``loss.png``, ``summary.json``/``.txt``, ``sample.txt``), with process 0 as rank 0. The sample is drawn
-by the torch job's sampler from the trained weights (gathered once at the end), so both engines sample
-alike. Checkpoints are the one chunkzero format (:meth:`jax_backend.ZeroTrainer.save_checkpoint`): torch
-resumes them at any world size, and this loop resumes torch's. What does not carry between engines:
+in JAX from the trained weights, gathered once at the end (:mod:`jax_backend.train.sampling`).
+Checkpoints are the one chunkzero format (:meth:`jax_backend.ZeroTrainer.save_checkpoint`): torch resumes
+them at any world size, and this loop resumes torch's. What does not carry between engines:
 the JAX step draws no random numbers (no dropout), so no RNG state is saved, and a torch checkpoint's
 RNG states are ignored here; the loss scaler is saved as a passthrough (bf16 and fp32 run at scale 1).
 """
@@ -121,11 +121,7 @@ def _cat(parts):
 
 
 def _sample(engine, corpus, cfg: TrainConfig) -> tuple[str, str]:
-    """The torch job's sample, from the trained weights (gathered on every process; all sample alike)."""
-    import torch
+    """The run's sample, drawn in JAX from the trained weights (gathered on every process; all sample alike)."""
+    from .sampling import sample_text
 
-    from torch_backend.train.models import build_module, sample_text
-
-    module = build_module(cfg)
-    module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in engine.full_params().items()})
-    return sample_text(module, corpus, cfg, torch.device("cpu"))
+    return sample_text(engine.program, engine.full_params(), corpus, cfg)

@@ -169,3 +169,24 @@ def test_both_engines_start_from_the_numpy_initialization():
         np.testing.assert_array_equal(jax_init[name], value)
     assert not np.array_equal(gpt_initial_params(tgpt.GPT_CONFIGS["gpt-tiny"], 12)["transformer.wte.weight"],
                               want["transformer.wte.weight"])
+
+
+def test_jax_sampler_is_the_models_greedy_continuation():
+    """With top-k 1 the JAX sampler's tokens are the argmax of the unpadded forward at each length (the right
+    padding of its fixed window is never read), also once the context slides past the window; seeded alike."""
+    from chunkzero.job.init import gpt_initial_params
+    from jax_backend.blocks import gpt_program
+    from jax_backend.train.sampling import sample_ids
+
+    cfg = tgpt.GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
+    program = gpt_program(cfg)
+    params = gpt_initial_params(cfg, 3)
+    prompt, window = [5, 9, 2], 6
+    ids = sample_ids(program, params, prompt, 6, window=window, seed=0, top_k=1)
+    want = list(prompt)
+    for _ in range(6):
+        ctx = np.asarray([want[-window:]], np.int32)
+        want.append(int(np.argmax(np.asarray(program.logits(params, ctx))[0, -1])))
+    assert ids == want
+    a = sample_ids(program, params, prompt, 8, window=window, seed=1)
+    assert a == sample_ids(program, params, prompt, 8, window=window, seed=1) and len(a) == 11

@@ -10,8 +10,8 @@ What is written, and where, is :mod:`chunkzero.job.report`'s; the model :mod:`to
 the tokenizer and the batches (numpy) :mod:`chunkzero.job`'s; every collective :mod:`torch_backend.zero.collectives`'.
 
 Determinism: the model is initialised from ``seed`` (:mod:`chunkzero.job.init`, the same on every rank and in
-the JAX engine), the
-data stream is a pure function of ``(seed, world size, batch size, step)`` (:mod:`chunkzero.job.data`),
+the JAX engine), the data stream is a pure function of ``(seed, world size, batch size, step)``
+(:mod:`chunkzero.job.data`),
 and each rank's torch RNG is re-seeded with ``seed + 1 + rank`` for dropout, so the same seed and world
 size give the same loss sequence on the same kind of machine (another CPU's kernels sum in another order).
 
