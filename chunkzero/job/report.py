@@ -3,8 +3,10 @@
 
 ``metrics.jsonl`` holds one JSON line per step ``{"kind": "train", "step", "loss", "lr", "loss_scale",
 "grad_norm", "skipped", "tokens", "tokens_per_s", "time_s"}`` and per evaluation ``{"kind": "val",
-"step", "val_loss"}`` (with ``--ema-decay`` also ``"ema_val_loss"``, the EMA weights' validation loss); ``tokens`` and ``time_s`` (training seconds) count the whole run, every session
-at its own world size. A resumed run rewrites it with the earlier session's records up to its
+"step", "val_loss"}`` (with ``--ema-decay`` also ``"ema_val_loss"``, the EMA weights' validation loss);
+``tokens`` and ``time_s`` (training seconds) count the whole run, every session at its own world size. It
+is strict JSON: a non-finite number (a NaN loss) is written ``null``, with ``"non_finite": true`` in its
+record, and ``loss.png`` marks those steps. A resumed run rewrites it with the earlier session's records up to its
 checkpoint first, so it holds the whole run once per step. :class:`Report` is the loop's one handle on
 all of it; ranks other than 0 keep the same counters and write nothing.
 """

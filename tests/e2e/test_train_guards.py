@@ -30,14 +30,18 @@ def test_non_finite_loss_stops_at_the_skip_limit_and_saves_nothing_non_finite(tm
                   "--max-norm", "0", "--steps", "40", "--save-interval", "10", "--eval-interval", "100",
                   "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
     assert p.returncode == 1, describe(p)
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("chunkzero train: error: step 11: 10 steps in a row were skipped for non-finite "
-                           "gradients"), p.stderr[-3000:]
-    assert last.endswith("the run stops here (--max-skipped-steps 10; 0 never stops)"), last
     records = [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, 11))
-    assert not train[0]["skipped"] and all(r["skipped"] for r in train[1:])
+    applied = next(i for i, r in enumerate(train) if r["skipped"])  # the steps before the loss blew up
+    assert applied >= 1 and all(r["skipped"] for r in train[applied:])
+    stop = applied + 10  # the 10th skip in a row (the default --max-skipped-steps) stops the run, unrecorded
+    assert [r["step"] for r in train] == list(range(1, stop))
+    if backend == "torch":
+        assert stop == 11  # the new user's trial of torch (issue 32); JAX's kernels may keep a step more finite
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"chunkzero train: error: step {stop}: 10 steps in a row were skipped for non-finite "
+                           "gradients"), p.stderr[-3000:]
+    assert last.endswith("the run stops here (--max-skipped-steps 10; 0 never stops)"), last
     flagged = [r for r in train if r.get("non_finite")]
     assert flagged and all(r["non_finite"] is True and None in (r["loss"], r["grad_norm"]) for r in flagged)
     assert sorted(d.name for d in (out / "checkpoints").iterdir() if d.name.isdigit()) == ["10"]
