@@ -8,6 +8,7 @@ so that Lightning's own launcher starts the other ranks (it re-runs this script 
     python lightning_run.py hybrid_resume2 OUT # W = 2 (flat): fit(ckpt_path=OUT/hybrid_ckpt) to step 6
     python lightning_run.py ema2 OUT           # W = 2: train's 3 steps with ZeroEMACallback, validation on the EMA; OUT/ema_ckpt
     python lightning_run.py ema_resume1 OUT    # W = 1: fit(ckpt_path=OUT/ema_ckpt) to step 5, then trainer.validate
+    python lightning_run.py manual1 OUT        # W = 1: 4 steps with automatic, then manual optimization
 
 Each rank writes OUT/<phase>_rank<r>.pt: the weights (after fit and, for a resume, right after the
 restore), the micro-batches it saw, its losses and learning rates; with the EMA, the EMA weights and the
@@ -106,6 +107,36 @@ class TinyGPT(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ManualGPT(TinyGPT):
+    """TinyGPT under manual optimization: the same steps, taken by ``training_step`` itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        self.lr_schedulers().step()
+
+
+def manual(out: Path) -> None:
+    """The same 4 steps with automatic and with manual optimization, one process."""
+    results = {}
+    for name, cls in (("auto", TinyGPT), ("manual", ManualGPT)):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(chunk_size=3000), max_steps=4, **QUIET)
+        module = cls()
+        trainer.fit(module, DataLoader(Samples(range(4 * BATCH)), batch_size=BATCH, shuffle=False))
+        results[name] = {"losses": module.losses, "lrs": module.lrs, "state": trainer.strategy.model.state_dict(),
+                         "global_step": trainer.global_step}
+    torch.save(results, out / "manual1_rank0.pt")
+
+
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+             num_sanity_val_steps=0)
 PHASES = {  # phase: (devices, max_steps, samples, strategy options (None: DDPStrategy), EMA, checkpoint to resume)
     "train": (2, 3, SAMPLES, {}, False, None),
     "resume": (1, 5, SAMPLES, {}, False, "ckpt"),
@@ -119,13 +150,13 @@ SAVES = {"train": "ckpt", "hybrid4": "hybrid_ckpt", "ema2": "ema_ckpt"}
 
 
 def main(phase: str, out: Path) -> None:
+    if phase == "manual1":
+        return manual(out)
     devices, max_steps, samples, options, ema, resume = PHASES[phase]
     strategy = DDPStrategy() if options is None else ZeroStrategy(chunk_size=3000, **options)
     callback = ZeroEMACallback(DECAY, validate_on_ema=True) if ema else None
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=[callback] if ema else None,
-                         max_steps=max_steps, accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
+                         max_steps=max_steps, accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, **QUIET)
     module = TinyGPT()
     loader = DataLoader(Samples(range(samples)), batch_size=BATCH, shuffle=False)
     val_loader = DataLoader(Samples(VAL_IDS), batch_size=BATCH, shuffle=False) if ema else None

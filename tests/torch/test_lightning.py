@@ -335,6 +335,17 @@ def test_ckpt_path_that_is_not_a_chunkzero_checkpoint(tmp_path):
         ZeroStrategy().load_checkpoint(pickle_file)
 
 
+def test_manual_optimization_takes_the_steps_of_automatic_optimization(tmp_path):
+    _script("manual1", tmp_path)
+    res = _result(tmp_path, "manual1_rank0")
+    auto, manual = res["auto"], res["manual"]
+    assert auto["global_step"] == manual["global_step"] == 4 and len(manual["losses"]) == 4
+    assert manual["losses"] == auto["losses"] and manual["lrs"] == auto["lrs"]  # the same kernels: the same bits
+    assert manual["losses"][0] != manual["losses"][-1]
+    for k, v in auto["state"].items():
+        assert torch.equal(manual["state"][k], v), k
+
+
 def test_hybrid_and_several_optimizers_and_ema_refusals():
     from types import SimpleNamespace
 
