@@ -5,10 +5,10 @@ import sys
 
 import lightning.pytorch as pl
 import torch
+from lightning_gpt import LitGPT  # examples/lightning_gpt.py
 from torch.utils.data import DataLoader
 
 from chunkzero.lightning import ZeroEMACallback, ZeroStrategy
-from lightning_gpt import LitGPT  # examples/lightning_gpt.py
 
 
 class LitGPTWithVal(LitGPT):

@@ -9,10 +9,11 @@ while the engine is chunkzero's:
   are ZeroDDP's options); ``training_step`` and ``validation_step`` run inside ZeroDDP's forward, so their
   chunks are gathered on use. The parameters keep the LightningModule's names. ``shard_group_size=S``
   is hybrid sharding (each chunk sharded over ``S`` ranks, replicated ``devices / S`` times).
-- **optimizer**: the one optimizer ``configure_optimizers`` returns (ZeroOptimizer owns every trainable
-  chunk's master shard, so several optimizers are refused by name) becomes a
+- **optimizer**: the one optimizer ``configure_optimizers`` returns becomes a
   :class:`~torch_backend.ZeroOptimizer` of the same class, param groups and hyper-parameters (kernel flags
   left at ``None`` take ZeroOptimizer's defaults, fused Adam/AdamW); its LR schedulers are pointed at it.
+  Automatic or manual optimization; several optimizers are refused by name (one ZeroOptimizer owns every
+  trainable chunk's master shard: give them param groups of one optimizer).
 - **precision**: ``Trainer(precision="bf16-mixed" | "16-mixed" | "32-true")`` becomes ZeroDDP's
   ``mixed_precision="bf16" | "fp16" | "fp32"`` (low-precision chunks, fp32 masters; fp16 with
   ZeroOptimizer's dynamic loss scale) instead of autocast.
@@ -200,9 +201,9 @@ class ZeroStrategy(DDPStrategy):
 
     Raises:
         ConfigError: ``shard_group_size`` not a positive int; at set-up: a ``shard_group_size`` that does
-            not divide the number of devices (ranks); at ``fit``: more than one optimizer, a precision ZeroDDP cannot train in
-            (:func:`mixed_precision_of`), ``gradient_clip_algorithm="value"``, ``storage_options`` given to a
-            save; any ZeroDDP / ZeroOptimizer option error.
+            not divide the number of devices (ranks); at ``fit``: more than one optimizer, a precision
+            ZeroDDP cannot train in (:func:`mixed_precision_of`), ``gradient_clip_algorithm="value"``,
+            ``storage_options`` given to a save; any ZeroDDP / ZeroOptimizer option error.
         CheckpointError: ``ckpt_path`` or a save path that is not a chunkzero checkpoint directory.
     """
 

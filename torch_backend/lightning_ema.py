@@ -15,7 +15,8 @@ step hook, with ``torch.optim.swa_utils.get_ema_multi_avg_fn``'s formula. Also i
 - **validation** on the EMA weights with ``validate_on_ema=True``: ``ZeroEMA.ema_weights()`` is entered
   at ``on_validation_start`` and left at ``on_validation_end`` (or on an exception), so the validation
   loop (the sanity check, the validations inside ``fit``, ``trainer.validate`` after it) sees the EMA
-  and training continues on the live weights, bit for bit.
+  and training continues on the live weights, bit for bit (Lightning runs ``ModelCheckpoint``'s hooks
+  after every other callback's, so a checkpoint saved at a validation's end holds the live weights).
 """
 
 from __future__ import annotations
@@ -57,28 +58,28 @@ class ZeroEMACallback(Callback):
         self.ema: ZeroEMA | None = None
         self._swap = ExitStack()
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:  # noqa: ARG002
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not isinstance(trainer.strategy, ZeroStrategy):
             raise ConfigError(f"ZeroEMACallback needs Trainer(strategy=ZeroStrategy(...)), got "
                               f"{type(trainer.strategy).__name__} (its EMA lives beside ZeroOptimizer's master shards)")
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: ARG002
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizer = trainer.strategy.zero_optimizer
         if self.ema is not None and self.ema.optimizer is optimizer:
             return  # fit again with the same optimizer: the EMA goes on
         self.ema = ZeroEMA(optimizer, self.decay, warmup=self.warmup)
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: ARG002
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.validate_on_ema:
             return
         if self.ema is None:
             raise ConfigError("ZeroEMACallback(validate_on_ema=True): there is no EMA before trainer.fit has started")
         self._swap.enter_context(self.ema.ema_weights())
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: ARG002
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._swap.close()  # the live weights back
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:  # noqa: ARG002
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._swap.close()
 
 

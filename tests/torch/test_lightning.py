@@ -30,11 +30,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("lightning")
 
+from chunkzero.checkpoint import read_meta  # noqa: E402
 from chunkzero.errors import CheckpointError, ConfigError  # noqa: E402
 from torch_backend import ZeroDDP, ZeroOptimizer  # noqa: E402
 from torch_backend._testing import run_distributed  # noqa: E402
 from torch_backend.checkpoint.sharded import load_checkpoint  # noqa: E402
-from chunkzero.checkpoint import read_meta  # noqa: E402
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
