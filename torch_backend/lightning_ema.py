@@ -64,10 +64,9 @@ class ZeroEMACallback(Callback):
                               f"{type(trainer.strategy).__name__} (its EMA lives beside ZeroOptimizer's master shards)")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        optimizer = trainer.strategy.zero_optimizer
-        if self.ema is not None and self.ema.optimizer is optimizer:
-            return  # fit again with the same optimizer: the EMA goes on
-        self.ema = ZeroEMA(optimizer, self.decay, warmup=self.warmup)
+        if self.ema is not None:
+            self.ema.remove()  # a later fit: its ZeroOptimizer is new, and so is the EMA (at the weights now)
+        self.ema = ZeroEMA(trainer.strategy.zero_optimizer, self.decay, warmup=self.warmup)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.validate_on_ema:

@@ -366,6 +366,8 @@ def test_hybrid_and_several_optimizers_and_ema_refusals():
     for bad in (1.0, -0.1, "0.9"):
         with pytest.raises(ConfigError, match="decay"):
             ZeroEMACallback(bad)
+    with pytest.raises(ConfigError, match="no EMA before trainer.fit"):
+        ZeroEMACallback(0.9, validate_on_ema=True).on_validation_start(None, None)
 
     class TwoOptimizers(pl.LightningModule):
         def __init__(self):
