@@ -175,18 +175,24 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
 
     out = Path(cfg.out).resolve()  # the real folder, whatever the working directory
     log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, out)
+    from chunkzero.workers import Stopped, signals_raise_stopped, stopped_message
+
     try:
-        results = launcher.launch(launched_worker, (cfg, hooks), cfg.nproc)
+        with signals_raise_stopped():  # until torch's agent installs its own (raising SignalException)
+            results = launcher.launch(launched_worker, (cfg, hooks), cfg.nproc)
     except launcher.WorkerFailure as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except Stopped as e:
+        print(f"\n{prog}: {e}", file=sys.stderr)  # on a line of its own, after a progress bar
+        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as e:  # e.g. torch's SignalException when the launcher is told to stop
+    except Exception as e:  # torch's SignalException: its agent stopped the workers on a signal
         if type(e).__name__ == "SignalException":
-            print(f"{prog}: stopped by a signal ({e})", file=sys.stderr)
-            return EXIT_INTERRUPTED
+            print(f"\n{prog}: {stopped_message(int(e.sigval))}", file=sys.stderr)
+            return 128 + int(e.sigval)
         raise
     code, message = _outcome(list(results.values()))
     if code != EXIT_OK:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError, ConfigError
 from chunkzero.train_config import TrainConfig, with_device_defaults
-from chunkzero.workers import COORDINATOR_ENV, WorkerFailure, launch_processes
+from chunkzero.workers import COORDINATOR_ENV, Stopped, WorkerFailure, launch_processes
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 PROG = "chunkzero train"
@@ -147,6 +147,9 @@ def main(cfg: TrainConfig) -> int:
         except WorkerFailure as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_FAILED
+        except Stopped as e:  # the workers are stopped; the temp directory goes with this block
+            print(f"\n{PROG}: {e}", file=sys.stderr)  # on a line of its own, after a progress bar
+            return 128 + e.signum
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED

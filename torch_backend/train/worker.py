@@ -27,6 +27,7 @@ import torch.distributed as dist
 from chunkzero.errors import ChunkZeroError, LossScaleError
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
+from chunkzero.workers import exit_on_stop_signals
 
 from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
@@ -108,6 +109,7 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
     ``on_step_end``: hooks for :func:`torch_backend.train.loop.train`."""
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank, None)
+    exit_on_stop_signals()  # SIGTERM/SIGINT (also the launcher's death: spawn's PR_SET_PDEATHSIG) end it quietly
     try:
         rank, world, _, device = init_distributed(cfg)
         group = world_group()
