@@ -54,11 +54,15 @@ class WorkerFailure(ChunkZeroError, RuntimeError):
         super().__init__(message)
 
 
-def describe_exit(exitcode: int) -> str:
+def describe_exit(exitcode: int, timeout_s: float | None = None) -> str:
     """How a worker's exit code reads: ``"exited with code 1"``, ``"was killed by SIGKILL (...)"``, or what
-    :data:`EXIT_PEER_LOST` means."""
+    :data:`EXIT_PEER_LOST` means (``timeout_s``: the run's ``--timeout``, which it then names)."""
     if exitcode == EXIT_PEER_LOST:
-        return "lost contact with another worker, which stopped without a report (on another node?)"
+        if timeout_s is None:
+            return "lost contact with another worker, which stopped without a report (on another node?)"
+        return (f"lost contact with another worker: a collective did not finish within --timeout {timeout_s:g} s "
+                "(another worker stopped without a report, e.g. on another node, or --timeout is shorter than "
+                "the run's collectives take)")
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -136,7 +140,7 @@ def _exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (AttributeError, OSError, ValueError):
+        except (AttributeError, OSError, RuntimeError, ValueError):  # (RuntimeError: a reentrant write)
             pass
     os._exit(code)
 
@@ -231,11 +235,11 @@ def _stop_group(procs: list[subprocess.Popen], pgid: int, grace_s: float) -> Non
 
 
 def _failure(failures: list[tuple[float, int, int]], results: dict[int, dict | None],
-             pids: dict[int, int]) -> WorkerFailure:
+             pids: dict[int, int], timeout_s: float | None = None) -> WorkerFailure:
     """The :class:`WorkerFailure` of ``failures`` (``(time seen, process, exit code)``)."""
     cause = min(failures, key=lambda f: (f[2] == EXIT_PEER_LOST, f[0], f[1]))
     _, i, code = cause
-    msg = f"process {i} (pid {pids[i]}) {describe_exit(code)}"
+    msg = f"process {i} (pid {pids[i]}) {describe_exit(code, timeout_s)}"
     r = results.get(i) or {}
     if code > 0 and code != EXIT_PEER_LOST and r.get("message"):
         msg += f": {last_line(r['message'])}"
@@ -247,7 +251,8 @@ def _failure(failures: list[tuple[float, int, int]], results: dict[int, dict | N
 
 def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.PathLike, *,
                      env: Mapping[str, str] | None = None, finish_timeout_s: float = 60.0,
-                     poll_s: float = 0.1, grace_s: float = 5.0, peer_lost_wait_s: float = 3.0) -> list[dict]:
+                     poll_s: float = 0.1, grace_s: float = 5.0, peer_lost_wait_s: float = 3.0,
+                     peer_timeout_s: float | None = None) -> list[dict]:
     """Run ``nproc`` copies of ``command`` on this machine, in one new process group, and wait for all.
 
     Process ``i`` finds :data:`COORDINATOR_ENV` (a free port on 127.0.0.1), :data:`NUM_PROCESSES_ENV`,
@@ -263,6 +268,8 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
         grace_s: seconds between SIGTERM and SIGKILL when stopping them.
         peer_lost_wait_s: after a process exits with :data:`EXIT_PEER_LOST`, how long to wait for the
             cause to show before stopping the rest.
+        peer_timeout_s: the processes' collective timeout (``--timeout``), named when the only failure is a
+            lost peer.
 
     Returns:
         Each process's result (``{"status": ...}``), by process index.
@@ -290,7 +297,7 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
     with signals_raise_stopped():
         try:
             return _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s,
-                                  grace_s, peer_lost_wait_s)
+                                  grace_s, peer_lost_wait_s, peer_timeout_s)
         except BaseException:
             if procs:
                 _stop_group(procs, procs[0].pid, grace_s)
@@ -304,7 +311,7 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
 
 
 def _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s, grace_s,
-                   peer_lost_wait_s) -> list[dict]:
+                   peer_lost_wait_s, peer_timeout_s) -> list[dict]:
     """:func:`launch_processes`' start and wait (``procs`` filled as they start)."""
     pgid = 0
     for i in range(nproc):
@@ -337,7 +344,7 @@ def _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_time
             for i, p in enumerate(procs):  # those that died of the stop: named as stopped after the cause
                 if not any(j == i for _, j, _ in failures) and p.returncode not in (0, None):
                     failures.append((time.monotonic(), i, p.returncode))
-            raise _failure(failures, {i: _read_result(result_dir, i) for i in range(nproc)}, pids)
+            raise _failure(failures, {i: _read_result(result_dir, i) for i in range(nproc)}, pids, peer_timeout_s)
         if not running:
             return [_read_result(result_dir, i) or {} for i in range(nproc)]
         if first_done is not None and now - first_done > finish_timeout_s:

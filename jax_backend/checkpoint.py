@@ -114,12 +114,19 @@ def _check_padding(chunks: Mapping[str, jax.Array], layout: ChunkLayout, where: 
 
 
 def _owned_pieces(a: Any) -> list[tuple[int, np.ndarray]]:
-    """``(first element, data)`` of each piece of 1-D array ``a`` this process writes or checks: its
+    """``(first element, 1-D data)`` of each piece of 1-D array ``a`` this process writes or checks: its
     addressable shards of replica 0 (every element of a global array is in one of them on exactly one
-    process); a numpy or single-process array whole."""
+    process), adjacent ones joined; a numpy or single-process array whole."""
     if not isinstance(a, jax.Array):
-        return [(0, np.asarray(a))]
-    return [(s.index[0].start or 0, np.asarray(s.data)) for s in a.addressable_shards if s.replica_id == 0]
+        return [(0, np.asarray(a).reshape(-1))]
+    pieces: list[tuple[int, np.ndarray]] = []
+    for start, data in sorted((s.index[0].start or 0, np.asarray(s.data).reshape(-1))
+                              for s in a.addressable_shards if s.replica_id == 0):
+        if pieces and pieces[-1][0] + pieces[-1][1].size == start:
+            pieces[-1] = (pieces[-1][0], np.concatenate([pieces[-1][1], data]))
+        else:
+            pieces.append((start, data))
+    return pieces
 
 
 def _units(meta: CheckpointMeta, path: tuple[str, ...], unit: int) -> list[tuple[int, int, int, int]]:
@@ -152,7 +159,6 @@ def block_checksums_everywhere(state: Mapping[str, Any], meta: CheckpointMeta,
     for path, a in flat_arrays(state).items():
         key, units_of = checksum_key(path), _units(meta, path, units[path])
         for start, data in _owned_pieces(a):
-            data = data.reshape(-1)
             stop = start + data.size
             for q, k, lo, hi in units_of:
                 if hi <= start or lo >= stop:
@@ -183,17 +189,15 @@ def compute_checksums(state: Mapping[str, Any], layout: ChunkLayout) -> dict[str
     (:func:`block_checksums_everywhere`)."""
     meta = CheckpointMeta(step=0, layout=layout)
     paths = flat_arrays(state)
-    sums = block_checksums_everywhere(state, meta, {p: meta.storage_block_numel(p) for p in paths})
-    return meta.record_of_blocks({checksum_key(p): [[sums[checksum_key(p)][q][k] for k in range(len(blocks))]
-                                           for q, blocks in _by_rank(meta, p, meta.storage_block_numel(p))]
-                         for p in paths})
-
-
-def _by_rank(meta: CheckpointMeta, path: tuple[str, ...], unit: int) -> list[tuple[int, list]]:
-    ranks: dict[int, list] = {}
-    for q, k, lo, hi in _units(meta, path, unit):
-        ranks.setdefault(q, []).append((lo, hi))
-    return sorted(ranks.items())
+    units = {p: meta.storage_block_numel(p) for p in paths}
+    sums = block_checksums_everywhere(state, meta, units)
+    blocks: dict[str, list[list[str]]] = {}
+    for p in paths:
+        key, per_rank = checksum_key(p), {}
+        for q, k, _, _ in _units(meta, p, units[p]):
+            per_rank.setdefault(q, []).append(sums[key][q][k])
+        blocks[key] = [per_rank[q] for q in sorted(per_rank)]
+    return meta.record_of_blocks(blocks)
 
 
 def verify_checksums(state: Mapping[str, Any], meta: CheckpointMeta, where: str) -> bool:

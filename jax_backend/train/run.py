@@ -143,7 +143,8 @@ def main(cfg: TrainConfig) -> int:
         cfg_path.write_text(json.dumps(cfg.to_dict()), encoding="utf-8")
         try:
             results = launch_processes([sys.executable, "-m", "jax_backend.train.worker", str(cfg_path)], cfg.nproc,
-                                       tmp, env=env, finish_timeout_s=max(60.0, 2 * cfg.timeout_s))
+                                       tmp, env=env, finish_timeout_s=max(60.0, 2 * cfg.timeout_s),
+                                       peer_timeout_s=cfg.timeout_s)
         except WorkerFailure as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_FAILED

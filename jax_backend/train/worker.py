@@ -93,6 +93,7 @@ def worker_main(cfg: TrainConfig) -> dict:
         from .loop import train
 
         summary = train(cfg, corpus, place, previous_config)
+        all_gather_json(None)  # process 0 wrote the outputs: all reach jax.distributed's shutdown barrier together
         return {"status": "ok", "summary": summary}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}

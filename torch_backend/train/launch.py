@@ -50,7 +50,7 @@ def running_under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def describe_failure(failures: dict[int, Any]) -> WorkerFailure:
+def describe_failure(failures: dict[int, Any], timeout_s: float | None = None) -> WorkerFailure:
     """One message naming the rank that failed first, from elastic's ``{global rank: ProcessFailure}``.
 
     A rank that exited with :data:`EXIT_PEER_LOST` only saw another one vanish, so it is never the
@@ -61,7 +61,7 @@ def describe_failure(failures: dict[int, Any]) -> WorkerFailure:
         return (f.exitcode == EXIT_PEER_LOST, f.timestamp, rank)
 
     rank, f = min(failures.items(), key=key)
-    msg = f"worker rank {rank} (local rank {f.local_rank}, pid {f.pid}) {_describe_exit(f.exitcode)}"
+    msg = f"worker rank {rank} (local rank {f.local_rank}, pid {f.pid}) {_describe_exit(f.exitcode, timeout_s)}"
     detail = ""
     if f.exitcode > 0 and f.exitcode != EXIT_PEER_LOST:
         message = getattr(f, "message", "")
@@ -77,11 +77,13 @@ def describe_failure(failures: dict[int, Any]) -> WorkerFailure:
 
 
 def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_interval_s: float = 0.5,
-           shutdown_timeout_s: int = 10) -> dict[int, Any]:
+           shutdown_timeout_s: int = 10, timeout_s: float | None = None) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` in ``nproc`` local worker processes; ``{rank: return value}``.
 
     ``entrypoint`` must be a module-level function (workers are started with ``spawn``). Each worker
     finds ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in its environment.
+
+    ``timeout_s``: the workers' collective timeout (``--timeout``), named when the only failure is a lost peer.
 
     Raises:
         WorkerFailure: a worker failed; the message names the first failing rank.
@@ -111,4 +113,4 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        raise describe_failure(e.failures) from None
+        raise describe_failure(e.failures, timeout_s) from None
