@@ -89,6 +89,26 @@ RESULT_DIR_ENV = "CHUNKZERO_RESULT_DIR"
 """Where a launched process writes ``process<i>.json`` (set by :func:`launch_processes` only)."""
 LAUNCHER_FD_ENV = "CHUNKZERO_LAUNCHER_FD"
 """The read end of a pipe whose write end only the launcher holds (:func:`watch_launcher`)."""
+LAUNCHER_PID_ENV = "CHUNKZERO_LAUNCHER_PID"
+"""The launcher's pid: a worker whose parent is another process outlived its launcher."""
+LAUNCH_DIR_ENV = "CHUNKZERO_LAUNCH_DIR"
+"""The launcher's temp directory, which worker 0 removes when it outlives the launcher (``kill -9``)."""
+
+
+def launch_env(launch_dir: str | os.PathLike) -> dict[str, str]:
+    """What a launcher adds to its workers' environment so that worker 0 removes ``launch_dir`` (the
+    launcher's temp directory) should the launcher die without doing it (:func:`exit_on_stop_signals`,
+    :func:`watch_launcher`)."""
+    return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_DIR_ENV: str(launch_dir)}
+
+
+def _remove_orphaned_launch_dir(launcher_gone: bool = False) -> None:
+    """In worker 0 of a launch whose launcher is gone (``launcher_gone``, or this process has another
+    parent now): remove the launcher's temp directory."""
+    launcher, where = os.environ.get(LAUNCHER_PID_ENV), os.environ.get(LAUNCH_DIR_ENV)
+    first = os.environ.get(PROCESS_ID_ENV, os.environ.get("RANK")) == "0"
+    if launcher and where and first and (launcher_gone or str(os.getppid()) != launcher):
+        shutil.rmtree(where, ignore_errors=True)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """The signals that stop a run: ``kill``, Ctrl-C, a closed terminal."""
@@ -156,15 +176,20 @@ def exit_on_stop_signals() -> None:
     nothing outside the main thread (Python allows handlers only there)."""
     if threading.current_thread() is not threading.main_thread():
         return
+
+    def stop(signum, frame):
+        _remove_orphaned_launch_dir()  # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT)
+        _exit_now(128 + signum)
+
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, frame: _exit_now(128 + signum))
+        signal.signal(sig, stop)
 
 
 def watch_launcher() -> bool:
     """End this process when its launcher is gone: a daemon thread waits for EOF on the pipe
     :func:`launch_processes` passes (:data:`LAUNCHER_FD_ENV`), which comes when the launcher exits in any
-    way, ``kill -9`` included. Process 0 then removes the launch's result directory (the launcher's temp
-    directory, which nobody else would remove); every process exits with status ``128 + SIGHUP``.
+    way, ``kill -9`` included. Process 0 then removes the launcher's temp directory (:func:`launch_env`),
+    which nobody else would remove; every process exits with status ``128 + SIGHUP``.
 
     Returns whether a launcher is watched (``False`` when not started by :func:`launch_processes`)."""
     fd = os.environ.get(LAUNCHER_FD_ENV)
@@ -178,9 +203,7 @@ def watch_launcher() -> bool:
                 pass
         except OSError:
             pass
-        where = os.environ.get(RESULT_DIR_ENV)
-        if where and os.environ.get(PROCESS_ID_ENV) == "0":
-            shutil.rmtree(where, ignore_errors=True)
+        _remove_orphaned_launch_dir(launcher_gone=True)  # (EOF can come before this process is reparented)
         _exit_now(128 + signal.SIGHUP)
 
     threading.Thread(target=wait_for_eof, name="chunkzero-launcher-watch", daemon=True).start()
@@ -294,6 +317,7 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
     procs: list[subprocess.Popen] = []
     watch_r, watch_w = os.pipe()  # the write end stays here (not inheritable): EOF there = this process gone
     base[LAUNCHER_FD_ENV] = str(watch_r)
+    base.update(launch_env(result_dir))
     with signals_raise_stopped():
         try:
             return _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s,

@@ -13,8 +13,9 @@ the process's exit waits for its commit. Read-only managers are built per read.
 back before anything is written; the step must be new and after the latest committed step (nothing is
 overwritten); Orbax writes into a temporary directory and renames it once every process has finished
 (the atomic commit), so a save killed midway leaves the previous step as the latest; ``max_to_keep``
-deletes older steps after a commit. Each process writes the shards its ``jax.Array`` s hold (OCDBT, one
-data sub-tree per process); a replicated array is written once.
+deletes older steps after a commit, never the newest one saved with a finite loss (:func:`_keep_policy`).
+Each process writes the shards its ``jax.Array`` s hold (OCDBT, one data sub-tree per process); a
+replicated array is written once.
 
 **Restores** with target shardings (:func:`restore_arrays`) serve JAX; the torch ranks read with
 TensorStore through :mod:`chunkzero.checkpoint.reader`, opened with Orbax's own read spec
@@ -372,7 +373,9 @@ def save_step(
         try:
             items = {STATE_ITEM: ocp.args.PyTreeSave(tree, save_args=_save_args(meta, tree)), META_ITEM: ocp.args.JsonSave(doc)}
             saved = manager.save(step, args=ocp.args.Composite(**items), force=True)
-            _MANAGERS[str(directory)].pending_step = step
+            with _MANAGERS_LOCK:
+                if (m := _MANAGERS.get(str(directory))) is not None:
+                    m.pending_step = step
             if saved and not async_save:
                 manager.wait_until_finished()
         except Exception as e:

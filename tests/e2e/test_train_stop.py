@@ -10,6 +10,7 @@ the same on both engines, and no traceback.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -19,6 +20,9 @@ import pytest
 
 from .helpers import SMALL, chunkzero_cmd, clean_env, make_corpus, read_metrics
 
+RUN_TEMP_PREFIXES = ("chunkzero-", "torchelastic_")
+"""A run's temp directories: the launchers' (``chunkzero-jax-*``, ``chunkzero-torch-*``), and torch elastic's
+default log directory, which chunkzero no longer uses (torch's caches, ``torchinductor_*``, are kept on purpose)."""
 STOP_BOUND_S = 60.0
 """The longest the workers may outlive their launcher (the launcher's grace before SIGKILL is 5 s)."""
 
@@ -89,11 +93,13 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
     lines = (out / "metrics.jsonl").read_text()
     time.sleep(2)
     assert (out / "metrics.jsonl").read_text() == lines, "something still writes into --out"
-    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [], "a temp directory of the run was left"
+    left_tmp = [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(RUN_TEMP_PREFIXES)]
+    assert left_tmp == [], f"temp directories of the run were left: {left_tmp}"
     if how != "kill -9":
         sig = signal.SIGTERM if how == "kill" else signal.SIGINT
         assert proc.returncode == 128 + sig, stderr[-3000:]
         last = stderr.strip().splitlines()[-1]
         assert last == f"chunkzero train: stopped by {signal.Signals(sig).name}{' (Ctrl-C)' if how == 'ctrl-c' else ''}; " \
                        "every worker was stopped (checkpoints saved before are intact)", stderr[-3000:]
-        assert "Traceback" not in stderr and "SavedView" not in stderr and "F0000" not in stderr, stderr[-3000:]
+        assert "Traceback" not in stderr and "SavedView" not in stderr, stderr[-3000:]
+        assert not re.search(r"^[FE]\d{4} \d\d:", stderr, re.M), stderr[-3000:]  # absl's fatal and error lines

@@ -88,8 +88,13 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
     Raises:
         WorkerFailure: a worker failed; the message names the first failing rank.
     """
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from chunkzero.workers import launch_env
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, once
@@ -97,6 +102,10 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
     # would warn about it at exit; the failure is already reported above.
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     worker_malloc_env(os.environ)  # the workers inherit it (this process's allocator has started already)
+    # elastic's log and error files go to a temp directory of ours, removed after the run (elastic's default,
+    # torchelastic_*, is never removed); should this process die first, worker 0 removes it
+    logs = tempfile.TemporaryDirectory(prefix="chunkzero-torch-")
+    os.environ.update(launch_env(logs.name))
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -107,6 +116,7 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
         max_restarts=0,
         monitor_interval=monitor_interval_s,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
     if hasattr(config, "shutdown_timeout"):
         config.shutdown_timeout = shutdown_timeout_s
@@ -114,3 +124,5 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         raise describe_failure(e.failures, timeout_s) from None
+    finally:
+        logs.cleanup()
