@@ -110,6 +110,7 @@ def _remove_orphaned_launch_dir(launcher_gone: bool = False) -> None:
     if launcher and where and first and (launcher_gone or str(os.getppid()) != launcher):
         shutil.rmtree(where, ignore_errors=True)
 
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """The signals that stop a run: ``kill``, Ctrl-C, a closed terminal."""
 
