@@ -81,8 +81,8 @@ def evaluate_ema(engine: Engine, batches, device: torch.device, group) -> float 
 def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, counters: dict,
               finite: bool = True) -> None:
     """An asynchronous Orbax checkpoint of step ``step`` in ``<out>/checkpoints/<step>`` (the newest
-    ``--keep`` are kept, and the newest saved with a finite loss: ``finite``, the step's), with the data position and the run's cumulative ``counters``
-    (:meth:`Report.counters`), so ``--resume`` continues exactly here, at any world size. Every wait of
+    ``--keep`` are kept, and the newest saved with a finite loss: ``finite``, the step's), with the data
+    position and the run's cumulative ``counters`` (:meth:`Report.counters`), so ``--resume`` continues exactly here, at any world size. Every wait of
     the save for the other ranks is bounded by ``--timeout`` (``cfg.timeout_s``)."""
     from torch_backend import save_checkpoint
 
