@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import CheckpointMeta, latest_step, read_meta
-from .errors import ChunkZeroError, ConfigError
+from .checkpoint import CheckpointMeta, latest_step, list_steps, read_meta
+from .checkpoint.steps import remove_uncommitted
+from .errors import CheckpointError, ChunkZeroError, ConfigError
 from .train_config import TrainConfig
+
+log = logging.getLogger("chunkzero.train")
 
 CHECKPOINT_DIR = "checkpoints"
 """The checkpoint root of a run, under ``--out``."""
-
-CHECKPOINTS_KEPT = 3
-"""How many of a run's newest checkpoints are kept (``--save-interval``)."""
 
 RUN_MARKERS = ("metrics.jsonl", "config.json", "summary.json", CHECKPOINT_DIR)
 """Entries whose presence in ``--out`` means it holds another run (refused unless ``--overwrite``)."""
@@ -75,7 +76,9 @@ def check_out_dir(cfg: TrainConfig) -> None:
 
 
 def prepare_out_dir(cfg: TrainConfig) -> Path:
-    """Create ``--out``; with ``--overwrite`` remove the earlier run's outputs (only :data:`RUN_OUTPUTS`)."""
+    """Create ``--out``; with ``--overwrite`` remove the earlier run's outputs (only :data:`RUN_OUTPUTS`);
+    remove the temporaries of checkpoint saves that died before their commit (:func:`remove_uncommitted`:
+    no save of this run has started yet)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.overwrite:
@@ -85,6 +88,9 @@ def prepare_out_dir(cfg: TrainConfig) -> Path:
                 shutil.rmtree(p)
             elif p.exists() or p.is_symlink():
                 p.unlink()
+    removed = remove_uncommitted(out / CHECKPOINT_DIR)
+    if removed:
+        log.info("removed %d checkpoint save(s) that never committed: %s", len(removed), ", ".join(removed))
     return out
 
 
@@ -143,3 +149,12 @@ def previous_settings(cfg: TrainConfig, meta: CheckpointMeta) -> tuple[dict | No
     except (OSError, ValueError):
         return None, str(source)
     return (doc if isinstance(doc, dict) else None), str(source)
+
+
+def resume_failed(root: Path, step: int, error: Exception) -> CheckpointError:
+    """The error of a resume whose checkpoint ``root/step`` cannot be loaded (``error``: e.g. a checksum that
+    names the corrupted array), with how to resume from the newest older step instead."""
+    older = [s for s in list_steps(root) if s < step]
+    how = (f"to resume from step {older[-1]} instead, pass --resume-step {older[-1]} or move {Path(root) / str(step)} "
+           "aside" if older else "no older checkpoint is saved to resume from")
+    return CheckpointError(f"--resume: step {step} cannot be loaded: {error}; {how}")

@@ -359,10 +359,12 @@ class ZeroStrategy(DDPStrategy):
         chunkzero checkpoint directory of any world size; return Lightning's part of it.
 
         Raises:
-            CheckpointError: ``checkpoint_path`` is not a chunkzero checkpoint (a Lightning ``.ckpt``
+            CheckpointError: ``checkpoint_path`` does not exist, or is not a chunkzero checkpoint (a Lightning ``.ckpt``
                 file of another strategy is not read: it is a pickle), or holds no Lightning state.
         """
         path = Path(checkpoint_path)
+        if not path.exists():
+            raise CheckpointError(f"ckpt_path {str(path)!r} does not exist")
         if not _is_chunkzero_checkpoint(path):
             raise CheckpointError(f"{str(path)!r} is not a chunkzero checkpoint directory (ZeroStrategy saves and "
                                   "resumes those; a .ckpt file of another strategy is a pickle and is not read)")

@@ -30,13 +30,14 @@ from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from chunkzero.checkpoint import chunk_key
+from chunkzero.checkpoint import chunk_key, latest_step
 from chunkzero.configs import GPT_CONFIGS
-from chunkzero.errors import ConfigError
+from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.job.guards import NonFiniteStop
 from chunkzero.job.init import gpt_initial_params
 from chunkzero.job.models import hf_config
 from chunkzero.layout import ChunkLayout
+from chunkzero.run_dir import resume_failed
 from chunkzero.search import search_chunk_size
 from chunkzero.train_config import TrainConfig
 
@@ -155,7 +156,10 @@ class JaxEngine:
         self.program = run_program(cfg)
         self.meta = None
         if resume_from is not None:
-            restored = restore_checkpoint(resume_from, mesh, with_optimizer=True)
+            try:
+                restored = restore_checkpoint(resume_from, mesh, with_optimizer=True)
+            except CheckpointError as e:
+                raise resume_failed(resume_from, latest_step(resume_from), e) from None
             layout, self.meta = restored.layout, restored.meta
         else:
             layout = build_layout(cfg, self.world)

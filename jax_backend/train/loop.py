@@ -16,11 +16,13 @@ RNG states are ignored here; the loss scaler is saved as a passthrough (bf16 and
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
+from chunkzero.checkpoint.orbax_store import FINITE_KEY
 from chunkzero.job.guards import warn_dropped_ema
-from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
+from chunkzero.run_dir import CHECKPOINT_DIR
 from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
 
 log = logging.getLogger("chunkzero.train")
@@ -95,10 +97,11 @@ def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) 
             report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
                 sampler = next(iter(samplers.values()))
-                engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=CHECKPOINTS_KEPT,
+                engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=cfg.keep,
                             extra={"model": cfg.model, "seed": cfg.seed, "world_size": world, "steps": cfg.steps,
                                    "schedule_steps": cfg.schedule_steps, "warmup": cfg.warmup, "lr": cfg.lr,
-                                   "min_lr_ratio": cfg.min_lr_ratio, "counters": report.counters(), "backend": "jax"})
+                                   "min_lr_ratio": cfg.min_lr_ratio, "counters": report.counters(), "backend": "jax",
+                                   FINITE_KEY: math.isfinite(float(loss))})
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = engine.evaluate(val)
                 report.val(step, val_loss, train_loss=loss)

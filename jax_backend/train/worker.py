@@ -6,7 +6,8 @@ the environment) or run in-process under an external launcher. The process joins
 with them (all train or all stop with one message), prepares ``--out`` (process 0), writes
 ``pids/process<i>.pid`` and runs :func:`jax_backend.train.loop.train`. A collective that fails because
 another process vanished ends it with :data:`chunkzero.workers.EXIT_PEER_LOST`, a consequence the
-launcher never names as the cause.
+launcher never names as the cause. SIGTERM, SIGINT and SIGHUP end the process at once, and so does its
+launcher's end (:func:`chunkzero.workers.exit_on_stop_signals`, :func:`~chunkzero.workers.watch_launcher`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from chunkzero.job.guards import stop_message
 from chunkzero.process_exit import exit_without_finalization
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
-from chunkzero.workers import EXIT_PEER_LOST, write_result
+from chunkzero.workers import EXIT_PEER_LOST, exit_on_stop_signals, watch_launcher, write_result
 
 log = logging.getLogger("chunkzero.train")
 
@@ -75,9 +76,12 @@ def worker_main(cfg: TrainConfig) -> dict:
 
     place = process_place()
     setup_logging(place.process_id, None)
+    exit_on_stop_signals()
+    watch_launcher()
     try:
         join_processes(cfg.devices_per_process, cfg.timeout_s, place)
         use_compilation_cache(compilation_cache_dir())  # a restarted run loads its step instead of compiling it
+        exit_on_stop_signals()  # again: jax.distributed.initialize installed its preemption notifier's SIGTERM handler
         error, cfg, corpus = _check_together(cfg, place)
         if error is not None:
             return {"status": "error", "message": error}
@@ -93,6 +97,7 @@ def worker_main(cfg: TrainConfig) -> dict:
         from .loop import train
 
         summary = train(cfg, corpus, place, previous_config)
+        all_gather_json(None)  # process 0 wrote the outputs: all reach jax.distributed's shutdown barrier together
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
         return {"status": "failed", "message": stop_message(e, cfg)}
