@@ -20,10 +20,10 @@ state = mngr.restore(step, args=ocp.args.Composite(
     state=ocp.args.PyTreeRestore(restore_args=as_numpy)))["state"]
 
 # sharded over any number of devices (each chunk zero-padded to a multiple of it)
-mesh = Mesh(np.array(jax.devices()), ("dp",))
+mesh = Mesh(np.array(jax.devices()), ("shard",))
 def on_mesh(m):
     size = -(-m.shape[0] // mesh.size) * mesh.size
-    return ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, P("dp")), global_shape=(size,), strict=False)
+    return ocp.ArrayRestoreArgs(sharding=NamedSharding(mesh, P("shard")), global_shape=(size,), strict=False)
 sharded = mngr.restore(step, args=ocp.args.Composite(
     state=ocp.args.PyTreeRestore(restore_args=jax.tree.map(on_mesh, tree))))["state"]
 

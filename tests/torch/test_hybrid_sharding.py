@@ -92,7 +92,7 @@ def test_hybrid_checkpoint_resumes_flat_and_reads_with_plain_orbax_and_restore_c
 
     from jax_backend.checkpoint import restore_chunks
 
-    chunks, layout = restore_chunks(root, Mesh(np.array(jax.devices()), ("dp",)))
+    chunks, layout = restore_chunks(root, Mesh(np.array(jax.devices()), ("shard",)))
     assert layout.world_size == 8
     for t in layout.tensors:
         got = np.asarray(chunks[f"chunk_{t.chunk:04d}"])[t.offset : t.end].astype(np.float32)
@@ -126,7 +126,7 @@ def test_train_refuses_a_shard_group_size_not_dividing_the_workers(monkeypatch):
 
 
 def test_run_summary_names_s_r_and_the_bytes_per_rank():
-    from torch_backend.train.report import chunk_rows
+    from chunkzero.job.report import chunk_rows
 
     chunk = {"chunks": 2, "chunk_size": 100, "sharded_chunks": 2, "shard_bytes": 2**20, "param_bytes": 2**22,
              "model_state_bytes": 2**21, "peak_gathered_chunks": 1, "shard_group_size": 2, "replicas": 2,

@@ -7,8 +7,9 @@ the cores the workers run oversubscribed, with a warning), the defaults of the d
 (:func:`chunkzero.train_config.with_device_defaults`), a model that
 exists with a block size that holds ``--seq-len``, kernels for ``--mixed-precision``, a usable
 ``--out`` and a corpus of at least one sequence; with ``--resume``, a checkpoint whose step is below
-``--steps`` and whose tensors are the model's, by name and shape (:func:`check_resume_model`, from the
-checkpoint's metadata and a meta-device build of the model: no array is read). It returns the config
+``--steps`` and whose tensors are the model's, by name and shape (:func:`chunkzero.job.checks.check_run_out`,
+from the checkpoint's metadata and a meta-device build of the model, :func:`module_tensor_specs`: no array
+is read). It returns the config
 with its resolved fields (``device``, ``nproc``/``world_size``, ``out``, ``model_kind``, ``block_size``,
 ``schedule_steps``) and the corpus.
 """
@@ -24,15 +25,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chunkzero.checkpoint import CheckpointMeta
-from chunkzero.checkpoint.plan import check_compatible
-from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
-from chunkzero.layout import ChunkLayout, TensorSpec
-from chunkzero.run_dir import CHECKPOINT_DIR, check_out_dir, check_resume, fresh_run_dir, previous_settings
-from chunkzero.train_config import TrainConfig, resumed_schedule_steps, with_device_defaults
-
-from . import data as data_mod
-from .models import hf_config, load_run_corpus, model_block_size
+from chunkzero.errors import ConfigError
+from chunkzero.job import data as data_mod
+from chunkzero.job.checks import check_run_out
+from chunkzero.job.models import load_run_corpus, model_block_size
+from chunkzero.layout import TensorSpec
+from chunkzero.train_config import TrainConfig, with_device_defaults
 
 log = logging.getLogger("chunkzero.train")
 
@@ -135,14 +133,16 @@ def resolve_workers(cfg: TrainConfig) -> int:
     return nproc
 
 
-def model_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
+def module_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
     """The model's parameters as :class:`chunkzero.TensorSpec` (names, tied names as aliases, shapes), from a
-    build on the meta device: no memory, no weights read. ``cfg.model_kind`` must be resolved."""
+    build on the meta device: no memory, no weights read; any Hugging Face causal LM. ``cfg.model_kind``
+    must be resolved. (:func:`chunkzero.job.models.model_tensor_specs` gives them from the config alone for
+    the byte-level GPTs and Hugging Face GPT-2.)"""
     with torch.device("meta"):
         if cfg.model_kind == "hf":
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM
 
-            module = AutoModelForCausalLM.from_config(hf_config(cfg.model))
+            module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model, local_files_only=True))
         else:
             from .gpt import GPT, GPT_CONFIGS
 
@@ -151,49 +151,6 @@ def model_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), (p, []))[1].append(name)
     return [TensorSpec(ns[0], tuple(p.shape), aliases=tuple(ns[1:])) for p, ns in names.values()]
-
-
-def check_resume_model(cfg: TrainConfig, meta: CheckpointMeta) -> None:
-    """Refuse a ``--resume`` whose ``--model`` does not hold exactly the checkpoint's tensors (by name or
-    alias) with the same shapes, before any worker starts.
-
-    Raises:
-        ConfigError: naming the checkpoint, its model (when it recorded one) and the tensor at fault.
-    """
-    specs = model_tensor_specs(cfg)
-    target = ChunkLayout.build(specs, max(s.numel for s in specs), 1)
-    root = Path(cfg.out) / CHECKPOINT_DIR
-    try:
-        check_compatible(meta.layout, target, source=f"checkpoint {meta.step}")
-    except (ShapeMismatchError, CheckpointError) as e:
-        saved = (meta.extra or {}).get("model")
-        trained = f", trained with --model {saved}" if isinstance(saved, str) and saved != cfg.model else ""
-        raise ConfigError(f"--resume: --model {cfg.model} does not fit the checkpoint in {root} (step {meta.step}"
-                          f"{trained}): {e}") from None
-
-
-def check_run_out(cfg: TrainConfig) -> CheckpointMeta | None:
-    """Resolve and check ``--out`` in place, for either backend's launcher: ``runs/<timestamp>`` when
-    unset, usable (:func:`chunkzero.run_dir.check_out_dir`), and ``cfg.schedule_steps`` set to
-    ``--steps`` or, with ``--resume``, to the kept schedule of a checkpoint whose step is below
-    ``--steps`` and whose tensors are the model's (:func:`check_resume_model`).
-
-    Returns:
-        The checkpoint's metadata with ``--resume``, else ``None``.
-
-    Raises:
-        ConfigError: naming ``--out``, the checkpoint or the tensor at fault.
-    """
-    if cfg.out is None:
-        cfg.out = str(fresh_run_dir(Path("runs")))
-    check_out_dir(cfg)
-    cfg.schedule_steps = cfg.steps
-    if not cfg.resume:
-        return None
-    meta = check_resume(cfg)
-    check_resume_model(cfg, meta)
-    cfg.schedule_steps = resumed_schedule_steps(cfg, previous_settings(cfg, meta)[0])
-    return meta
 
 
 def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, data_mod.Corpus]:
@@ -222,7 +179,7 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
     check_precision(cfg.mixed_precision, cfg.device)
     if check_out:
-        check_run_out(cfg)
+        check_run_out(cfg, module_tensor_specs)
     corpus = load_run_corpus(cfg)
     cfg.validated = True
     return cfg, corpus
