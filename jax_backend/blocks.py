@@ -58,7 +58,7 @@ from chunkzero.configs import (
 from chunkzero.errors import ConfigError
 from chunkzero.layout import TensorSpec
 
-from .convert import flax_to_torch, gpt_from_torch, param_rules, param_specs
+from .convert import flax_to_torch, gpt_from_torch, hf_gpt2_config, param_rules, param_specs
 from .gpt import Block, GPTConfig, init_gpt
 
 Batch = Mapping[str, jax.Array]
@@ -408,6 +408,25 @@ def hf_llama_program(config: Mapping[str, Any], name: str | None = None) -> Prog
                          rope_scaling=tuple(sorted(scaling.items())), max_seq_len=cfg.n_positions)
 
 
+HF_MODEL_TYPES = ("gpt2", *HF_LLAMA_DEFAULTS)
+"""The Hugging Face ``model_type`` s :func:`hf_program` computes."""
+
+
+def hf_program(config: Mapping[str, Any]) -> Program:
+    """The program of a Hugging Face causal LM from its ``config.json`` as a dict, under HF's tensor names and
+    shapes: GPT-2 (:func:`gpt_program` with ``hf_conv1d``) or the Llama family (:func:`hf_llama_program`).
+
+    Raises:
+        ConfigError: another ``model_type``, or a variant the program does not compute (naming the field).
+    """
+    kind = config.get("model_type")
+    if kind == "gpt2":
+        return gpt_program(hf_gpt2_config(config), "hf-gpt2", hf_conv1d=True)
+    if kind in HF_LLAMA_DEFAULTS:
+        return hf_llama_program(config, f"hf-{kind}")
+    raise ConfigError(f"model_type {kind!r} has no JAX program (only {', '.join(HF_MODEL_TYPES)})")
+
+
 # ---------------------------------------------------------------------------------------------------- by name
 def model_program(model: str | GPTConfig | ModelConfig) -> Program:
     """The :class:`Program` of a :mod:`chunkzero.configs` model name, a :class:`GPTConfig` or a
@@ -430,5 +449,5 @@ def model_program(model: str | GPTConfig | ModelConfig) -> Program:
     raise ConfigError(f"no program for model family {cfg.family!r}")
 
 
-__all__ = ["ROPE_TYPES", "Batch", "Program", "Stage", "gpt_program", "gpt_reference_loss", "hf_llama_program",
-           "llama_program", "model_program", "random_batch", "rope_inv_freq"]
+__all__ = ["HF_MODEL_TYPES", "ROPE_TYPES", "Batch", "Program", "Stage", "gpt_program", "gpt_reference_loss",
+           "hf_llama_program", "hf_program", "llama_program", "model_program", "random_batch", "rope_inv_freq"]

@@ -55,6 +55,7 @@ def test_jax_trains_llama_as_plain_torch_does(runs):
     _, _, _, outs = runs
     (t_train, t_val), (j_train, j_val) = _losses(outs["torch"]), _losses(outs["jax"])
     assert sorted(j_train) == list(range(1, 7)) and sorted(j_val) == [0, 6]
+    print(f"JAX vs plain torch: max |train loss difference| {max(abs(j_train[s] - t_train[s]) for s in j_train):.2e}")
     for s in j_train:
         assert j_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, j_train[s], t_train[s])
     for s in j_val:
@@ -72,10 +73,36 @@ def test_jax_llama_checkpoint_resumes_on_torch_at_another_world_size(runs):
     p = run_train(*_args(corpus, model, 3), "--nproc", "3", "--resume", "--out", str(out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     (t_train, t_val), (s_train, s_val) = _losses(outs["torch"]), _losses(out)
+    print(f"JAX → torch W = 3 vs plain torch: max |train loss difference| "
+          f"{max(abs(s_train[s] - t_train[s]) for s in (5, 6)):.2e}")
     for s in (5, 6):
         assert s_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, s_train[s], t_train[s])
     assert s_val[6] == pytest.approx(t_val[6], abs=LOSS_TOL)
     assert json.loads((out / "summary.json").read_text())["world_size"] == 3
+
+
+@pytest.mark.slow
+def test_zero_trainer_restores_a_llama_checkpoint_with_hf_logits(runs):
+    """The library path: ``ZeroTrainer.from_checkpoint`` builds the Llama program from the checkpoint's saved
+    ``config.json``, and its logits on the trained weights are HF's ``LlamaForCausalLM``'s on the same weights."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from jax_backend import ZeroTrainer, make_mesh
+    from jax_backend.layout import unflatten
+
+    _, _, model_dir, outs = runs
+    trainer, state = ZeroTrainer.from_checkpoint(outs["jax"] / "checkpoints", make_mesh(1))
+    assert trainer.source.step == 6 and trainer.program.name == "hf-llama"
+    weights = {k: np.asarray(v) for k, v in unflatten(trainer.chunks(state), trainer.layout, nested=False).items()}
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir).float().eval()
+    model.load_state_dict({k: torch.tensor(v) for k, v in weights.items()}, strict=True)
+    idx = np.random.default_rng(0).integers(0, 256, (2, 24))
+    with torch.no_grad():
+        ref = model(torch.from_numpy(idx)).logits.numpy()
+    ours = np.asarray(trainer.program.logits({k: jnp.asarray(v) for k, v in weights.items()}, jnp.asarray(idx)))
+    assert np.abs(ours - ref).max() <= 1e-5
 
 
 def test_llama_configs_jax_cannot_train_are_refused_by_name(tmp_path):
