@@ -181,7 +181,7 @@ def _llama_specs(cfg: ModelConfig):
 HF_LLAMA_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False},
     "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
-    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096},
 }
 """The Llama-family ``model_type`` s whose tensors :func:`hf_llama_config` reads, each with the defaults of
 its ``transformers`` config class that differ from the family's (``hidden_act`` silu, ``rms_norm_eps``

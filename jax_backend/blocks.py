@@ -402,8 +402,10 @@ def hf_llama_program(config: Mapping[str, Any], name: str | None = None) -> Prog
         raise ConfigError("partial_rotary_factor other than 1 is not implemented")
     theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
     scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":  # HF prefers the config's own field
         scaling.setdefault("original_max_position_embeddings", cfg.n_positions)
+        if isinstance(c.get("original_max_position_embeddings"), int):
+            scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
     return llama_program(cfg, name or kind, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
                          rope_scaling=tuple(sorted(scaling.items())), max_seq_len=cfg.n_positions)
 

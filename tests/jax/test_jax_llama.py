@@ -105,6 +105,25 @@ def test_interleaved_rotary_fails_the_logits_check(tmp_path, monkeypatch):
     assert _max_logit_diff(program, weights, model, idx) > 100 * LOGITS_ATOL
 
 
+def test_engine_reads_bf16_safetensors(tmp_path):
+    """The engine's initial weights of a directory stored in bf16 (most hub Llamas): its values, in fp32
+    (``safetensors.numpy`` reads bf16 once ``ml_dtypes``, which JAX imports, has registered it with numpy)."""
+    import torch
+
+    from chunkzero.train_config import TrainConfig
+    from jax_backend.train.engine import initial_params
+
+    path, model = _hf_dir(tmp_path, "llama")
+    model.to(torch.bfloat16).save_pretrained(path)
+    cfg = TrainConfig(model=str(path))
+    cfg.model_kind = "hf"
+    program, _ = _program_and_weights(path)
+    weights = initial_params(cfg, program.specs)
+    for name, p in model.state_dict().items():
+        assert weights[name].dtype == np.float32
+        np.testing.assert_array_equal(weights[name], p.float().numpy(), err_msg=name)
+
+
 BASE = {"model_type": "llama", **TINY}
 
 
