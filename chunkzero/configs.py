@@ -193,7 +193,8 @@ def hf_llama_config(config: Mapping[str, Any]) -> ModelConfig:
     ``Qwen2ForCausalLM``) from its ``config.json`` as a dict, as ``named_parameters()`` lists them.
 
     Raises:
-        ConfigError: another ``model_type``, or a missing or non-integer size field (named).
+        ConfigError: another ``model_type``, a missing or non-integer size field, or heads that key/value heads
+            do not divide (named).
     """
     kind = config.get("model_type")
     if kind not in HF_LLAMA_DEFAULTS:
@@ -202,13 +203,16 @@ def hf_llama_config(config: Mapping[str, Any]) -> ModelConfig:
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(c.get(key), int):
             raise ConfigError(f"a {kind!r} config.json needs an integer {key}, got {c.get(key)!r}")
-    heads = c["num_attention_heads"]
-    attention_bias = kind == "qwen2" or bool(c.get("attention_bias"))
+    heads, llama = c["num_attention_heads"], kind == "llama"  # Mistral has no bias fields, Qwen2 fixed ones
+    attention_bias = kind == "qwen2" or (llama and bool(c.get("attention_bias")))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     return ModelConfig("llama", c["vocab_size"], int(c["max_position_embeddings"]), c["num_hidden_layers"], heads,
-                       c["hidden_size"], c["intermediate_size"], n_kv_head=int(c.get("num_key_value_heads") or heads),
+                       c["hidden_size"], c["intermediate_size"], n_kv_head=kv_heads,
                        tie_embeddings=bool(c.get("tie_word_embeddings", False)), head_dim=int(c.get("head_dim") or 0),
                        qkv_bias=attention_bias, o_bias=attention_bias and kind != "qwen2",
-                       mlp_bias=bool(c.get("mlp_bias")))
+                       mlp_bias=llama and bool(c.get("mlp_bias")))
 
 
 _BLOCK_RE = re.compile(r"^(.*?\.(?:h|layers)\.\d+)\.")

@@ -140,6 +140,7 @@ BASE = {"model_type": "llama", **TINY}
     ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"model_type": "gemma"}, "model_type 'gemma'"),
     ({"hidden_size": None}, "integer hidden_size"),
+    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
 ])
 def test_refusals_name_the_field(overrides, field):
     config = {**BASE, **overrides}
