@@ -3,8 +3,8 @@ engine, behind the interface the loop and :class:`chunkzero.job.report.Report` r
 
 The same run as torch's: the model initialised from the same bytes (:func:`initial_params`: the core's
 numpy initialization, or a directory's safetensors read with numpy; no torch) — a byte-level GPT, or a Hugging
-Face GPT-2 directory under HF's own tensor names and ``Conv1D`` ``(in, out)`` shapes
-(:func:`jax_backend.blocks.gpt_program` with ``hf_conv1d``), so its checkpoints are the torch run's — the chunk layout of
+Face GPT-2 or Llama-family (Llama, Mistral, Qwen2) directory under HF's own tensor names and shapes
+(:func:`jax_backend.blocks.hf_program`), so its checkpoints are the torch run's — the chunk layout of
 :class:`torch_backend.ZeroDDP` (the core search over the same tensor specs, in the compute dtype),
 AdamW with betas (0.9, 0.95), eps 1e-8, the two param groups of
 :func:`torch_backend.train.adapter.decay_groups` (weight decay on tensors of 2 or more dimensions),
@@ -41,9 +41,8 @@ from chunkzero.run_dir import resume_failed
 from chunkzero.search import search_chunk_size
 from chunkzero.train_config import TrainConfig
 
-from ..blocks import Program, gpt_program
+from ..blocks import Program, gpt_program, hf_program
 from ..checkpoint import restore_checkpoint
-from ..convert import hf_gpt2_config
 from ..optim import adamw_meta, param_groups_adamw
 from ..zero import ZeroTrainer
 
@@ -69,13 +68,13 @@ def lr_schedule(cfg: TrainConfig):
 
 def run_program(cfg: TrainConfig) -> Program:
     """The staged program of ``cfg.model``: a byte-level GPT by name, or (``cfg.model_kind == "hf"``) the
-    Hugging Face GPT-2 of that directory under HF's tensor names and shapes.
+    Hugging Face GPT-2 or Llama-family model of that directory under HF's tensor names and shapes.
 
     Raises:
-        ConfigError: a Hugging Face config this GPT does not compute (:func:`jax_backend.convert.hf_gpt2_config`).
+        ConfigError: a Hugging Face config no program computes (:func:`jax_backend.blocks.hf_program`).
     """
     if cfg.model_kind == "hf":
-        return gpt_program(hf_gpt2_config(hf_config(cfg.model)), "hf-gpt2", hf_conv1d=True)
+        return hf_program(hf_config(cfg.model))
     return gpt_program(GPT_CONFIGS[cfg.model])
 
 
