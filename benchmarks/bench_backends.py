@@ -5,7 +5,10 @@ Each repeat runs ``chunkzero train`` once per engine, in an order that alternate
 (``gpt-mini``), ``--seq-len`` and ``--batch-size`` at their defaults, fp32, W = 2 — torch as 2 gloo workers
 (``--nproc 2``, each with cores / 2 intra-op threads, as ``chunkzero train`` sets them), JAX as 2 JAX
 processes of 1 CPU device each (``--backend jax --nproc 2``; XLA's CPU thread pool is its default, the
-machine's cores, in each process). No evaluation beyond the one at step 0, no checkpoint, no sample.
+machine's cores, in each process), twice: ``jax cold`` with an empty persistent compilation cache
+(``CHUNKZERO_JAX_CACHE``, a new directory per run: a first start) and ``jax warm`` with the cache a
+previous run filled (a restart; one run fills it before the repeats). No evaluation beyond the one at
+step 0, no checkpoint, no sample.
 
 Per engine, over the repeats (min / median / max):
 
@@ -17,10 +20,10 @@ Per engine, over the repeats (min / median / max):
   processes, data, model, the step-0 evaluation, step 1, and the outputs at the end;
 - **peak RSS per process** (MiB, ``ru_maxrss``, the whole process, every library it imported).
 
-JAX processes import torch too (the data stream, the model's initial weights and the report are the
-torch job's own modules), which counts in their RSS.
+JAX processes import no torch (the data stream, the initial weights and the report are the framework-free
+job core's, ``chunkzero.job``).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_backends.py [--repeats 5] [--steps 8]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_backends.py [--repeats 5] [--steps 8] [--engines jax-cold,jax-warm]
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_runs import make_corpus, train_env  # noqa: E402
 
-ENGINES = {"torch": ["--nproc", "2"], "jax": ["--backend", "jax", "--nproc", "2", "--devices-per-process", "1"]}
+JAX = ["--backend", "jax", "--nproc", "2", "--devices-per-process", "1"]
+ENGINES = {"torch": ["--nproc", "2"], "jax-cold": JAX, "jax-warm": JAX}
 
 
-def run_once(engine: str, common: list[str], out: Path, cwd: Path) -> dict:
+def run_once(engine: str, common: list[str], out: Path, cwd: Path, cache: Path | None = None) -> dict:
     env = train_env()
+    if cache is not None:
+        env["CHUNKZERO_JAX_CACHE"] = str(cache)
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "chunkzero.cli", "train", *common, *ENGINES[engine], "--out", str(out),
                         "--overwrite"], cwd=cwd, env=env, capture_output=True, text=True)
@@ -70,19 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first one's time reported apart)")
     ap.add_argument("--json", type=Path, default=None, help="write every run's numbers here")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     args = ap.parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",")]
+    if not engines or any(e not in ENGINES for e in engines):
+        ap.error(f"--engines: choose from {', '.join(ENGINES)}, got {args.engines!r}")
     load_before = os.getloadavg()
-    rows: dict[str, list[dict]] = {e: [] for e in ENGINES}
+    rows: dict[str, list[dict]] = {e: [] for e in engines}
     with tempfile.TemporaryDirectory(prefix="bench-backends-") as tmp:
         work = Path(tmp)
         corpus = make_corpus(work / "corpus")
         common = ["--steps", str(args.steps), "--warmup", "2", "--eval-interval", str(10 * args.steps),
                   "--eval-batches", "1", "--sample-tokens", "0", "--save-interval", "0", "--data", str(corpus),
                   "--device", "cpu"]
+        warm = work / "cache-warm"
+        if "jax-warm" in engines:  # fill the cache once, as a first start would
+            run_once("jax-warm", common, work / "prime", work, warm)
         for i in range(args.repeats):
-            order = list(ENGINES) if i % 2 == 0 else list(reversed(ENGINES))
+            order = engines if i % 2 == 0 else list(reversed(engines))
             for engine in order:
-                r = run_once(engine, common, work / engine, work)
+                cache = {"jax-cold": work / f"cache-cold-{i}", "jax-warm": warm}.get(engine)
+                r = run_once(engine, common, work / engine, work, cache)
                 rows[engine].append(r)
                 print(f"repeat {i + 1} {engine}: {r['tokens_per_s']:.0f} tokens/s, first step {r['first_step_s']:.1f} s, "
                       f"to first step {r['to_first_step_s']:.1f} s, peak RSS {r['peak_rss_mib']} MiB", flush=True)
