@@ -66,8 +66,8 @@ def export(args) -> dict:
     import orbax.checkpoint  # noqa: F401
     import torch  # noqa: F401
 
-    from torch_backend.checkpoint.sharded import read_meta
     from torch_backend.checkpoint.export import export_checkpoint
+    from torch_backend.checkpoint.sharded import read_meta
 
     read_meta(args.ckpt)
     floor = _rss_mib()

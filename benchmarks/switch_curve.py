@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
-from train_runs import CORPUS_FILES as STDLIB_CORPUS_FILES, make_corpus, train_env  # noqa: E402
+from train_runs import CORPUS_FILES as STDLIB_CORPUS_FILES  # noqa: E402
+from train_runs import make_corpus, train_env
 
 GLOBAL_BATCH = 12
 CORPUS_FILES = (*STDLIB_CORPUS_FILES, "pathlib/__init__.py")

@@ -5,6 +5,8 @@ Imports numpy and the standard library only; the backends live in ``torch_backen
 ``jax_backend``.
 """
 
+from .configs import model_specs
+from .cost import StrategyCost, chunk_zero3_cost, compare_strategies, ddp_cost, fsdp_cost
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -18,8 +20,6 @@ from .errors import (
     ShapeMismatchError,
     UnusedParameterError,
 )
-from .configs import model_specs
-from .cost import StrategyCost, chunk_zero3_cost, compare_strategies, ddp_cost, fsdp_cost
 from .layout import ChunkInfo, ChunkLayout, TensorPlacement, TensorSpec
 from .placement import ChunkPlacement, Location, chunk_placements, offload_count, static_placement
 from .placement_auto import PlacementPlan, StepSchedule, plan_placement

@@ -16,6 +16,8 @@ stages), ``schedule`` (the sharded step over gather units), ``zero`` (chunk ZeRO
 model).
 """
 
+from .analysis import compare_layouts, count_collectives
+from .baselines import DDPTrainer, FSDPTrainer
 from .checkpoint import (
     RestoredCheckpoint,
     abstract_state,
@@ -43,8 +45,6 @@ from .mesh import DEFAULT_AXIS, chunk_sharding, make_mesh, mesh_world_size
 from .optim import adam_state_from_chunks, adam_state_to_chunks, adamw_from_meta, adamw_meta, adamw_step
 from .schedule import TrainState
 from .zero import ZeroTrainer
-from .baselines import DDPTrainer, FSDPTrainer
-from .analysis import compare_layouts, count_collectives
 
 __all__ = [
     "DDPTrainer",

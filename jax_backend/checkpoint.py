@@ -34,11 +34,11 @@ from chunkzero.checkpoint import (
     checksum_key,
     chunk_key,
     combine_checksums,
-    shard_checksum,
     flat_arrays,
     orbax_store,
     param_array_dtype,
     read_meta,
+    shard_checksum,
     state_tree,
 )
 from chunkzero.checkpoint.meta import META_ITEM, array_name

@@ -3,8 +3,17 @@ checkpoint adapters (:mod:`torch_backend.checkpoint`) and the training job
 (:mod:`torch_backend.train`)."""
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .zero import (AutoPlacementPolicy, DynamicLossScaler, MemoryReport, MixedPrecision, PrefetchPolicy,
-                   StaticPlacement, ZeroDDP, ZeroEMA, ZeroOptimizer)
+from .zero import (
+    AutoPlacementPolicy,
+    DynamicLossScaler,
+    MemoryReport,
+    MixedPrecision,
+    PrefetchPolicy,
+    StaticPlacement,
+    ZeroDDP,
+    ZeroEMA,
+    ZeroOptimizer,
+)
 
 __all__ = ["AutoPlacementPolicy", "DynamicLossScaler", "MemoryReport", "MixedPrecision", "PrefetchPolicy",
            "StaticPlacement", "ZeroDDP", "ZeroEMA", "ZeroOptimizer", "load_checkpoint", "save_checkpoint"]

@@ -57,9 +57,9 @@ from chunkzero.checkpoint import is_step_dir, latest_step, orbax_store
 from chunkzero.errors import CheckpointError, ConfigError
 
 from .checkpoint.sharded import load_checkpoint, save_checkpoint
-from .zero.collectives import all_gather_json
 from .lightning_state import from_json, to_json
 from .zero import ZeroDDP, ZeroOptimizer
+from .zero.collectives import all_gather_json
 
 __all__ = ["ZeroStrategy", "mixed_precision_of"]
 

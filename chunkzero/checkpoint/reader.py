@@ -32,7 +32,18 @@ from ..dtypes import numpy_dtype
 from ..errors import CheckpointError, CheckpointFormatError, ShapeMismatchError
 from ..layout import ChunkLayout
 from . import orbax_store
-from .meta import EMA_KEY, OPTIM_KEY, PARAMS_KEY, STATE_ITEM, ArrayPath, CheckpointMeta, array_name, chunk_index, chunk_key, param_array_dtype
+from .meta import (
+    EMA_KEY,
+    OPTIM_KEY,
+    PARAMS_KEY,
+    STATE_ITEM,
+    ArrayPath,
+    CheckpointMeta,
+    array_name,
+    chunk_index,
+    chunk_key,
+    param_array_dtype,
+)
 from .plan import ReadPiece, check_compatible, compare_layouts, read_plan
 
 

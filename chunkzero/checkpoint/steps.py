@@ -16,7 +16,6 @@ from ..errors import CheckpointError, CheckpointFormatError, ConfigError
 from .meta import META_FILENAME, META_ITEM, STATE_ITEM, CheckpointMeta
 
 
-
 def is_step_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` is one committed step directory (``<root>/<int>/`` with both items)."""
     p = Path(path)

@@ -31,6 +31,7 @@ import numpy as np
 from ..blocks import random_batch
 from .hlo import CollectiveCounts, count_collectives
 
+
 @dataclass(frozen=True)
 class MemoryStats:
     """``compiled.memory_analysis()`` per device, in bytes.

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from chunkzero.cli import main
-from chunkzero.network_cost import Topology, compare_network
 from chunkzero.configs import model_specs
+from chunkzero.network_cost import Topology, compare_network
 from chunkzero.search import build_layout
 
 

@@ -109,8 +109,8 @@ def test_sample_tokens_zero_writes_and_logs_no_sample(tmp_path, caplog):
 
 def test_the_sample_names_the_prompt_it_was_given(tmp_path):
     """With a sample, the summary's prompt is --prompt (decoded from the byte tokens), not ''."""
-    from torch_backend.train.adapter import Engine
     from chunkzero.job.models import load_run_corpus
+    from torch_backend.train.adapter import Engine
     from torch_backend.train.models import build_module, sample_text
 
     (tmp_path / "a.py").write_text("def f(x):\n    return x\n" * 400)

@@ -9,7 +9,8 @@ import os
 
 import numpy as np
 import pytest
-from jaxtest_utils import TorchRun, eval_tokens as _eval_tokens, make_torch_run
+from jaxtest_utils import TorchRun, make_torch_run
+from jaxtest_utils import eval_tokens as _eval_tokens
 
 
 @pytest.fixture(scope="session")

@@ -13,10 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_backend as jb
-from chunkzero import ChunkLayout, CheckpointError, ConfigError, TensorSpec
-from chunkzero.checkpoint import CheckpointFormatError, OptimizerMeta, chunk_key
+from chunkzero import CheckpointError, ChunkLayout, ConfigError, TensorSpec
 from chunkzero import checkpoint as ckpt
-from chunkzero.checkpoint import orbax_store
+from chunkzero.checkpoint import CheckpointFormatError, OptimizerMeta, chunk_key, orbax_store
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+import ema_writer
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import ema_writer
 import jax_backend as jb
 from chunkzero import checkpoint as ckpt
 from chunkzero.errors import CheckpointError, ConfigError

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxtest_utils import rel_err, torch_param_specs
 
 import jax_backend as jb
-from chunkzero import ChunkLayout, CheckpointError, ConfigError, ShapeMismatchError, TensorSpec
+from chunkzero import CheckpointError, ChunkLayout, ConfigError, ShapeMismatchError, TensorSpec
 from jax_backend import convert as jconvert
 from jax_backend import gpt as jgpt
 from torch_backend.train import gpt as tgpt

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import jax_backend as jb
 from chunkzero import ChunkLayout, ConfigError, LayoutError, ShapeMismatchError, TensorSpec

@@ -16,8 +16,7 @@ import torch
 from jaxtest_utils import CHUNK_SIZE, HYPER, batch
 
 import jax_backend as jb
-from chunkzero.checkpoint import chunk_key
-from chunkzero.checkpoint import read_meta
+from chunkzero.checkpoint import chunk_key, read_meta
 
 PARAM_ATOL = 1e-6
 """Parameters after the step, absolute (params are O(0.1); fp32 rounding of one update is ~1e-9)."""

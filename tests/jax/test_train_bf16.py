@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
-import jax.numpy as jnp
 
 import jax_backend as jb
 from chunkzero.checkpoint.steps import read_meta

@@ -9,7 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from zero_utils import ADAMW, BATCH, CHUNK_SIZE, FP32_RTOL, SEQ, STEPS, WORLD, batches, max_rel_err, normwise_rel_err, tiny_program
+from zero_utils import (
+    ADAMW,
+    BATCH,
+    CHUNK_SIZE,
+    FP32_RTOL,
+    SEQ,
+    STEPS,
+    WORLD,
+    batches,
+    max_rel_err,
+    normwise_rel_err,
+    tiny_program,
+)
 
 from chunkzero import ChunkLayout
 from chunkzero.errors import ConfigError, LayoutError

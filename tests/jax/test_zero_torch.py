@@ -14,17 +14,16 @@ from __future__ import annotations
 import numpy as np
 import optax
 import pytest
-from zero_utils import BATCH, SEQ, normwise_rel_err
-
 import torch
-from torch_backend import ZeroDDP, ZeroOptimizer
-from torch_backend.checkpoint.sharded import save_checkpoint as torch_save_checkpoint
-from torch_backend.train.gpt import GPT, GPT_CONFIGS
+from zero_utils import BATCH, SEQ, normwise_rel_err
 
 import jax_backend as jb
 from jax_backend.blocks import gpt_program
 from jax_backend.optim import adamw_from_meta
 from jax_backend.zero import ZeroTrainer
+from torch_backend import ZeroDDP, ZeroOptimizer
+from torch_backend.checkpoint.sharded import save_checkpoint as torch_save_checkpoint
+from torch_backend.train.gpt import GPT, GPT_CONFIGS
 
 CROSS_RTOL = 1e-4
 """torch vs JAX after K steps: ||θ_jax − θ_torch|| / ||θ_torch|| (different kernels and summation orders)."""
@@ -171,10 +170,11 @@ def test_jax_keeps_torch_param_groups_exactly(tmp_path):
     LayerNorm, which share chunks with the matrices) saves; ZeroTrainer.from_checkpoint continues on 4
     devices equal to torch within the cross-framework tolerance, per tensor; ignoring the groups (one
     optax.adamw with group 0's values) does not; and the JAX save hands the groups back to torch."""
+    from zero_utils import max_rel_err
+
     from chunkzero.errors import ConfigError
     from jax_backend.optim import adamw_hyperparameters
     from torch_backend.checkpoint.sharded import load_checkpoint, read_meta
-    from zero_utils import max_rel_err
 
     cfg = GPT_CONFIGS["gpt-tiny"]
     torch.manual_seed(0)

@@ -13,7 +13,6 @@ import copy
 import os
 
 import torch
-
 from zero_cases import ADAMW, batches, gpt2_loss, hf_gpt2, zero_run
 
 
@@ -52,9 +51,9 @@ def worker_frozen_exact(rank: int, world: int, root: str):
     tensors come back bit for bit from ``state_dict()``, a checkpoint save/load into another model and
     a safetensors export; frozen chunks keep their storage dtype (4 / 2 bytes per shard element in
     ``memory_report``), never mix dtypes, and hold no master; trainable tensors within the bf16 bound."""
+    from optim_cases import UPDATE_RTOL, low_precision_reference, update_error
     from safetensors.torch import load_file
 
-    from optim_cases import UPDATE_RTOL, low_precision_reference, update_error
     from torch_backend import ZeroDDP, ZeroOptimizer, load_checkpoint, save_checkpoint
     from torch_backend.checkpoint.export import export_checkpoint
 

@@ -29,9 +29,8 @@ import torch.nn.functional as F  # noqa: E402
 torch.set_num_threads(1)
 
 import lightning.pytorch as pl  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
-
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from chunkzero.lightning import ZeroEMACallback, ZeroStrategy  # noqa: E402
 from torch_backend.train.gpt import GPT, GPTConfig  # noqa: E402

@@ -14,7 +14,18 @@ import copy
 
 import torch
 from torch import nn
-from zero_cases import FP32, CASES, Odd, assert_state_close, batches, gpt2_loss, hf_gpt2, mean_over_ranks, micro, odd_loss
+from zero_cases import (
+    CASES,
+    FP32,
+    Odd,
+    assert_state_close,
+    batches,
+    gpt2_loss,
+    hf_gpt2,
+    mean_over_ranks,
+    micro,
+    odd_loss,
+)
 
 UPDATE_RTOL = 0.05
 """Relative L2 error allowed between the low-precision run's update and the reference's."""

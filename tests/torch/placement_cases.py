@@ -10,13 +10,12 @@ import copy
 
 import torch
 import torch.distributed as dist
-
 import torch.nn.functional as F
+from zero_cases import ADAMW, FP32
 
 from chunkzero import Location, plan_placement
 from torch_backend import ZeroDDP, ZeroOptimizer
 from torch_backend.train.gpt import GPT, GPTConfig
-from zero_cases import ADAMW, FP32
 
 STEPS = 4
 CHUNK_SIZE = 4000

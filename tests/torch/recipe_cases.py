@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
 from zero_cases import ADAMW, FP32, assert_state_close, gpt2_loss, hf_gpt2, mean_over_ranks, micro
 
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-
 import zero_cases
+
 from chunkzero.errors import ConfigError
 from torch_backend import ZeroDDP, ZeroEMA, ZeroOptimizer
 

@@ -1,8 +1,8 @@
 """The engine's memory discipline, frozen chunks and prefetch, at world sizes 1, 2 and 3 (gloo)."""
 
+import engine_cases
 import pytest
 
-import engine_cases
 from torch_backend._testing import run_distributed
 
 
@@ -27,8 +27,8 @@ def test_offload_decisions_apply_at_world_size_1():
     import copy
 
     import torch
-
     import zero_cases
+
     from chunkzero import Location, static_placement
     from torch_backend import ZeroDDP, ZeroOptimizer
 

@@ -8,10 +8,10 @@ import subprocess
 import sys
 import textwrap
 
+import hybrid_cases
 import numpy as np
 import pytest
 
-import hybrid_cases
 from chunkzero.layout import ChunkLayout
 from chunkzero.network_cost import Topology as NetworkTopology
 from chunkzero.network_cost import hybrid_calls, price_calls

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import gc
 
+import memory_cases
 import pytest
 import torch
-
-import memory_cases
 from memory_cases import LAYER_NUMEL, Stack, backward_peaks, chunk_bytes
+
 from torch_backend import ZeroDDP
 from torch_backend._testing import run_distributed
 from torch_backend.zero.memory import AllocationTracker

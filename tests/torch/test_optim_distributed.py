@@ -2,9 +2,9 @@
 param groups, LR schedulers, skipped parameters, no_sync-only steps, low-precision updates and clipping.
 The checks live in ``optim_cases.py`` (one spawned run does several; spawning is slow)."""
 
+import optim_cases
 import pytest
 
-import optim_cases
 from torch_backend._testing import run_distributed
 
 WORLD_SIZES = [1, 2, 3]

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 import torch
+import zero_cases
 from optim_cases import nanogpt_groups
 
-import zero_cases
 from chunkzero.errors import CheckpointError, ConfigError
 from torch_backend import ZeroDDP, ZeroOptimizer
 from torch_backend.checkpoint.sharded import load_checkpoint, read_meta, save_checkpoint

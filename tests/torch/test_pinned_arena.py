@@ -167,6 +167,7 @@ def test_memory_report_gives_the_arenas_bytes():
     """ZeroDDP with a stand-in stream layer (the CPU taken for a device with streams, so the engine
     pins): the report's pinned bytes are the arena's, and its slices are the offloaded masters."""
     from stream_recorder import StreamRecorder
+
     from torch_backend import ZeroDDP, ZeroOptimizer
     rec = StreamRecorder()
     previous = collectives.set_stream_layer(rec)

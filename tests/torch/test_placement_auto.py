@@ -2,11 +2,11 @@
 
 import copy
 
+import placement_cases
 import pytest
 import torch
 from torch import nn
 
-import placement_cases
 from chunkzero.errors import ConfigError, PlacementBudgetError
 from torch_backend import ZeroDDP, ZeroOptimizer
 from torch_backend._testing import run_distributed

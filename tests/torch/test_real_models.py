@@ -3,8 +3,8 @@ on a frozen base (only the adapters carry master, gradient and optimizer state),
 "Done when" run (gradient checkpointing, two param groups, a LambdaLR, autograd.grad)."""
 
 import pytest
-
 import real_model_cases
+
 from torch_backend._testing import run_distributed
 
 

@@ -1,8 +1,8 @@
 """Real-model recipes under ZeroDDP at W = 1, 2, 3 against the single-process reference (gloo)."""
 
 import pytest
-
 import recipe_cases
+
 from torch_backend._testing import run_distributed
 
 WORLD_SIZES = [1, 2, 3]

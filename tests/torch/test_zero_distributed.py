@@ -2,8 +2,8 @@
 references. The checks live in ``zero_cases.py`` (one spawned run does several, spawning is slow)."""
 
 import pytest
-
 import zero_cases
+
 from torch_backend._testing import run_distributed
 
 WORLD_SIZES = [1, 2, 3]

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-
 import zero_cases
+
 from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 from torch_backend import DynamicLossScaler, ZeroDDP, ZeroOptimizer
 from torch_backend.zero import collectives

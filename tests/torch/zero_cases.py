@@ -409,9 +409,9 @@ def worker_features(rank: int, world: int):
 
 def worker_mixed_precision(rank: int, world: int):
     """bf16 updates within 5% of a bf16-compute, fp32-master reference; fp16 overflow skips the step and backs off."""
-    from torch_backend import ZeroDDP, ZeroOptimizer
-
     from optim_cases import UPDATE_RTOL, low_precision_reference, update_error
+
+    from torch_backend import ZeroDDP, ZeroOptimizer
 
     build, loss_fn, kg, cs = CASES["gpt2"]
     # --- bf16: the 3-step update within 5% (relative L2) of the bf16-compute, fp32-master reference

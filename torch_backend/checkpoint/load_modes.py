@@ -21,7 +21,7 @@ SAT           chunkzero ``mode``   restores
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 

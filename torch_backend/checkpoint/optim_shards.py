@@ -22,8 +22,8 @@ from chunkzero.errors import CheckpointError
 from chunkzero.layout import ChunkLayout
 
 from ..zero.collectives import all_gather_json
-from .numpy_bridge import to_numpy, to_torch
 from ..zero.optim_state_dict import IMPLEMENTATION_FLAGS
+from .numpy_bridge import to_numpy, to_torch
 
 logger = logging.getLogger("chunkzero.checkpoint")
 

@@ -31,7 +31,6 @@ TensorStore/zarr, RNG states are JSON (:mod:`.rng`).
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import logging
 import os
@@ -61,11 +60,11 @@ from chunkzero.checkpoint.reader import ChunkReader, read_shards
 from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.layout import ChunkLayout
 
-from . import ema_shards, load_modes, optim_shards
 from ..zero.collectives import all_gather_json
+from . import ema_shards, load_modes, optim_shards
+from .load_modes import WeightsLoad
 from .numpy_bridge import to_numpy, to_torch, torch_dtype
 from .parallel_write import process_mesh, write_shards
-from .load_modes import WeightsLoad
 from .rng import reseed, rng_state, set_rng_state
 
 logger = logging.getLogger("chunkzero.checkpoint")
