@@ -92,7 +92,7 @@ def main() -> None:
             masters = [c.master for c in model.chunks if c.requires_grad]
             inner = torch.optim.AdamW(masters, lr=1e-4, weight_decay=0.1, foreach=foreach)
 
-            def per_chunk(inner=inner):
+            def per_chunk(inner=inner, model=model):
                 inner.step()
                 for c in model.chunks:
                     c.refresh_from_master()
@@ -110,7 +110,7 @@ def main() -> None:
         n_params = sum(t.numel for t in model.layout.tensors)
         n_pieces = sum(len(model.layout.shard_pieces(c.index, 0)) for c in model.layout.chunks if c.requires_grad)
 
-        def cell(k):
+        def cell(k, times=times):
             v = sorted(times[k])
             return f"{v[0]:.2f} / {statistics.median(v):.2f} / {v[-1]:.2f}"
 

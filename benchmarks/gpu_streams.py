@@ -100,7 +100,6 @@ def train(base, kwargs: dict, prefetch: int, args, device, *, profile: bool) -> 
         out["moved_mib"] = sum(ap.step_bytes_moved) / 2**20
     if profile and device.type == "cuda":
         out.update(_profiled_copies(lambda: step(args.steps), torch))
-    del model, optim, module
     return out
 
 

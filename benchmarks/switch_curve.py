@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import numpy as np  # noqa: E402
 from train_runs import CORPUS_FILES as STDLIB_CORPUS_FILES  # noqa: E402
-from train_runs import make_corpus, train_env
+from train_runs import make_corpus, train_env  # noqa: E402 - after the sys.path set-up
 
 GLOBAL_BATCH = 12
 CORPUS_FILES = (*STDLIB_CORPUS_FILES, "pathlib/__init__.py")

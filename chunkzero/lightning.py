@@ -5,6 +5,12 @@ imports torch and lightning (``pip install 'chunkzero[lightning]'``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers and linters; at run time ``__getattr__`` imports them on first use
+    from torch_backend.lightning import ZeroStrategy
+    from torch_backend.lightning_ema import ZeroEMACallback
+
 __all__ = ["ZeroEMACallback", "ZeroStrategy"]
 
 

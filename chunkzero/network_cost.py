@@ -159,7 +159,7 @@ def hybrid_calls(layout: ChunkLayout, replicas: int, precision: str = "bf16") ->
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ConfigError(f"replicas must be a positive int, got {replicas!r}")
     b_param, b_grad, _ = _precision(precision)
-    s, w = layout.world_size, layout.world_size * replicas
+    s = layout.world_size
     calls = []
     for c in layout.chunks:
         if c.keep_gathered:  # the whole chunk, all-reduced within the shard group, then across replicas

@@ -125,13 +125,13 @@ def check_reduce_scatter(mesh: Mesh, block_bytes: Iterable[int], dtypes: Iterabl
             def body(v):
                 r = jax.lax.axis_index(axis)
                 whole = jax.lax.psum(v, axis)
-                want = jax.lax.dynamic_slice_in_dim(whole, r * (numel // world), numel // world)
+                want = jax.lax.dynamic_slice_in_dim(whole, r * (numel // world), numel // world)  # noqa: B023 - traced in this iteration
                 a = reduce_scatter_sum(v, axis, method="psum_scatter")
                 b = reduce_scatter_sum(v, axis, method="all_to_all")
                 bad_a = jnp.abs(a - want)
                 first = jnp.where(jnp.any(bad_a > 0), jnp.argmax(bad_a > 0), -1)
-                bad = jnp.stack([jnp.max(bad_a).astype(jnp.float64 if dtype == jnp.float64 else jnp.float32),
-                                 jnp.max(jnp.abs(b - want)).astype(jnp.float64 if dtype == jnp.float64 else jnp.float32)])
+                bad = jnp.stack([jnp.max(bad_a).astype(jnp.float64 if dtype == jnp.float64 else jnp.float32),  # noqa: B023 - traced in this iteration
+                                 jnp.max(jnp.abs(b - want)).astype(jnp.float64 if dtype == jnp.float64 else jnp.float32)])  # noqa: B023 - traced in this iteration
                 worst = jax.lax.pmax(bad, axis)
                 return worst.reshape(1, 2), jax.lax.pmax(first, axis).reshape(1)
 

@@ -179,11 +179,11 @@ def run_schedule(program: Program, units: Mapping[str, GatherUnit], unit_of: Map
         train = {n: v for n, v in t.items() if units[unit_of[n]].trainable}
         frozen = {n: v for n, v in t.items() if n not in train}
         if h_in is None:
-            _, vjp = jax.vjp(lambda tt: s.fn({**tt, **frozen}, None, batch), train)
+            _, vjp = jax.vjp(lambda tt: s.fn({**tt, **frozen}, None, batch), train)  # noqa: B023 - traced at once by jax.vjp
             (gt,) = vjp(g)
             g = None
         else:
-            _, vjp = jax.vjp(lambda tt, hh: s.fn({**tt, **frozen}, hh, batch), train, h_in)
+            _, vjp = jax.vjp(lambda tt, hh: s.fn({**tt, **frozen}, hh, batch), train, h_in)  # noqa: B023 - traced at once by jax.vjp
             gt, g = vjp(g)
         for n, gn in gt.items():
             d = acc.setdefault(unit_of[n], {})

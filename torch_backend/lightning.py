@@ -93,7 +93,7 @@ class _ZeroPrecision(Precision):
         self.precision = precision  # what Trainer(precision=...) asked for, for logs and trainer.precision
         self._strategy = strategy
 
-    def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: torch.Tensor, model, optimizer, *args: Any, **kwargs: Any) -> None:  # noqa: ARG002 - Lightning Strategy signature
         if args or kwargs:
             raise ConfigError("ZeroStrategy's backward takes no extra arguments (retain_graph, inputs …)")
         zero = self._strategy.zero_optimizer
@@ -314,7 +314,7 @@ class ZeroStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the weights are the checkpoint's sharded arrays: nothing gathered
 
-    def optimizer_state(self, optimizer) -> dict[str, torch.Tensor]:
+    def optimizer_state(self, optimizer) -> dict[str, torch.Tensor]:  # noqa: ARG002 - Lightning Strategy signature
         return {}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -354,7 +354,7 @@ class ZeroStrategy(DDPStrategy):
         save_checkpoint(path, self.zero_model, optimizer, step=step, extra={LIGHTNING_KEY: state}, max_to_keep=1,
                         timeout_s=self.checkpoint_timeout_s)
 
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:  # noqa: ARG002 - Lightning Strategy signature
         """Restore the model (and, when fitting, the optimizer, loss scaler and RNG states) from a
         chunkzero checkpoint directory of any world size; return Lightning's part of it.
 

@@ -58,27 +58,27 @@ class ZeroEMACallback(Callback):
         self.ema: ZeroEMA | None = None
         self._swap = ExitStack()
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:  # noqa: ARG002 - Lightning Callback signature
         if not isinstance(trainer.strategy, ZeroStrategy):
             raise ConfigError(f"ZeroEMACallback needs Trainer(strategy=ZeroStrategy(...)), got "
                               f"{type(trainer.strategy).__name__} (its EMA lives beside ZeroOptimizer's master shards)")
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: ARG002 - Lightning Callback signature
         if self.ema is not None:
             self.ema.remove()  # a later fit: its ZeroOptimizer is new, and so is the EMA (at the weights now)
         self.ema = ZeroEMA(trainer.strategy.zero_optimizer, self.decay, warmup=self.warmup)
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: ARG002 - Lightning Callback signature
         if not self.validate_on_ema:
             return
         if self.ema is None:
             raise ConfigError("ZeroEMACallback(validate_on_ema=True): there is no EMA before trainer.fit has started")
         self._swap.enter_context(self.ema.ema_weights())
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:  # noqa: ARG002 - Lightning Callback signature
         self._swap.close()  # the live weights back
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:  # noqa: ARG002 - Lightning Callback signature
         self._swap.close()
 
 

@@ -168,7 +168,7 @@ def _newest_finite_policy() -> type:
     class NewestFinite(managers.PreservationPolicy):
         root: str
 
-        def should_preserve(self, checkpoints, *, context):
+        def should_preserve(self, checkpoints, *, context):  # noqa: ARG002 - Orbax's PreservationPolicy signature
             finite = [c.step for c in checkpoints if saved_finite(Path(self.root) / str(c.step))]
             newest = max(finite, default=None)
             return [c.step == newest for c in checkpoints]
@@ -288,7 +288,7 @@ def _finish_at_exit() -> None:
         try:
             m.manager.wait_until_finished()
             m.manager.close()
-        except Exception as e:  # pragma: no cover - exit path
+        except Exception as e:  # noqa: BLE001 - pragma: no cover - exit path
             logger.error("pending checkpoint save failed at exit: %s", e)
 
 

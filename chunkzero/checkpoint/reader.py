@@ -143,7 +143,7 @@ class ChunkReader:
         for path, fut in pending:
             try:
                 store = fut.result()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - re-raised as CheckpointError
                 raise CheckpointError(f"cannot open {self._where(path)}: {e}") from None
             self._check(path, store)
             self._stores[path] = store
@@ -177,7 +177,7 @@ class ChunkReader:
             for (path, q, a, b), users, fut, direct in batch:
                 try:
                     data = fut.result()
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - re-raised as CheckpointError
                     raise CheckpointError(f"cannot read elements [{a}, {b}) of {self._where(path)}: {e}") from None
                 self.meta.verify_blocks(path, q, a, data if direct is None else direct, step_dir=self.step_dir)
                 if direct is not None:  # already in place

@@ -102,7 +102,7 @@ class LayoutMeasurement:
 def _padding_and_replication(trainer) -> tuple[int, int]:
     padding = replicated = 0
     w = trainer.world_size
-    for k, u in trainer.units.items():
+    for u in trainer.units.values():
         numel = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(u.abstract("float32")))
         used = sum(s.numel for s in trainer.program.specs if s.name in u.tensors)
         padding += (numel - used) if u.sharded else 0

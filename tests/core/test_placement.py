@@ -16,6 +16,8 @@ from chunkzero import ChunkLayout, ConfigError, PlacementBudgetError, TensorSpec
 from chunkzero.placement import ChunkPlacement, Location, chunk_placements, offload_count, static_placement
 from chunkzero.placement_auto import POLICIES, plan_placement
 
+from .strategies import spec_lists
+
 
 def belady_plan(*args, **kwargs):
     return plan_placement(*args, policy="belady", **kwargs)
@@ -26,8 +28,6 @@ def static_plan(*args, **kwargs):
 
 
 auto_placement = plan_placement  # policy="auto" is the default
-
-from .strategies import spec_lists
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

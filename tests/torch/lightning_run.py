@@ -77,7 +77,7 @@ class TinyGPT(pl.LightningModule):
         self.restored: dict | None = None
         self.vals: list[tuple[list[int], float]] = []
 
-    def training_step(self, batch, batch_idx):
+    def training_step(self, batch, batch_idx):  # noqa: ARG002 - Lightning hook signature
         ids, x = batch
         self.seen.append(ids.tolist())
         loss = loss_of(self.model, x)
@@ -85,7 +85,7 @@ class TinyGPT(pl.LightningModule):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx):  # noqa: ARG002 - Lightning hook signature
         ids, x = batch
         self.vals.append((ids.tolist(), loss_of(self.model, x).item()))
 

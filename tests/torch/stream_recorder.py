@@ -103,13 +103,13 @@ class StreamRecorder(TorchDispatchMode):
         self._count = 0
 
     # ------------------------------------------------------------------ the stream layer's methods
-    def active(self, device) -> bool:
+    def active(self, device) -> bool:  # noqa: ARG002 - the stream layer's interface
         return True
 
-    def current(self, device):
+    def current(self, device):  # noqa: ARG002 - the stream layer's interface
         return self._stack[-1]
 
-    def communication(self, device):
+    def communication(self, device):  # noqa: ARG002 - the stream layer's interface
         return self.comm
 
     @contextlib.contextmanager
@@ -218,7 +218,7 @@ class StreamRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         collective = func.namespace == "c10d"
         written = set()
-        for i, a in enumerate(func._schema.arguments):
+        for a in func._schema.arguments:
             if a.alias_info is not None and a.alias_info.is_write:
                 written.add(a.name)
         op = str(func.overloadpacket.__name__)

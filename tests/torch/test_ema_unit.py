@@ -80,7 +80,7 @@ def test_step_inside_ema_weights_is_refused_and_blocks_do_not_nest():
 class _UpdatesOnEveryStep(ZeroEMA):
     """The mutant: updates after every step() call, a skipped one included."""
 
-    def _after_step(self, optimizer, args, kwargs):
+    def _after_step(self, optimizer, args, kwargs):  # noqa: ARG002 - overrides ZeroEMA._after_step
         self.update()
 
 

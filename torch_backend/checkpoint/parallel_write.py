@@ -101,7 +101,7 @@ def _use_cpu_jax() -> None:
 
     try:
         jax.config.update("jax_platforms", "cpu")
-    except Exception:  # backends already initialized: whatever they are, we only use CPU devices
+    except Exception:  # noqa: BLE001 - backends already initialized: whatever they are, we only use CPU devices
         pass
 
 

@@ -88,7 +88,7 @@ class _SafetensorsSource(_Source):
         for f in files:
             try:
                 h = safe_open(str(f), framework="pt")
-            except Exception as e:  # safetensors raises SafetensorError on a bad header
+            except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError on a bad header
                 raise CheckpointError(f"cannot read safetensors file {str(f)!r}: {e}") from None
             self.handles[f] = h
             for k in h.keys():
@@ -110,13 +110,13 @@ class _SafetensorsSource(_Source):
             r0, r1 = start // row, -(-stop // row)
             rows = sl[r0:r1].reshape(-1)  # only the rows that hold [start, stop)
             return rows[start - r0 * row : stop - r0 * row]
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - re-raised as CheckpointError
             raise CheckpointError(f"cannot read {key!r} from {str(self.file_of[key])!r}: {e}") from None
 
     def full(self, key):
         try:
             return self.handles[self.file_of[key]].get_tensor(key)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - re-raised as CheckpointError
             raise CheckpointError(f"cannot read {key!r} from {str(self.file_of[key])!r}: {e}") from None
 
 
@@ -150,7 +150,7 @@ def _open_source(source) -> _Source:
         return _SafetensorsSource([path])
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # UnpicklingError for anything beyond plain tensors: never unpickled
+    except Exception as e:  # noqa: BLE001 - UnpicklingError for anything beyond plain tensors: never unpickled
         raise CheckpointError(f"cannot load {str(path)!r} as a weights-only torch state dict: {str(e).splitlines()[0]}") from None
     if not isinstance(sd, Mapping):
         raise CheckpointError(f"{str(path)!r} does not hold a state dict (got {type(sd).__name__})")

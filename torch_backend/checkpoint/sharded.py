@@ -328,7 +328,7 @@ def load_checkpoint(
         params, optim = read_shards(step_dir, read_from, model.layout, shard_rank, optim_keys=optim_keys, reader=reader,
                                     into=into, missing_ok=weights_only)
         ema = ema_shards.read(step_dir, meta, model, optimizer, shard_rank, reader)
-    except Exception as e:  # agree first, re-raise after
+    except Exception as e:  # noqa: BLE001 - agree first, re-raise after
         error = e
         if not staged and reader is not None and reader.reads_started and isinstance(e, CheckpointError):
             error = type(e)(f"{e} (this rank's shards are now partly overwritten: load a good checkpoint, or load "

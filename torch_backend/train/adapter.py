@@ -122,7 +122,7 @@ class Engine:
                 "offload_param_chunks": list(r.offload_param_chunks), "peak_gathered_chunks": r.peak_gathered_chunks,
                 "frozen_parameters": r.frozen_parameters}
 
-    def chunk_report(self, rank: int) -> dict | None:
+    def chunk_report(self, rank: int) -> dict | None:  # noqa: ARG002 - the adapter interface
         """What chunk ZeRO-3 does on ``rank`` (``None`` for ``--engine ddp``): ``chunks`` (count),
         ``chunk_size`` (elements, searched unless ``--chunk-size``), ``sharded_chunks`` (those split over
         the ranks; the others are kept whole on every rank), ``shard_bytes`` (the compute-dtype

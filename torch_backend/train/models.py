@@ -32,7 +32,7 @@ def build_module(cfg: TrainConfig) -> nn.Module:
 
         try:
             module = AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - re-raised as ConfigError
             raise ConfigError(f"--model {cfg.model}: cannot load the model: {str(e).splitlines()[0]}") from None
         return module.float()  # fp32 master values whatever the stored dtype; ZeroDDP casts for compute
     return GPT(GPT_CONFIGS[cfg.model], seed=cfg.seed)
