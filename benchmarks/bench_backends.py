@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
                 cache = {"jax-cold": work / f"cache-cold-{i}", "jax-warm": warm}.get(engine)
                 r = run_once(engine, common, work / engine, work, cache)
                 rows[engine].append(r)
-                print(f"repeat {i + 1} {engine}: {r['tokens_per_s']:.0f} tokens/s, first step {r['first_step_s']:.1f} s, "
-                      f"to first step {r['to_first_step_s']:.1f} s, peak RSS {r['peak_rss_mib']} MiB", flush=True)
+                print(
+                    f"repeat {i + 1} {engine}: {r['tokens_per_s']:.0f} tokens/s, first step {r['first_step_s']:.1f} s, "
+                    f"to first step {r['to_first_step_s']:.1f} s, peak RSS {r['peak_rss_mib']} MiB",
+                    flush=True,
+                )
     load_after = os.getloadavg()
     cores = os.cpu_count()
     print()

@@ -71,8 +71,14 @@ def _model(rank, args):
     g = torch.Generator().manual_seed(rank)
     for c in model.layout.chunks:
         n = model.layout.shard_numel(c.index)
-        optim.load_shard_state(c.index, {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g),
-                                         "step": torch.tensor(1.0)})
+        optim.load_shard_state(
+            c.index,
+            {
+                "exp_avg": torch.randn(n, generator=g),
+                "exp_avg_sq": torch.rand(n, generator=g),
+                "step": torch.tensor(1.0),
+            },
+        )
     return model, optim
 
 
@@ -106,7 +112,9 @@ def _worker(rank, world, args, root):
         sd = {}
         for c in model.layout.chunks:
             shape = (c.size,)
-            sd[f"params.{c.index}"] = DTensor.from_local(model.master_shard(c.index), mesh, [Shard(0)], shape=shape, stride=(1,))
+            sd[f"params.{c.index}"] = DTensor.from_local(
+                model.master_shard(c.index), mesh, [Shard(0)], shape=shape, stride=(1,)
+            )
             for k, v in optim.shard_state(c.index).items():
                 if v.dim() == 1:
                     sd[f"optim.{k}.{c.index}"] = DTensor.from_local(v, mesh, [Shard(0)], shape=shape, stride=(1,))
@@ -115,7 +123,9 @@ def _worker(rank, world, args, root):
     for i in range(args.repeats):
         path = root / f"dcp{i}"
         record("dcp save", _timed(lambda path=path: dcp.save(dtensors(), checkpoint_id=path)))
-        record("dcp load", _timed(lambda path=path: dcp.load(dtensors(), checkpoint_id=path)))  # in place into the live shards
+        record(
+            "dcp load", _timed(lambda path=path: dcp.load(dtensors(), checkpoint_id=path))
+        )  # in place into the live shards
 
     # ---- rank-0 torch.save of the gathered full state dict
     for i in range(args.repeats):
@@ -172,9 +182,15 @@ def resume_bytes(args, base: Path) -> str:
     root = base / "resume"
     run_distributed(_resume_save, args.world, args, str(root), timeout=3000)
     rows = run_distributed(_resume_load, args.resume_world, args, str(root), timeout=3000)
-    lines = [f"| rank (of {args.resume_world}) | owned MB | read MB | read / owned | load s |", "|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| rank (of {args.resume_world}) | owned MB | read MB | read / owned | load s |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     for rank, r in enumerate(rows):
-        lines.append(f"| {rank} | {r['owned'] / 1e6:.1f} | {r['read'] / 1e6:.1f} | {r['read'] / r['owned']:.3f} | {r['seconds']:.2f} |")
+        lines.append(
+            f"| {rank} | {r['owned'] / 1e6:.1f} | {r['read'] / 1e6:.1f} | {r['read'] / r['owned']:.3f} | "
+            f"{r['seconds']:.2f} |"
+        )
     total_owned, total_read = sum(r["owned"] for r in rows), sum(r["read"] for r in rows)
     lines.append(f"| all | {total_owned / 1e6:.1f} | {total_read / 1e6:.1f} | {total_read / total_owned:.3f} | |")
     return "\n".join(lines)
@@ -232,8 +248,10 @@ def main(argv=None) -> str:
         save_key = "orbax" if method.startswith("orbax") else method
         save = statistics.median(r0["times"][f"{save_key} save"])
         load = statistics.median(r0["times"][f"{method} load"])
-        rows.append(f"| {name} | {save:.2f} | {state_bytes / save / 1e6:.0f} | {load:.2f} | {state_bytes / load / 1e6:.0f} | "
-                    f"{r0['sizes'][save_key] / 1e6:.0f} |")
+        rows.append(
+            f"| {name} | {save:.2f} | {state_bytes / save / 1e6:.0f} | {load:.2f} | {state_bytes / load / 1e6:.0f} | "
+            f"{r0['sizes'][save_key] / 1e6:.0f} |"
+        )
     cpu = platform.processor() or platform.machine()
     table = "\n".join([
         f"Model: {args.layers} × Linear({args.dim}, {args.dim}) = {r0['params'] / 1e6:.1f}M fp32 parameters + AdamW "

@@ -136,7 +136,10 @@ def main(argv=None) -> int:
           f"{args.warmup} warm-up; torch {torch.__version__}{version}; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs")
     print(f"load before: {load_before}\nload after:  {load_after}\n")
-    print("| elements | layout | implementation | median ms | min ms | max ms | GB/s (28 B/elem) | speed-up vs torch-loop |")
+    print(
+        "| elements | layout | implementation | median ms | min ms | max ms | GB/s (28 B/elem) | speed-up vs "
+        "torch-loop |"
+    )
     print("|---:|---|---|---:|---:|---:|---:|---:|")
     for size, layout, pieces, name, med, lo, hi, gbs, speedup in rows:
         lay = layout if pieces == 1 else f"{layout} ({pieces})"

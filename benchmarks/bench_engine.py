@@ -122,14 +122,24 @@ def rank_main(conn, spec: str, precision: str, rank: int, world: int, init_file:
                     if profile is not None:
                         profile.reset()
                 process_s, thread_s = time.process_time(), time.thread_time()
-                steps = [system.step(measure_state=msg.get("measure_state", False) and i == 0) for i in range(msg["steps"])]
+                steps = [
+                    system.step(measure_state=msg.get("measure_state", False) and i == 0) for i in range(msg["steps"])
+                ]
                 thread_s = time.thread_time() - thread_s  # the training loop's thread; the rest: torch's own
                 _send(conn, {"steps": steps, "cpu_s": [thread_s, time.process_time() - process_s - thread_s]})
             elif msg["op"] == "report":
                 peak_cuda = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-                _send(conn, {"peak_rss_mib": _maxrss_mib(), "state_bytes": system.state_bytes, "peak_cuda_mib": peak_cuda,
-                             "zero_before": stats_before, "zero_after": system.zero_stats(),
-                             "profile": None if profile is None else profile.totals})
+                _send(
+                    conn,
+                    {
+                        "peak_rss_mib": _maxrss_mib(),
+                        "state_bytes": system.state_bytes,
+                        "peak_cuda_mib": peak_cuda,
+                        "zero_before": stats_before,
+                        "zero_after": system.zero_stats(),
+                        "profile": None if profile is None else profile.totals,
+                    },
+                )
             else:
                 break
         dist.destroy_process_group()
@@ -176,7 +186,9 @@ class Group:
             try:
                 reply = json.loads(c.recv_bytes())
             except EOFError:
-                raise RunError(f"{self.spec} {self.precision}: rank {r} died (exit code {self.procs[r].exitcode})") from None
+                raise RunError(
+                    f"{self.spec} {self.precision}: rank {r} died (exit code {self.procs[r].exitcode})"
+                ) from None
             if "error" in reply:
                 raise RunError(f"{self.spec} {self.precision}: rank {r} failed:\n{reply['error']}")
             out.append(reply)
@@ -234,15 +246,21 @@ def run_block(precision: str, specs: list[str], cfg: dict, deadline: float, load
                 ready = ask(g, None)
                 if ready is not None:
                     results[spec]["ready"] = ready
-                    print(f"# {precision} {spec}: built ({ready[0]['n_params'] / 1e6:.1f}M parameters)", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"# {precision} {spec}: built ({ready[0]['n_params'] / 1e6:.1f}M parameters)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             for g in list(live):  # noqa: PERF101 - ask() removes a failed system from live
                 ask(g, {"op": "run", "steps": cfg["warmup"], "measure_state": True})
             rep_s = 0.0
             for rep in range(cfg["repeats"]):
                 if rep and deadline - time.monotonic() < 1.5 * rep_s + REPORT_MARGIN_S:
-                    print(f"# {precision}: stopped after {rep} of {cfg['repeats']} repeats (--timeout)", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"# {precision}: stopped after {rep} of {cfg['repeats']} repeats (--timeout)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     break
                 rep_t0 = time.monotonic()
                 loads.append(os.getloadavg()[0])
@@ -275,16 +293,24 @@ def summarize(precision: str, spec: str, res: dict, cfg: dict) -> dict:
     n_params = ready[0]["n_params"]
     tokens = cfg["batch"] * cfg["seq"] * cfg["world_size"]
     row = {
-        "system": spec, "precision": precision, "n_params": n_params, "timed_steps": len(steps),
-        "min_s": min(total), "median_s": statistics.median(total), "max_s": max(total),
-        "forward_s": statistics.median(s[1] for s in steps), "backward_s": statistics.median(s[2] for s in steps),
+        "system": spec,
+        "precision": precision,
+        "n_params": n_params,
+        "timed_steps": len(steps),
+        "min_s": min(total),
+        "median_s": statistics.median(total),
+        "max_s": max(total),
+        "forward_s": statistics.median(s[1] for s in steps),
+        "backward_s": statistics.median(s[2] for s in steps),
         "optimizer_s": statistics.median(s[3] for s in steps),
         "tokens_per_s": tokens / statistics.median(total),
-        "peak_rss_mib": max(r["peak_rss_mib"] for r in rep), "base_rss_mib": max(r["base_rss_mib"] for r in ready),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in rep),
+        "base_rss_mib": max(r["base_rss_mib"] for r in ready),
         "state_mib": max(r["state_bytes"] for r in rep) / 2**20,
         "zero_bound_mib": BYTES_PER_PARAM_ZERO * n_params / cfg["world_size"] / 2**20,
         "peak_cuda_mib": rep[0]["peak_cuda_mib"],
-        "cpu_main_s": statistics.median(c[0] for c in res["cpu"]), "cpu_other_s": statistics.median(c[1] for c in res["cpu"]),
+        "cpu_main_s": statistics.median(c[0] for c in res["cpu"]),
+        "cpu_other_s": statistics.median(c[1] for c in res["cpu"]),
     }
     after, before = rep[0]["zero_after"], rep[0]["zero_before"]
     n = max(1, len(steps))
@@ -315,17 +341,23 @@ def print_tables(rows: list[dict], cfg: dict) -> None:
         base = "floor" if "floor" in ref else "autocast"
         floor, fsdp2 = ref.get(base), ref.get("fsdp2")
         print(f"\n**{precision}**\n")
-        print(f"| system | min s | median s | max s | × {base} | × FSDP2 | fwd / bwd / opt s | tokens/s | peak RSS/rank MiB "
-              "(base) | model state/rank MiB | ZeRO bound 16Ψ/W MiB | CPU s/step main / other threads |"
-              + (" peak CUDA MiB | MFU |" if cuda else ""))
+        print(
+            f"| system | min s | median s | max s | × {base} | × FSDP2 | fwd / bwd / opt s | tokens/s | peak RSS/rank "
+            "MiB "
+            "(base) | model state/rank MiB | ZeRO bound 16Ψ/W MiB | CPU s/step main / other threads |"
+            + (" peak CUDA MiB | MFU |" if cuda else "")
+        )
         print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|" + ("---:|---:|" if cuda else ""))
         for r in block:
             ratio = functools.partial(_ratio, r["median_s"])
             extra = f" {r['peak_cuda_mib']:.0f} | {100 * r.get('mfu', 0):.1f}% |" if cuda else ""
-            print(f"| {label(r['system'])} | {r['min_s']:.3f} | {r['median_s']:.3f} | {r['max_s']:.3f} | {ratio(floor)} | "
-                  f"{ratio(fsdp2)} | {r['forward_s']:.3f} / {r['backward_s']:.3f} / {r['optimizer_s']:.3f} | "
-                  f"{r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} ({r['base_rss_mib']:.0f}) | {r['state_mib']:.1f} | "
-                  f"{r['zero_bound_mib']:.1f} | {r['cpu_main_s']:.3f} / {r['cpu_other_s']:.3f} |{extra}")
+            print(
+                f"| {label(r['system'])} | {r['min_s']:.3f} | {r['median_s']:.3f} | {r['max_s']:.3f} | {ratio(floor)} "
+                "| "
+                f"{ratio(fsdp2)} | {r['forward_s']:.3f} / {r['backward_s']:.3f} / {r['optimizer_s']:.3f} | "
+                f"{r['tokens_per_s']:.0f} | {r['peak_rss_mib']:.0f} ({r['base_rss_mib']:.0f}) | {r['state_mib']:.1f} | "
+                f"{r['zero_bound_mib']:.1f} | {r['cpu_main_s']:.3f} / {r['cpu_other_s']:.3f} |{extra}"
+            )
         zero = [r for r in block if "zero" in r]
         if zero:
             print("\n| ZeroDDP | chunks × size | peak gathered chunks | bound + peak gathered (largest chunks) MiB | "
@@ -360,8 +392,17 @@ def _append_rows(args, block: list[dict], errors: list[tuple[str, str]]) -> None
                                   "gathers_per_step": z.get("gathers_per_step"),
                                   "late_gathers_per_step": z.get("late_gathers_per_step"), **r})
     for spec, error in errors:
-        gpu_rows.add(args.jsonl, {"part": args.part, "kind": "engine", "label": label(spec), "system": spec, "shape": shape,
-                                  "error": (error.strip().splitlines() or ["?"])[-1][:200]})
+        gpu_rows.add(
+            args.jsonl,
+            {
+                "part": args.part,
+                "kind": "engine",
+                "label": label(spec),
+                "system": spec,
+                "shape": shape,
+                "error": (error.strip().splitlines() or ["?"])[-1][:200],
+            },
+        )
 
 
 def main(argv=None) -> int:
@@ -408,7 +449,9 @@ def run_parts(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     ``--timeout``); a part's failure is its ``part`` row, and the next part still runs."""
     try:
         parts = json.loads(args.parts)
-        if not isinstance(parts, list) or not all(isinstance(p, dict) and "part" in p and "timeout" in p for p in parts):
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and "part" in p and "timeout" in p for p in parts
+        ):
             raise ValueError("a list of objects with 'part' and 'timeout'")
     except ValueError as e:
         ap.error(f"--parts: {e}")
@@ -486,10 +529,13 @@ def run(args: argparse.Namespace, deadline: float, start_method: str) -> int:
     from importlib.metadata import version
 
     n_params = rows[0]["n_params"] if rows else 0
-    print(f"{args.model} {n_params / 1e6:.1f}M parameters ({args.n_layer} layers × {args.n_embd}, {args.n_head} heads, "
-          f"vocab {args.vocab}), world size {args.world_size} ({args.backend}), {args.batch}×{args.seq} tokens per rank, "
-          f"AdamW ({args.adamw} kernel), {cfg['threads']} thread(s) per rank; {args.repeats} interleaved repeats × {args.steps} steps after "
-          f"{args.warmup} warm-up per system ({args.repeats * args.steps} timed steps each)")
+    print(
+        f"{args.model} {n_params / 1e6:.1f}M parameters ({args.n_layer} layers × {args.n_embd}, {args.n_head} heads, "
+        f"vocab {args.vocab}), world size {args.world_size} ({args.backend}), {args.batch}×{args.seq} tokens per rank, "
+        f"AdamW ({args.adamw} kernel), {cfg['threads']} thread(s) per rank; {args.repeats} interleaved repeats × "
+        f"{args.steps} steps after "
+        f"{args.warmup} warm-up per system ({args.repeats * args.steps} timed steps each)"
+    )
     print(f"\n{started:%Y-%m-%d %H:%M}, {platform.node() or 'host'}: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, torch {version('torch')}")
     print(f"load before: {load_before}\nload after:  {load_after}")

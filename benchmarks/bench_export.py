@@ -75,11 +75,19 @@ def export(args) -> dict:
     report = export_checkpoint(args.ckpt, args.out, format=args.format, dtype=args.dtype)
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"floor_mib": floor, "peak_mib": peak, "seconds": seconds, "bytes": report.total_bytes, "files": len(report.files)}
+    return {
+        "floor_mib": floor,
+        "peak_mib": peak,
+        "seconds": seconds,
+        "bytes": report.total_bytes,
+        "files": len(report.files),
+    }
 
 
 def _child(mode: str, **kw) -> dict:
-    cmd = [sys.executable, __file__, "--_child", mode] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items() if v is not None]
+    cmd = [sys.executable, __file__, "--_child", mode] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in kw.items() if v is not None
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
@@ -116,23 +124,27 @@ def main(argv=None) -> str:
             r = _child("export", ckpt=ckpt, out=out, format=fmt, dtype=dtype)
             shutil.rmtree(out, ignore_errors=True)
             rows.append(
-                f"| {fmt} {dtype or 'float32'} | {r['bytes'] / 1e9:.2f} | {r['seconds']:.1f} | {r['bytes'] / r['seconds'] / 1e6:.0f} | "
+                f"| {fmt} {dtype or 'float32'} | {r['bytes'] / 1e9:.2f} | {r['seconds']:.1f} | "
+                f"{r['bytes'] / r['seconds'] / 1e6:.0f} | "
                 f"{r['floor_mib']:.0f} | {r['peak_mib']:.0f} | {r['peak_mib'] - r['floor_mib']:.0f} |"
             )
     finally:
         if not args.dir:
             shutil.rmtree(base, ignore_errors=True)
     mib = 2**20
-    table = "\n".join([
-        f"Checkpoint: {args.model} shapes, {info['params'] / 1e6:.1f}M fp32 parameters = {info['params'] * 4 / 1e9:.2f} GB in "
-        f"{info['chunks']} chunks (chunk size {args.chunk_numel:,} elements); largest tensor "
-        f"{info['largest_tensor_bytes'] / mib:.0f} MiB, largest chunk {info['largest_chunk_bytes'] / mib:.0f} MiB. "
-        f"Machine: {os.cpu_count()} CPU cores, Python {platform.python_version()}.",
-        "",
-        "| export | written GB | s | MB/s | floor RSS MiB | peak RSS MiB | peak − floor MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        *rows,
-    ])
+    table = "\n".join(
+        [
+            f"Checkpoint: {args.model} shapes, {info['params'] / 1e6:.1f}M fp32 parameters = "
+            f"{info['params'] * 4 / 1e9:.2f} GB in "
+            f"{info['chunks']} chunks (chunk size {args.chunk_numel:,} elements); largest tensor "
+            f"{info['largest_tensor_bytes'] / mib:.0f} MiB, largest chunk {info['largest_chunk_bytes'] / mib:.0f} MiB. "
+            f"Machine: {os.cpu_count()} CPU cores, Python {platform.python_version()}.",
+            "",
+            "| export | written GB | s | MB/s | floor RSS MiB | peak RSS MiB | peak − floor MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            *rows,
+        ]
+    )
     print(table)
     return table
 

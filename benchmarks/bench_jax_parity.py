@@ -131,7 +131,10 @@ def main() -> None:
                 out = np.asarray(jb.logits(model, jnp.asarray(tokens)), np.float64)
                 diff = float(np.abs(out - ref).max())
                 rows.append((name, n, diff / float(np.abs(ref).max()), diff))
-    print(f"checkpoint: {writer}, world size {args.world}, {args.steps} AdamW steps; tokens {tokens.shape[0]}×{tokens.shape[1]}")
+    print(
+        f"checkpoint: {writer}, world size {args.world}, {args.steps} AdamW steps; tokens "
+        f"{tokens.shape[0]}×{tokens.shape[1]}"
+    )
     print()
     print("| model | devices | max rel. logit error | max abs. logit error |")
     print("|---|---:|---:|---:|")

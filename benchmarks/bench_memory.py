@@ -262,10 +262,15 @@ def _fmt(values: list[float]) -> str:
 
 def table(models: list[str], engines: list[str], repeats: int, steps: int, timeout_s: float, limit_bytes: int,
           log, env: dict[str, str] | None = None) -> str:
-    lines = [f"Peak RSS per rank (GiB; max over the {WORLD} ranks; median (min–max) over {repeats} repeat(s)), "
-             f"W={WORLD} gloo, fp32, {steps} AdamW steps, {BATCH}×{TOKENS} tokens per rank:", "",
-             "| model | parameters | engine | " + " | ".join(PHASES) + " | ZeroDDP bound fwd+bwd / step | engine's peak allocated |",
-             "|---" * (len(PHASES) + 5) + "|"]
+    lines = [
+        f"Peak RSS per rank (GiB; max over the {WORLD} ranks; median (min–max) over {repeats} repeat(s)), "
+        f"W={WORLD} gloo, fp32, {steps} AdamW steps, {BATCH}×{TOKENS} tokens per rank:",
+        "",
+        "| model | parameters | engine | "
+        + " | ".join(PHASES)
+        + " | ZeroDDP bound fwd+bwd / step | engine's peak allocated |",
+        "|---" * (len(PHASES) + 5) + "|",
+    ]
     for name in models:
         shape = LLAMA_SIZES[name]
         for engine in engines:
@@ -280,7 +285,10 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
                 for p in PHASES:
                     per_phase[p].append(max(r["peaks"][p] for r in res["ranks"]) / GIB)
                 if engine == "zero":
-                    b = [bound_bytes(shape, r["peaks"]["interpreter"], r["info"]["largest_chunk_bytes"]) for r in res["ranks"]]
+                    b = [
+                        bound_bytes(shape, r["peaks"]["interpreter"], r["info"]["largest_chunk_bytes"])
+                        for r in res["ranks"]
+                    ]
                     bounds.append((max(x["forward_backward"] for x in b) / GIB, max(x["step"] for x in b) / GIB))
                     if all("peak_allocated_bytes" in r["info"] for r in res["ranks"]):
                         alloc.append(max(r["info"]["peak_allocated_bytes"] for r in res["ranks"]) / GIB)
@@ -331,10 +339,14 @@ def ladder(engines: list[str], layers: list[int], timeout_s: float, limit_bytes:
     probe = _ladder_shape(shape_spec, 1)
     limit_text = (f"within {limit_bytes / GIB:.1f} GiB (--limit-gib)" if limit_bytes is not None else
                   f"within {LADDER_MEM_FRACTION:.0%} of MemAvailable at each rung's start")
-    lines = [f"Largest Llama shape (hidden {probe.hidden}, {probe.heads} heads, intermediate {probe.intermediate}, "
-             f"vocab {probe.vocab}) training {steps} AdamW steps at W={WORLD} gloo fp32, both ranks {limit_text}:", "",
-             "| engine | largest rung (layers) | parameters | both ranks' peak RSS (GiB) | its limit (GiB) | first failing rung |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Largest Llama shape (hidden {probe.hidden}, {probe.heads} heads, intermediate {probe.intermediate}, "
+        f"vocab {probe.vocab}) training {steps} AdamW steps at W={WORLD} gloo fp32, both ranks {limit_text}:",
+        "",
+        "| engine | largest rung (layers) | parameters | both ranks' peak RSS (GiB) | its limit (GiB) | first failing "
+        "rung |",
+        "|---|---|---|---|---|---|",
+    ]
     for engine in engines:
         best, fail = None, ""
         for n in sorted(layers):
@@ -348,7 +360,10 @@ def ladder(engines: list[str], layers: list[int], timeout_s: float, limit_bytes:
             limit = limit_bytes if limit_bytes is not None else int(LADDER_MEM_FRACTION * available)
             t0 = time.monotonic()
             res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit, env=env)
-            log(f"ladder {engine} {n} layers: {res['status']} {res['group_peak_rss'] / GIB:.2f} GiB {res['error'][-300:]}")
+            log(
+                f"ladder {engine} {n} layers: {res['status']} {res['group_peak_rss'] / GIB:.2f} GiB "
+                f"{res['error'][-300:]}"
+            )
             emit({**row, "status": res["status"], "group_peak_rss_bytes": res["group_peak_rss"], "limit_bytes": limit,
                   "group_peak_rss_gib": round(res["group_peak_rss"] / GIB, 3),
                   "limit_gib": round(limit / GIB, 3), "mem_available_gib": round(available / GIB, 3),
@@ -382,7 +397,9 @@ def main() -> None:
     ap.add_argument("--ladder", action="store_true", help="the largest model each engine trains (see above)")
     ap.add_argument("--ladder-layers", type=int, nargs="+", default=[8, 12, 16, 20, 24, 28, 32, 40])
     ap.add_argument("--ladder-shape", default=LADDER_SHAPE, help="the rungs' width, hidden:heads:intermediate:vocab")
-    ap.add_argument("--ladder-max-params", type=float, default=None, help="rungs above this many parameters are not tried")
+    ap.add_argument(
+        "--ladder-max-params", type=float, default=None, help="rungs above this many parameters are not tried"
+    )
     ap.add_argument("--jsonl", help="--ladder: append one JSON line per rung and per engine here")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=WORKER_MALLOC_MMAP_THRESHOLD_BYTES,
                     help="glibc's MALLOC_MMAP_THRESHOLD_ of the ranks, bytes (default: chunkzero train's, "

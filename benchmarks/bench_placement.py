@@ -78,9 +78,16 @@ def _measure(rank: int, world: int, args) -> dict:
             row[f"{policy}_optim_host"] = plan.optim_host_count
         rows.append(row)
     trainable = sum(1 for c in model.chunks if c.requires_grad)
-    return {"rows": rows, "chunks": len(model.chunks), "chunk_size": model.layout.chunk_size, "params": module.num_params(),
-            "param_bytes": total, "peak_non_model": trace.peak_bytes, "accesses": len(trace.access_order),
-            "trainable": trainable}
+    return {
+        "rows": rows,
+        "chunks": len(model.chunks),
+        "chunk_size": model.layout.chunk_size,
+        "params": module.num_params(),
+        "param_bytes": total,
+        "peak_non_model": trace.peak_bytes,
+        "accesses": len(trace.access_order),
+        "trainable": trainable,
+    }
 
 
 def _mib(n: float) -> str:
@@ -110,8 +117,11 @@ def main() -> None:
           f"{r['chunk_size']:,} elements; rank 0: parameter shards {_mib(r['param_bytes'])} MiB, peak non-model + "
           f"transient {_mib(r['peak_non_model'])} MiB, {r['accesses']} chunk accesses per step")
     print()
-    print("| budget beyond the peak non-model bytes, share of the parameter shards | budget (MiB) | auto: MiB moved / step | static: MiB moved / step | auto / static "
-          f"| auto rule | optimizer chunks on the host (auto, of {r['trainable']}) |")
+    print(
+        "| budget beyond the peak non-model bytes, share of the parameter shards | budget (MiB) | auto: MiB moved / "
+        "step | static: MiB moved / step | auto / static "
+        f"| auto rule | optimizer chunks on the host (auto, of {r['trainable']}) |"
+    )
     print("|---:|---:|---:|---:|---:|---|---:|")
     for row in r["rows"]:
         for q in results:  # every rank's plan agrees with what it moved
@@ -119,7 +129,9 @@ def main() -> None:
                 if other["fraction"] == row["fraction"]:
                     for policy in ("auto", "static"):
                         if abs(other[policy] - other[f"{policy}_plan"]) > 0.5:
-                            raise SystemExit(f"measured {other[policy]} bytes/step differ from the plan's {other[f'{policy}_plan']}")
+                            raise SystemExit(
+                                f"measured {other[policy]} bytes/step differ from the plan's {other[f'{policy}_plan']}"
+                            )
         ratio = "–" if row["static"] == 0 else f"{row['auto'] / row['static']:.2f}"
         label = f"{100 * row['fraction']:.1f}%" + (" (smallest)" if row is r["rows"][-1] else "")
         print(f"| {label} | {_mib(row['budget'])} | {_mib(row['auto'])} | {_mib(row['static'])} | {ratio} "

@@ -215,7 +215,9 @@ def _wrap(how: str, shape: tuple[int, int, int], weights: str | None):
     if how == "eager":
         return ZeroDDP(gpt2(*shape))
     module = gpt2(*shape, meta=True)
-    model = ZeroDDP(module, device="cpu", param_init_fn=module._init_weights if how == "meta-init" else (lambda m: None))
+    model = ZeroDDP(
+        module, device="cpu", param_init_fn=module._init_weights if how == "meta-init" else (lambda m: None)
+    )
     if how == "meta-load" and weights is not None:
         report = load_pretrained(model, weights)
         assert not report.missing_keys and not report.unexpected_keys, report
@@ -238,9 +240,16 @@ def worker_meta(rank: int, world: int, how: str, weights: str, cfg: dict) -> dic
     shards = sum(layout.shard_numel(c.index) for c in layout.chunks) * 4
     largest = max(c.size for c in layout.chunks) * 4
     n_params = sum(math.prod(t.shape) for t in layout.tensors)
-    return {"peak_rss": peak, "peak_anon": sampler.peak["RssAnon"] - anon0, "peak_file": sampler.peak["RssFile"] - file0,
-            "shards": shards, "chunk": largest, "n_params": n_params, "chunks": len(layout.chunks),
-            "seconds": seconds}
+    return {
+        "peak_rss": peak,
+        "peak_anon": sampler.peak["RssAnon"] - anon0,
+        "peak_file": sampler.peak["RssFile"] - file0,
+        "shards": shards,
+        "chunk": largest,
+        "n_params": n_params,
+        "chunks": len(layout.chunks),
+        "seconds": seconds,
+    }
 
 
 def save_weights(path: str, cfg: dict) -> None:
@@ -294,9 +303,15 @@ def table_ckpt(rows, cfg) -> str:
                f"dropout 0.1, ZeroDDP fp32 ({r0['chunks']} chunks) at W = {cfg['world_size']}, batch "
                f"{cfg['ckpt_batch']}x{cfg['ckpt_seq']} tokens per rank, one AdamW step after a warm-up step; "
                "the larger rank's figure.")
-    body = [["`gradient_checkpointing_enable()` (non-reentrant)" if r["checkpointing"] else "off",
-             f"{_worst(r, 'peak_alive') / MiB:.0f}", f"{_worst(r, 'peak_rss') / MiB:.0f}", f"{_worst(r, 'seconds'):.1f}"]
-            for r in rows]
+    body = [
+        [
+            "`gradient_checkpointing_enable()` (non-reentrant)" if r["checkpointing"] else "off",
+            f"{_worst(r, 'peak_alive') / MiB:.0f}",
+            f"{_worst(r, 'peak_rss') / MiB:.0f}",
+            f"{_worst(r, 'seconds'):.1f}",
+        ]
+        for r in rows
+    ]
     out = _table(caption, ["gradient checkpointing", "peak bytes alive in the step (MiB)", "peak RSS in the step (MiB)",
                            "step (s)"], body)
     off, on = (_worst(r, "peak_alive") for r in rows)
@@ -386,8 +401,11 @@ def main(argv=None):
     command = " ".join([".venv/bin/python benchmarks/bench_recipes.py", *argv])
     print(f"Command: `{command}`")
     load = os.getloadavg()
-    print(f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"gloo; load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min)\n")
+    print(
+        f"{datetime.date.today().isoformat()} · {platform.machine()}, {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}, "
+        f"gloo; load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min)\n"
+    )
     for case in args.cases.split(","):
         rows = run_child(case, forwarded, args.timeout)
         print(TABLES[case](rows, cfg) + "\n", flush=True)

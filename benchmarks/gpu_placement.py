@@ -203,8 +203,12 @@ def part_largest(args, base: dict) -> None:
                 i -= 1
             else:
                 break
-        print(f"| **{placement}: largest** | {sizes[best][0] if best is not None else '–'} | "
-              f"{sizes[best][1] / 1e9:.2f}B | | | |" if best is not None else f"| **{placement}: largest** | – | – | | | |")
+        print(
+            f"| **{placement}: largest** | {sizes[best][0] if best is not None else '–'} | "
+            f"{sizes[best][1] / 1e9:.2f}B | | | |"
+            if best is not None
+            else f"| **{placement}: largest** | – | – | | | |"
+        )
 
 
 def main() -> None:

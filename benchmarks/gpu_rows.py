@@ -20,9 +20,9 @@ import sys
 COLUMNS = {
     "engine": ["label", "n_params", "timed_steps", "median_s", "tokens_per_s", "mfu", "peak_cuda_mib", "peak_rss_mib",
                "state_mib", "zero_bound_mib", "gathers_per_step", "late_gathers_per_step", "error"],
-    "streams": ["config", "prefetch", "steps", "compare_to", "losses_equal", "params_equal", "max_abs_diff", "expect_equal",
-                "verdict", "h2d_mib_compute", "h2d_mib_other", "d2h_mib_compute", "d2h_mib_other", "moved_mib",
-                "plan_same", "seconds", "error"],
+    "streams": ["config", "prefetch", "steps", "compare_to", "losses_equal", "params_equal", "max_abs_diff",
+                "expect_equal", "verdict", "h2d_mib_compute", "h2d_mib_other", "d2h_mib_compute", "d2h_mib_other",
+                "moved_mib", "plan_same", "seconds", "error"],
     "placement": ["placement", "share", "tokens_per_s", "peak_device_gib", "budget_gib", "moved_mib_per_step",
                   "optim_host", "error"],
     "rung": ["n_layer", "n_embd", "n_params", "host_need_gib", "host_available_gib", "device_need_gib",

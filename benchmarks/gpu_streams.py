@@ -152,8 +152,12 @@ def _diff(a: dict, b: dict) -> tuple[bool, bool, float]:
     import torch
 
     losses_equal = torch.equal(a["losses"], b["losses"])
-    params_equal = a["params"].keys() == b["params"].keys() and all(torch.equal(v, b["params"][k]) for k, v in a["params"].items())
-    worst = max(((v - b["params"][k]).abs().max().item() for k, v in a["params"].items() if k in b["params"]), default=0.0)
+    params_equal = a["params"].keys() == b["params"].keys() and all(
+        torch.equal(v, b["params"][k]) for k, v in a["params"].items()
+    )
+    worst = max(
+        ((v - b["params"][k]).abs().max().item() for k, v in a["params"].items() if k in b["params"]), default=0.0
+    )
     return losses_equal, params_equal, worst
 
 
@@ -187,7 +191,9 @@ def main() -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    base = GPT(GPTConfig(block_size=args.seq, vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd))
+    base = GPT(
+        GPTConfig(block_size=args.seq, vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    )
     shape = f"{args.n_layer}x{args.n_embd}, {base.num_params() / 1e6:.1f}M params, batch {args.batch}x{args.seq}, {device.type}"
     print(f"# streams: {shape}", file=sys.stderr, flush=True)
     deadline = t_start + args.budget_s
@@ -233,8 +239,10 @@ def main() -> int:
         else:
             verdict = "DIFFERS: same kernels, different result"
         extra = {k: v for k, v in pre.items() if k not in ("losses", "params", "plan")}
-        for prefetch, rl, rp, rd, rv, rx in ((1, loss_eq, param_eq, worst, verdict, extra),
-                                             (0, c_loss, c_param, c_diff, "exact" if control_exact else "control differs", {})):
+        for prefetch, rl, rp, rd, rv, rx in (
+            (1, loss_eq, param_eq, worst, verdict, extra),
+            (0, c_loss, c_param, c_diff, "exact" if control_exact else "control differs", {}),
+        ):
             out = {**row, "prefetch": prefetch, "compare_to": "prefetch=0 (first run)", "losses_equal": rl,
                    "params_equal": rp, "max_abs_diff": rd, "expect_equal": expect if prefetch else True,
                    "verdict": rv, "plan_same": plan_same if prefetch else None, "seconds": round(per_config_s, 1), **rx}

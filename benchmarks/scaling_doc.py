@@ -67,7 +67,9 @@ def model_section(name: str, title: str) -> tuple[list[str], dict]:
                   "| GPUs | " + " | ".join(h for h, *_ in COLUMNS) + " |",
                   "|---:|" + "---:|" * len(COLUMNS)]
         for w in GPUS:
-            topo = Topology.from_gbps(w // GPUS_PER_NODE, GPUS_PER_NODE, INTRA_GBPS, gbps, INTRA_LATENCY_US, INTER_LATENCY_US)
+            topo = Topology.from_gbps(
+                w // GPUS_PER_NODE, GPUS_PER_NODE, INTRA_GBPS, gbps, INTRA_LATENCY_US, INTER_LATENCY_US
+            )
             layout = build_layout(specs, w, chunk_size)
             cells = []
             for header, strategy, s, algorithm in COLUMNS:

@@ -146,13 +146,20 @@ def main(argv: list[str] | None = None) -> int:
 
         (ref_t, ref_v), (floor_t, floor_v), (sw_t, sw_v) = losses(ref_out), losses(floor_out), losses(switch_out)
         later = [s for s in sorted(ref_t) if s > third]
-        worst = {name: max(abs(run[s] - ref_t[s]) for s in later) for name, run in (("switch", sw_t), ("floor", floor_t))}
+        worst = {
+            name: max(abs(run[s] - ref_t[s]) for s in later) for name, run in (("switch", sw_t), ("floor", floor_t))
+        }
         later_v = [s for s in sorted(ref_v) if s > third]
-        worst_v = {name: max(abs(run[s] - ref_v[s]) for s in later_v) for name, run in (("switch", sw_v), ("floor", floor_v))}
+        worst_v = {
+            name: max(abs(run[s] - ref_v[s]) for s in later_v) for name, run in (("switch", sw_v), ("floor", floor_v))
+        }
         param = {}
         for s in (2 * third, 3 * third):
             ref_p = params_at(ref_out, s)
-            param[s] = {"switch": rel_err(params_at(switch_out, s), ref_p), "floor": rel_err(params_at(floor_out, s), ref_p)}
+            param[s] = {
+                "switch": rel_err(params_at(switch_out, s), ref_p),
+                "floor": rel_err(params_at(floor_out, s), ref_p),
+            }
         plot(args.plot, args.steps, ref_t, floor_t, sw_t, (third, 2 * third))
 
     print(f"gpt-tiny, {args.steps} steps of {GLOBAL_BATCH} × 64 bytes; switch at steps {third} (torch W=2 → JAX 2×2) "

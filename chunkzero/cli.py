@@ -238,8 +238,11 @@ def cmd_export(args: argparse.Namespace) -> int:
                               max_shard_size=args.max_shard_size, ema=args.ema)
     except ChunkZeroError as e:
         return fail("chunkzero export", str(e))
-    print(f"exported step {r.step}{' (EMA weights)' if r.ema else ''}: {r.tensors} tensors, {r.total_bytes:,} bytes, {r.format} -> {r.out} "
-          f"({len(r.files)} files, {time.perf_counter() - t0:.1f} s)")
+    print(
+        f"exported step {r.step}{' (EMA weights)' if r.ema else ''}: {r.tensors} tensors, {r.total_bytes:,} bytes, "
+        f"{r.format} -> {r.out} "
+        f"({len(r.files)} files, {time.perf_counter() - t0:.1f} s)"
+    )
     return EXIT_OK
 
 
@@ -328,7 +331,9 @@ def _add_layout(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     net = p.add_argument_group("two-level network (--nodes)")
     net.add_argument("--nodes", type=_positive_int, metavar="N", help="nodes: print the two-level communication table")
-    net.add_argument("--gpus-per-node", type=_positive_int, default=8, metavar="G", help="GPUs per node (default %(default)s)")
+    net.add_argument(
+        "--gpus-per-node", type=_positive_int, default=8, metavar="G", help="GPUs per node (default %(default)s)"
+    )
     net.add_argument("--intra-gbps", type=_at_least(float, 1e-9), default=3600.0, metavar="GBIT",
                      help="intra-node bandwidth per GPU and direction, Gbit/s (default %(default)s: NVLink 450 GB/s)")
     net.add_argument("--inter-gbps", type=_at_least(float, 1e-9), default=400.0, metavar="GBIT",
@@ -380,10 +385,12 @@ def cmd_layout_network(args: argparse.Namespace) -> int:
                                     "model_state_bytes": r.model_state_bytes,
                                     "collectives": sum(c.count for c in r.calls)} for r in rows]}, indent=2))
         return EXIT_OK
-    print(f"{args.model} ({psi:,} parameters, {args.precision}), {args.nodes} x {args.gpus_per_node} GPUs = {w}, "
-          f"chunk size {layout.chunk_size:,} ({len(layout.chunks)} chunks), {args.algorithm} all-gather/reduce-scatter; "
-          f"intra {args.intra_gbps:g} Gbit/s {args.intra_latency_us:g} us, inter {args.inter_gbps:g} Gbit/s "
-          f"{args.inter_latency_us:g} us per GPU; bytes per rank per step\n")
+    print(
+        f"{args.model} ({psi:,} parameters, {args.precision}), {args.nodes} x {args.gpus_per_node} GPUs = {w}, "
+        f"chunk size {layout.chunk_size:,} ({len(layout.chunks)} chunks), {args.algorithm} all-gather/reduce-scatter; "
+        f"intra {args.intra_gbps:g} Gbit/s {args.intra_latency_us:g} us, inter {args.inter_gbps:g} Gbit/s "
+        f"{args.inter_latency_us:g} us per GPU; bytes per rank per step\n"
+    )
     print(format_network_table(rows, psi, tokens_per_gpu=args.tokens_per_gpu, mfu=args.mfu, hbm_bytes=H200_HBM_BYTES))
     print(f"\n✗: model states above the H200's {H200_HBM_BYTES / 1e9:.0f} GB. tokens/GPU to hide: per step, at "
           f"{args.mfu:g} MFU of 989 TFLOP/s, 6 FLOPs per parameter and token.")

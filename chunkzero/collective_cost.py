@@ -88,7 +88,10 @@ def group_crossings(group: str, group_size: int, world_size: int, gpus_per_node:
     Raises:
         ConfigError: ``group_size`` does not divide ``world_size``, or a bad count.
     """
-    n, w, g = (_positive(k, v) for k, v in (("group_size", group_size), ("world_size", world_size), ("gpus_per_node", gpus_per_node)))
+    n, w, g = (
+        _positive(k, v)
+        for k, v in (("group_size", group_size), ("world_size", world_size), ("gpus_per_node", gpus_per_node))
+    )
     if w % n:
         raise ConfigError(f"group_size {n} does not divide world_size {w}")
     if group not in GROUPS:
@@ -133,7 +136,11 @@ class CollectiveCost:
         """Seconds: bandwidth terms (``max`` when concurrent, else the sum) plus steps times latency."""
         a = self.intra_bytes / intra_bytes_per_s
         b = self.inter_bytes / inter_bytes_per_s
-        return (max(a, b) if self.concurrent else a + b) + self.intra_steps * intra_latency_s + self.inter_steps * inter_latency_s
+        return (
+            (max(a, b) if self.concurrent else a + b)
+            + self.intra_steps * intra_latency_s
+            + self.inter_steps * inter_latency_s
+        )
 
 
 def ring_cost(kind: str, buffer_bytes: float, group: str, group_size: int, world_size: int,

@@ -68,7 +68,9 @@ def _num_states(optimizer: str | int) -> int:
     try:
         return OPTIMIZER_STATES[str(optimizer).lower()]
     except KeyError:
-        raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)} or a state count >= 0, got {optimizer!r}") from None
+        raise ConfigError(
+            f"optimizer must be one of {sorted(OPTIMIZER_STATES)} or a state count >= 0, got {optimizer!r}"
+        ) from None
 
 
 def _world(world_size) -> int:
@@ -156,7 +158,9 @@ class StrategyCost:
         return row
 
 
-def _peak_gathered(unit_numels: Sequence[int], b_param: int, b_grad: int, prefetch: int, reshard_after_forward: bool) -> int:
+def _peak_gathered(
+    unit_numels: Sequence[int], b_param: int, b_grad: int, prefetch: int, reshard_after_forward: bool
+) -> int:
     if not unit_numels:
         return 0
     ordered = sorted(unit_numels, reverse=True)
@@ -343,7 +347,9 @@ def ddp_cost(
     )
 
 
-def zero_paper_model_state_bytes(param_numel: int, world_size: int, *, k: int = 12, b_param: int = 2, b_grad: int = 2) -> float:
+def zero_paper_model_state_bytes(
+    param_numel: int, world_size: int, *, k: int = 12, b_param: int = 2, b_grad: int = 2
+) -> float:
     """ZeRO-3 model-state bytes per rank, ``(b_param + b_grad + K)·Ψ/N_d`` (Rajbhandari et al. 2020,
     §5.1: ``16Ψ/N_d`` for mixed-precision Adam, ``K = 12``)."""
     return (b_param + b_grad + k) * param_numel / world_size

@@ -68,11 +68,18 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
         "mixed_precision": meta.mixed_precision,
         "parameters": layout.utilized_numel,
         "padding": layout.padding_numel,
-        "optimizer": None if opt is None else {
-            "class_name": opt.class_name, "state_keys": list(opt.state_keys), "step": opt.step,
+        "optimizer": None
+        if opt is None
+        else {
+            "class_name": opt.class_name,
+            "state_keys": list(opt.state_keys),
+            "step": opt.step,
             "hyperparameters": opt.hyperparameters,
-            "param_groups": None if opt.param_groups is None else [
-                {"tensors": len(g["params"]), **{k: v for k, v in g.items() if k != "params"}} for g in opt.param_groups],
+            "param_groups": None
+            if opt.param_groups is None
+            else [
+                {"tensors": len(g["params"]), **{k: v for k, v in g.items() if k != "params"}} for g in opt.param_groups
+            ],
             "tensor_steps": opt.tensor_steps,
         },
         "loss_scaler": meta.loss_scaler,
@@ -117,16 +124,20 @@ def format_inspection(info: dict[str, Any], *, max_tensors: int | None = None) -
     """Human-readable text of :func:`inspect_checkpoint`'s result."""
     lines = [
         f"checkpoint {info['path']}",
-        f"  step {info['step']} (steps here: {', '.join(map(str, info['steps'])) or '-'}), format version {info['format_version']}",
-        f"  {_fmt_world(info['world_size'], info.get('replicas', 1))}, chunk size {info['chunk_size']:,} elements, {info['mixed_precision']}",
+        f"  step {info['step']} (steps here: {', '.join(map(str, info['steps'])) or '-'}), format version "
+        f"{info['format_version']}",
+        f"  {_fmt_world(info['world_size'], info.get('replicas', 1))}, chunk size {info['chunk_size']:,} elements, "
+        f"{info['mixed_precision']}",
         f"  {info['parameters']:,} parameter elements (+{info['padding']:,} padding) in {len(info['chunks'])} chunks, "
         f"{len(info['tensors'])} tensors; {info['arrays']} arrays, {_fmt_bytes(info['array_bytes'])} "
         f"({_fmt_bytes(info['bytes_on_disk'])} on disk)",
     ]
     opt = info["optimizer"]
     if opt:
-        lines.append(f"  optimizer {opt['class_name']} step {opt['step']}, states {', '.join(opt['state_keys']) or '-'}; "
-                     + ", ".join(f"{k}={_fmt_value(v)}" for k, v in opt["hyperparameters"].items()))
+        lines.append(
+            f"  optimizer {opt['class_name']} step {opt['step']}, states {', '.join(opt['state_keys']) or '-'}; "
+            + ", ".join(f"{k}={_fmt_value(v)}" for k, v in opt["hyperparameters"].items())
+        )
         first = opt["param_groups"][0] if opt["param_groups"] else {}
         for i, g in enumerate(opt["param_groups"] or []):
             differs = {k: v for k, v in g.items() if k != "tensors" and (i == 0 or first.get(k) != v)}
@@ -158,7 +169,9 @@ def format_inspection(info: dict[str, Any], *, max_tensors: int | None = None) -
     shown = info["tensors"] if max_tensors is None else info["tensors"][:max_tensors]
     for t in shown:
         alias = f"  (= {', '.join(t['aliases'])})" if t["aliases"] else ""
-        lines.append(f"  {t['name']:<51} {tuple(t['shape'])!s:<16} {t['dtype']:<9} {t['chunk']:>5}  {t['offset']:,}{alias}")
+        lines.append(
+            f"  {t['name']:<51} {tuple(t['shape'])!s:<16} {t['dtype']:<9} {t['chunk']:>5}  {t['offset']:,}{alias}"
+        )
     if len(shown) < len(info["tensors"]):
         lines.append(f"  … {len(info['tensors']) - len(shown)} more (--all)")
     return "\n".join(lines)

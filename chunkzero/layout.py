@@ -68,7 +68,9 @@ class TensorSpec:
         if any(d < 0 for d in shape):
             raise ConfigError(f"tensor {self.name!r}: negative dimension in shape {shape}")
         if isinstance(self.aliases, str) or not all(isinstance(a, str) and a for a in self.aliases):
-            raise ConfigError(f"tensor {self.name!r}: aliases must be a sequence of non-empty names, got {self.aliases!r}")
+            raise ConfigError(
+                f"tensor {self.name!r}: aliases must be a sequence of non-empty names, got {self.aliases!r}"
+            )
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         object.__setattr__(self, "aliases", tuple(self.aliases))
@@ -140,7 +142,9 @@ class ChunkLayout:
         chunks: :class:`ChunkInfo` per chunk, by index.
     """
 
-    def __init__(self, tensors: Sequence[TensorPlacement], chunks: Sequence[ChunkInfo], *, chunk_size: int, world_size: int):
+    def __init__(
+        self, tensors: Sequence[TensorPlacement], chunks: Sequence[ChunkInfo], *, chunk_size: int, world_size: int
+    ):
         self.chunk_size = int(chunk_size)
         self.world_size = int(world_size)
         self.tensors: tuple[TensorPlacement, ...] = tuple(tensors)
@@ -196,7 +200,10 @@ class ChunkLayout:
             group_total[key] = group_total.get(key, 0) + spec.numel
 
         def group_key(spec: TensorSpec) -> tuple:
-            kg = spec.keep_gathered or group_total[(spec.dtype, spec.requires_grad, spec.keep_gathered)] < keep_gathered_below_numel
+            kg = (
+                spec.keep_gathered
+                or group_total[(spec.dtype, spec.requires_grad, spec.keep_gathered)] < keep_gathered_below_numel
+            )
             return (spec.dtype, spec.requires_grad, kg)
 
         chunk_members: list[list[TensorSpec]] = []
@@ -407,7 +414,9 @@ class ChunkLayout:
             raise LayoutFormatError("format", f"expected {LAYOUT_FORMAT!r}, got {doc.get('format')!r}")
         version = d.get("version", int)
         if version > LAYOUT_VERSION or version < 1:
-            raise LayoutVersionError("version", f"version {version} is not supported (this chunkzero reads up to {LAYOUT_VERSION})")
+            raise LayoutVersionError(
+                "version", f"version {version} is not supported (this chunkzero reads up to {LAYOUT_VERSION})"
+            )
         chunk_size = d.get("chunk_size", int)
         world_size = d.get("world_size", int)
         if chunk_size < 1 or world_size < 1:
@@ -435,7 +444,9 @@ class ChunkLayout:
         members: dict[int, list[TensorPlacement]] = {i: [] for i in range(len(chunk_dicts))}
         for i, t in enumerate(tensors):
             if t.chunk not in members:
-                raise LayoutFormatError(f"tensors[{i}].chunk", f"chunk {t.chunk} does not exist ({len(chunk_dicts)} chunks)")
+                raise LayoutFormatError(
+                    f"tensors[{i}].chunk", f"chunk {t.chunk} does not exist ({len(chunk_dicts)} chunks)"
+                )
             members[t.chunk].append(t)
         chunks = []
         for i, cd in enumerate(chunk_dicts):
@@ -505,10 +516,13 @@ class ChunkLayout:
                 if t.offset != pos:
                     raise LayoutFormatError(
                         f"tensors[{self.tensors.index(t)}].offset",
-                        f"tensor {t.name!r} at offset {t.offset} in chunk {i}, expected {pos} (tensors are packed back to back)",
+                        f"tensor {t.name!r} at offset {t.offset} in chunk {i}, expected {pos} (tensors are packed "
+                        "back to back)",
                     )
                 if t.dtype != c.dtype:
-                    raise LayoutFormatError(f"chunks[{i}].dtype", f"chunk is {c.dtype} but tensor {t.name!r} is {t.dtype}")
+                    raise LayoutFormatError(
+                        f"chunks[{i}].dtype", f"chunk is {c.dtype} but tensor {t.name!r} is {t.dtype}"
+                    )
                 if t.requires_grad != c.requires_grad:
                     raise LayoutFormatError(
                         f"chunks[{i}].requires_grad",
@@ -518,9 +532,13 @@ class ChunkLayout:
             if c.utilized != pos:
                 raise LayoutFormatError(f"chunks[{i}].utilized", f"is {c.utilized} but its tensors hold {pos} elements")
             if c.size < max(c.utilized, 1):
-                raise LayoutFormatError(f"chunks[{i}].size", f"size {c.size} is below utilized {c.utilized} (or below 1)")
+                raise LayoutFormatError(
+                    f"chunks[{i}].size", f"size {c.size} is below utilized {c.utilized} (or below 1)"
+                )
             if not c.keep_gathered and c.size % self.world_size:
-                raise LayoutFormatError(f"chunks[{i}].size", f"size {c.size} is not a multiple of world size {self.world_size}")
+                raise LayoutFormatError(
+                    f"chunks[{i}].size", f"size {c.size} is not a multiple of world size {self.world_size}"
+                )
 
 
 def _positive(name: str, value: Any) -> int:
@@ -552,5 +570,7 @@ class _Fields:
         value = self.obj[key]
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if not ok:
-            raise LayoutFormatError(self.prefix + key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+            raise LayoutFormatError(
+                self.prefix + key, f"expected {kind.__name__}, got {type(value).__name__} {value!r}"
+            )
         return value

@@ -215,7 +215,9 @@ def ddp_calls(specs: Iterable[TensorSpec], world_size: int, precision: str = "bf
 
 
 # ---------------------------------------------------------------------------- pricing
-def price_calls(calls: Iterable[CollectiveCall], topology: Topology, algorithm: str = "ring") -> tuple[float, float, float]:
+def price_calls(
+    calls: Iterable[CollectiveCall], topology: Topology, algorithm: str = "ring"
+) -> tuple[float, float, float]:
     """``(intra_bytes, inter_bytes, time_s)`` per rank of ``calls`` on ``topology`` (summed, one after another).
 
     Raises:

@@ -76,7 +76,8 @@ class ChunkPlacement:
         if any(v is None for v in trainable) and any(v is not None for v in trainable):
             raise ConfigError(
                 f"chunk {self.index}: master, grad and optim_state must all be set (a trainable chunk) or all "
-                f"be None (a frozen chunk), got master={self.master!r}, grad={self.grad!r}, optim_state={self.optim_state!r}"
+                f"be None (a frozen chunk), got master={self.master!r}, grad={self.grad!r}, "
+                f"optim_state={self.optim_state!r}"
             )
         for name in ("master", "grad", "optim_state"):
             if getattr(self, name) is not None:

@@ -172,7 +172,9 @@ def _positive_int(name: str, value) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- yardstick
-def _pack_group(numels: Sequence[int], chunk_size: int, world_size: int, keep_gathered: bool) -> tuple[int, int, int, int]:
+def _pack_group(
+    numels: Sequence[int], chunk_size: int, world_size: int, keep_gathered: bool
+) -> tuple[int, int, int, int]:
     """``(chunks, dedicated, waste, padding)`` of one group packed like :meth:`ChunkLayout.build`."""
     packed = [n for n in numels if n <= chunk_size]
     dedicated = [n for n in numels if n > chunk_size]
@@ -271,7 +273,11 @@ def gemini_search(
     specs = _as_specs(numels_or_specs)
     if not specs:
         raise ConfigError("numels_or_specs: no tensors to search a chunk size for")
-    if isinstance(search_range_numel, bool) or not isinstance(search_range_numel, (int, np.integer)) or search_range_numel < 0:
+    if (
+        isinstance(search_range_numel, bool)
+        or not isinstance(search_range_numel, (int, np.integer))
+        or search_range_numel < 0
+    ):
         raise ConfigError(f"search_range_numel must be an int >= 0, got {search_range_numel!r}")
     interval = _positive_int("search_interval_numel", search_interval_numel)
     min_chunk = _positive_int("min_chunk_numel", min_chunk_numel)
@@ -304,8 +310,16 @@ def gemini_search(
     else:
         layout_stats = packing_stats(specs, chunk_size, world_size)
     return SearchResult(
-        "gemini", chunk_size, world_size, total, layout_stats.wasted_numel, layout_stats.padding_numel,
-        layout_stats.num_chunks, method_waste, n_candidates, keep_gathered_below_numel=min_chunk if keep_gathered else 0,
+        "gemini",
+        chunk_size,
+        world_size,
+        total,
+        layout_stats.wasted_numel,
+        layout_stats.padding_numel,
+        layout_stats.num_chunks,
+        method_waste,
+        n_candidates,
+        keep_gathered_below_numel=min_chunk if keep_gathered else 0,
     )
 
 
@@ -508,7 +522,9 @@ def search_chunk_size(
         scored.append((waste + padding, chunks, c, waste, padding))
     best = min(s[0] for s in scored)
     budget = max(best, math.floor(tolerance * total))
-    overhead, chunks, chosen, waste, padding = min((s for s in scored if s[0] <= budget), key=lambda s: (s[1], s[0], -s[2]))
+    overhead, chunks, chosen, waste, padding = min(
+        (s for s in scored if s[0] <= budget), key=lambda s: (s[1], s[0], -s[2])
+    )
     return SearchResult("chunkzero", chosen, world_size, total, waste, padding, chunks, waste, len(candidates))
 
 

@@ -100,7 +100,9 @@ class BucketUnit(GatherUnit):
         return {n: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)) for n, s in self.specs.items()}
 
     def pack(self, full, dtype):
-        return {n: np.asarray(full[n], dtype=np.dtype(jnp.dtype(dtype))).reshape(s.shape) for n, s in self.specs.items()}
+        return {
+            n: np.asarray(full[n], dtype=np.dtype(jnp.dtype(dtype))).reshape(s.shape) for n, s in self.specs.items()
+        }
 
     def unpack(self, value):
         return {n: np.asarray(jax.device_get(v)) for n, v in value.items()}

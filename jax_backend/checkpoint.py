@@ -259,8 +259,9 @@ def _restore(path, mesh: Mesh, axis: str, step: int | None, *, params: bool, opt
                             with_ema=ema)
     meta.warn_if_unverified(step_dir)
     layout = meta.layout.relayout(n)
-    tree, args = abstract_state(layout, mesh, axis=axis, state_keys=tuple(meta.optimizer.state_keys) if optimizer else (),
-                                ema=ema)
+    tree, args = abstract_state(
+        layout, mesh, axis=axis, state_keys=tuple(meta.optimizer.state_keys) if optimizer else (), ema=ema
+    )
     if not params:
         del tree[PARAMS_KEY], args[PARAMS_KEY]
     state = orbax_store.restore_arrays(step_dir, tree, args)
@@ -400,13 +401,17 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
                 f"{sorted(optimizer_meta.state_keys)}"
             )
         for key in optimizer_meta.state_keys:
-            for i, a in check_chunks(opt_state_chunks[key], layout, trainable_only=True, what=f"optimizer state {key!r}").items():
+            for i, a in check_chunks(
+                opt_state_chunks[key], layout, trainable_only=True, what=f"optimizer state {key!r}"
+            ).items():
                 a = _as_jax(a)
                 if a.dtype != jnp.float32:
                     raise CheckpointError(f"optimizer state {key!r} {chunk_key(i)} is {a.dtype}, expected float32")
                 arrays[(OPTIM_KEY, key, chunk_key(i))] = a
     elif optimizer_meta is not None and optimizer_meta.state_keys:
-        raise CheckpointError(f"optimizer_meta lists state keys {optimizer_meta.state_keys} but no opt_state_chunks were given")
+        raise CheckpointError(
+            f"optimizer_meta lists state keys {optimizer_meta.state_keys} but no opt_state_chunks were given"
+        )
     meta = CheckpointMeta(
         step=step, layout=layout, mixed_precision=mixed_precision, optimizer=optimizer_meta, loss_scaler=loss_scaler,
         model_config=model_config, data_position=data_position, rng_states=rng_states, extra=extra,

@@ -130,12 +130,14 @@ def check_reduce_scatter(mesh: Mesh, block_bytes: Iterable[int], dtypes: Iterabl
                 b = reduce_scatter_sum(v, axis, method="all_to_all")
                 bad_a = jnp.abs(a - want)
                 first = jnp.where(jnp.any(bad_a > 0), jnp.argmax(bad_a > 0), -1)
-                bad = jnp.stack([jnp.max(bad_a).astype(jnp.float64 if dtype == jnp.float64 else jnp.float32),  # noqa: B023 - traced in this iteration
-                                 jnp.max(jnp.abs(b - want)).astype(jnp.float64 if dtype == jnp.float64 else jnp.float32)])  # noqa: B023 - traced in this iteration
+                out_dtype = jnp.float64 if dtype == jnp.float64 else jnp.float32  # noqa: B023 - traced in this iteration
+                bad = jnp.stack([jnp.max(bad_a).astype(out_dtype), jnp.max(jnp.abs(b - want)).astype(out_dtype)])
                 worst = jax.lax.pmax(bad, axis)
                 return worst.reshape(1, 2), jax.lax.pmax(first, axis).reshape(1)
 
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=(P(axis), P(axis)), check_vma=False))
+            fn = jax.jit(
+                jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=(P(axis), P(axis)), check_vma=False)
+            )
             worst, first = fn(x)
             w = np.asarray(worst.addressable_shards[0].data)[0]
             f = int(np.asarray(first.addressable_shards[0].data)[0])
@@ -144,7 +146,9 @@ def check_reduce_scatter(mesh: Mesh, block_bytes: Iterable[int], dtypes: Iterabl
                             "psum_scatter_max_error": float(w[0]), "first_bad_index": f})
     if any(not r["all_to_all_ok"] for r in records):
         bad = next(r for r in records if not r["all_to_all_ok"])
-        raise ConfigError(f"reduce-scatter check: all_to_all + local sum is wrong too ({bad}); no correct reduce-scatter")
+        raise ConfigError(
+            f"reduce-scatter check: all_to_all + local sum is wrong too ({bad}); no correct reduce-scatter"
+        )
     wrong = [r for r in records if not r["psum_scatter_ok"]]
     if wrong and switch:
         _checked_method = "all_to_all"

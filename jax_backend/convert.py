@@ -104,7 +104,9 @@ def param_rules(config: GPTConfig) -> tuple[ParamRule, ...]:
         elif isinstance(module, nnx.LayerNorm):
             rules[f"{prefix}.weight"] = ParamRule(f"{prefix}.weight", module.scale.shape, (*path, "scale"), False)
         elif isinstance(module, nnx.Embed):
-            rules[f"{prefix}.weight"] = ParamRule(f"{prefix}.weight", module.embedding.shape, (*path, "embedding"), False)
+            rules[f"{prefix}.weight"] = ParamRule(
+                f"{prefix}.weight", module.embedding.shape, (*path, "embedding"), False
+            )
         else:
             continue
         if getattr(module, "bias", None) is not None:
@@ -181,10 +183,14 @@ def torch_to_flax(params_by_torch_name: Mapping[str, Any], config: Any) -> nnx.S
         ConfigError: a parameter is missing (names it and the Flax path).
         ShapeMismatchError: a parameter's shape differs from the model's (names it and both shapes).
     """
-    return _to_state(flatten_names(params_by_torch_name), as_gpt_config(config), linear_in_out=False, source="torch parameters")
+    return _to_state(
+        flatten_names(params_by_torch_name), as_gpt_config(config), linear_in_out=False, source="torch parameters"
+    )
 
 
-def flax_to_torch(model_or_state: GPT | nnx.State, config: Any = None, *, include_aliases: bool = False) -> dict[str, jax.Array]:
+def flax_to_torch(
+    model_or_state: GPT | nnx.State, config: Any = None, *, include_aliases: bool = False
+) -> dict[str, jax.Array]:
     """Torch-named, torch-shaped parameters of a Flax GPT (the reverse of :func:`torch_to_flax`).
 
     Args:
@@ -252,14 +258,19 @@ def check_layout(layout: ChunkLayout, config: Any) -> None:
         name = next((n for n in (r.torch_name, *TIED_ALIASES.get(r.torch_name, ())) if n in layout), None)
         if name is None:
             raise CheckpointError(
-                f"checkpoint layout has no tensor {r.torch_name!r} (shape {r.torch_shape}) that the Flax GPT needs for {r.flax_name}"
+                f"checkpoint layout has no tensor {r.torch_name!r} (shape {r.torch_shape}) that the Flax GPT needs "
+                f"for {r.flax_name}"
             )
         got = layout.tensor(name).shape
         if got != r.torch_shape:
-            raise ShapeMismatchError(r.torch_name, r.torch_shape, got, f"Flax GPT {r.flax_name} vs the checkpoint layout")
+            raise ShapeMismatchError(
+                r.torch_name, r.torch_shape, got, f"Flax GPT {r.flax_name} vs the checkpoint layout"
+            )
     for t in layout.tensors:
         if t.name not in known:
-            raise CheckpointError(f"checkpoint layout tensor {t.name!r} (shape {t.shape}) is not a parameter of the Flax GPT")
+            raise CheckpointError(
+                f"checkpoint layout tensor {t.name!r} (shape {t.shape}) is not a parameter of the Flax GPT"
+            )
 
 
 def gpt_from_chunks(chunks: Mapping[str, Any], layout: ChunkLayout, config: Any) -> GPT:
@@ -273,7 +284,9 @@ def gpt_from_chunks(chunks: Mapping[str, Any], layout: ChunkLayout, config: Any)
     return gpt_from_torch(unflatten(chunks, layout, nested=False, include_aliases=True), config)
 
 
-def restore_gpt(path: str | os.PathLike, mesh: Mesh, *, config: Any = None, axis: str = DEFAULT_AXIS, step: int | None = None):
+def restore_gpt(
+    path: str | os.PathLike, mesh: Mesh, *, config: Any = None, axis: str = DEFAULT_AXIS, step: int | None = None
+):
     """Restore a chunkzero GPT checkpoint as a Flax :class:`GPT` on ``mesh``.
 
     Args:

@@ -47,8 +47,12 @@ class CausalSelfAttention(nnx.Module):
             raise ConfigError(f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
         self.n_head = config.n_head
         std, proj_std = 0.02, 0.02 / np.sqrt(2 * config.n_layer)
-        self.c_attn = nnx.Linear(config.n_embd, 3 * config.n_embd, use_bias=config.bias, kernel_init=_normal(std), rngs=rngs)
-        self.c_proj = nnx.Linear(config.n_embd, config.n_embd, use_bias=config.bias, kernel_init=_normal(proj_std), rngs=rngs)
+        self.c_attn = nnx.Linear(
+            config.n_embd, 3 * config.n_embd, use_bias=config.bias, kernel_init=_normal(std), rngs=rngs
+        )
+        self.c_proj = nnx.Linear(
+            config.n_embd, config.n_embd, use_bias=config.bias, kernel_init=_normal(proj_std), rngs=rngs
+        )
         self.resid_dropout = _dropout(config, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -64,8 +68,12 @@ class MLP(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         std, proj_std = 0.02, 0.02 / np.sqrt(2 * config.n_layer)
-        self.c_fc = nnx.Linear(config.n_embd, 4 * config.n_embd, use_bias=config.bias, kernel_init=_normal(std), rngs=rngs)
-        self.c_proj = nnx.Linear(4 * config.n_embd, config.n_embd, use_bias=config.bias, kernel_init=_normal(proj_std), rngs=rngs)
+        self.c_fc = nnx.Linear(
+            config.n_embd, 4 * config.n_embd, use_bias=config.bias, kernel_init=_normal(std), rngs=rngs
+        )
+        self.c_proj = nnx.Linear(
+            4 * config.n_embd, config.n_embd, use_bias=config.bias, kernel_init=_normal(proj_std), rngs=rngs
+        )
         self.dropout = _dropout(config, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -91,7 +91,9 @@ def _indexed(chunks: Mapping[str, Any] | Sequence[Any], what: str) -> dict[int, 
         return out
     if isinstance(chunks, Sequence) and not isinstance(chunks, (str, bytes)):
         return dict(enumerate(chunks))
-    raise ConfigError(f"{what} must be a dict keyed by chunk key or a sequence by chunk index, got {type(chunks).__name__}")
+    raise ConfigError(
+        f"{what} must be a dict keyed by chunk key or a sequence by chunk index, got {type(chunks).__name__}"
+    )
 
 
 def check_chunks(chunks: Mapping[str, Any] | Sequence[Any], layout: ChunkLayout, *, trainable_only: bool = False,
@@ -161,7 +163,9 @@ def unflatten(chunks: Mapping[str, Any] | Sequence[Any], layout: ChunkLayout, *,
     return nest(flat) if nested else flat
 
 
-def unflatten_optimizer(opt_state_chunks: Mapping[str, Any], layout: ChunkLayout, *, nested: bool = True) -> dict[str, dict]:
+def unflatten_optimizer(
+    opt_state_chunks: Mapping[str, Any], layout: ChunkLayout, *, nested: bool = True
+) -> dict[str, dict]:
     """:func:`unflatten` for optimizer state: ``{state_key: {chunk_key: f32[size]}}`` over trainable
     chunks -> ``{state_key: tensors}`` (frozen tensors have no optimizer state and are absent).
 
@@ -275,6 +279,8 @@ def shard_chunks(chunks: Mapping[str, Any], layout: ChunkLayout, mesh: Mesh, *, 
             raise LayoutError(f"chunks: {chunk_key(k)} is not a chunk of the layout ({len(layout.chunks)} chunks)")
         c = layout.chunks[k]
         if tuple(np.shape(v)) != (c.size,):
-            raise ShapeMismatchError(chunk_key(k), (c.size,), np.shape(v), f"chunk {k} at world size {layout.world_size}")
+            raise ShapeMismatchError(
+                chunk_key(k), (c.size,), np.shape(v), f"chunk {k} at world size {layout.world_size}"
+            )
         out[chunk_key(k)] = jax.device_put(v, chunk_sharding(mesh, c, axis))
     return out

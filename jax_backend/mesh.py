@@ -26,7 +26,9 @@ DEFAULT_AXIS = SHARD_AXIS
 the axis a chunk's shards lie along, the same name in the hybrid mesh and the torch checkpoint writer."""
 
 
-def make_mesh(n_devices: int | None = None, *, axis: str = DEFAULT_AXIS, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    n_devices: int | None = None, *, axis: str = DEFAULT_AXIS, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """A 1-D mesh of ``n_devices`` devices named ``axis``, with ``AxisType.Auto``.
 
     Args:
@@ -69,8 +71,10 @@ def make_hybrid_mesh(replicas: int, shard_group_size: int, *, axes: tuple[str, s
     pool = list(jax.devices() if devices is None else devices)
     n = replicas * shard_group_size
     if n > len(pool):
-        raise ConfigError(f"a {replicas} x {shard_group_size} mesh needs {n} devices but only {len(pool)} are available; "
-                          f"on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax is imported")
+        raise ConfigError(
+            f"a {replicas} x {shard_group_size} mesh needs {n} devices but only {len(pool)} are available; "
+            f"on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={n} before jax is imported"
+        )
     grid = np.array(pool[:n], dtype=object).reshape(replicas, shard_group_size)  # in device order, not reordered
     return Mesh(grid, axes, axis_types=(AxisType.Auto, AxisType.Auto))
 

@@ -73,7 +73,9 @@ def adamw_hyperparameters(optimizer_meta: OptimizerMeta, *, groups_may_differ: b
             if g.get(key) != groups[0].get(key) and not (groups_may_differ and key in GROUP_KEYS):
                 how = ("pass the layout (adamw_from_meta(meta, layout=...)) to keep per-group lr and weight_decay"
                        if key in GROUP_KEYS else "only lr and weight_decay may differ between groups")
-                raise ConfigError(f"param group {i} has {key}={g.get(key)!r}, group 0 has {groups[0].get(key)!r}: {how}")
+                raise ConfigError(
+                    f"param group {i} has {key}={g.get(key)!r}, group 0 has {groups[0].get(key)!r}: {how}"
+                )
     if optimizer_meta.tensor_steps:
         some = next(iter(optimizer_meta.tensor_steps))
         raise ConfigError(f"{len(optimizer_meta.tensor_steps)} tensor(s) (e.g. {some!r}) are at another step than "
@@ -136,7 +138,9 @@ def scale_by_param_groups(layout: ChunkLayout, groups: list[dict[str, Any]]) -> 
     """
     runs = _group_runs(layout, groups)
     dtype = jnp.uint8 if len(groups) <= 255 else jnp.int32
-    decay = jnp.asarray([float(g.get("weight_decay", TORCH_ADAMW_DEFAULTS["weight_decay"])) for g in groups], jnp.float32)
+    decay = jnp.asarray(
+        [float(g.get("weight_decay", TORCH_ADAMW_DEFAULTS["weight_decay"])) for g in groups], jnp.float32
+    )
     lrs = [float(g.get("lr", TORCH_ADAMW_DEFAULTS["lr"])) for g in groups]
     if lrs[0] == 0 and any(lrs):
         raise ConfigError(f"param group 0 has lr 0 and others do not ({lrs}): the other groups' lr is kept as a ratio "
@@ -205,7 +209,9 @@ def adamw_from_meta(optimizer_meta: OptimizerMeta, *, layout: ChunkLayout | None
     groups = optimizer_meta.param_groups or []
     if layout is not None and any(g.get(k) != groups[0].get(k) for g in groups[1:] for k in GROUP_KEYS):
         if "weight_decay" in overrides:
-            raise ConfigError("weight_decay cannot be overridden when the param groups differ: each group keeps its own")
+            raise ConfigError(
+                "weight_decay cannot be overridden when the param groups differ: each group keeps its own"
+            )
         return param_groups_adamw(hp["learning_rate"], hp["b1"], hp["b2"], hp["eps"], layout, groups)
     return optax.adamw(**hp)
 
@@ -226,7 +232,9 @@ def adam_state_from_chunks(tx: optax.GradientTransformation, chunks: Mapping[str
         if key not in opt_state_chunks:
             raise ConfigError(f"optimizer state has no {key!r} (has {sorted(opt_state_chunks)})")
         if sorted(opt_state_chunks[key]) != sorted(chunks):
-            raise ConfigError(f"optimizer state {key!r} covers chunks {sorted(opt_state_chunks[key])}, parameters {sorted(chunks)}")
+            raise ConfigError(
+                f"optimizer state {key!r} covers chunks {sorted(opt_state_chunks[key])}, parameters {sorted(chunks)}"
+            )
     state = tx.init(dict(chunks))
     return optax.tree_utils.tree_set(
         state,
@@ -277,6 +285,7 @@ def adamw_step(chunks: Mapping[str, jax.Array], grads: Mapping[str, jax.Array],
     new_opt, count = adam_state_to_chunks(state)
     same = set(optimizer_meta.state_keys) == set(new_opt)
     keys = list(optimizer_meta.state_keys) if same else list(new_opt)
-    new_meta = dataclasses.replace(optimizer_meta, hyperparameters=dict(optimizer_meta.hyperparameters), state_keys=keys,
-                                   step=count)
+    new_meta = dataclasses.replace(
+        optimizer_meta, hyperparameters=dict(optimizer_meta.hyperparameters), state_keys=keys, step=count
+    )
     return {**dict(chunks), **new_trainable}, new_opt, new_meta

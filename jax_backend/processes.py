@@ -50,8 +50,10 @@ def process_place(environ: dict | None = None) -> ProcessPlace:
     try:
         n, i = int(env[NUM_PROCESSES_ENV]), int(env[PROCESS_ID_ENV])
     except ValueError:
-        raise ConfigError(f"{NUM_PROCESSES_ENV}={env[NUM_PROCESSES_ENV]!r} and {PROCESS_ID_ENV}={env[PROCESS_ID_ENV]!r} "
-                          "must be integers") from None
+        raise ConfigError(
+            f"{NUM_PROCESSES_ENV}={env[NUM_PROCESSES_ENV]!r} and {PROCESS_ID_ENV}={env[PROCESS_ID_ENV]!r} "
+            "must be integers"
+        ) from None
     if n < 1 or not 0 <= i < n:
         raise ConfigError(f"{PROCESS_ID_ENV}={i} must be in [0, {NUM_PROCESSES_ENV}={n})")
     if ":" not in env[COORDINATOR_ENV]:

@@ -305,7 +305,9 @@ class ShardedTrainer:
 
     def state_shardings(self) -> TrainState:
         """``NamedSharding`` pytree of the :class:`TrainState`."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs(), is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), self.state_specs(), is_leaf=lambda x: isinstance(x, P)
+        )
 
     def abstract_state(self) -> TrainState:
         """``ShapeDtypeStruct`` (global shapes, with shardings) of the state: lower and compile the step
@@ -315,7 +317,9 @@ class ShardedTrainer:
                   for k, v in master.items()} if self.low_precision else None
         opt = jax.eval_shape(self.tx.init, {k: master[k] for k in self.trainable})
         shapes = TrainState(master, params, opt)
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings())
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, self.state_shardings()
+        )
 
     def abstract_batch(self, batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         """``ShapeDtypeStruct`` of a global batch ``int32[batch_size, seq_len]``, sharded on the batch.
@@ -407,7 +411,13 @@ class ShardedTrainer:
 
     def _build(self) -> Callable:
         program, units, unit_of, axis, batch_axis = self.program, self.units, self.unit_of, self.axis, self.batch_axis
-        world, tx, max_norm, with_norm, skip = self.world_size, self.tx, self.max_norm, self.grad_norm, self.skip_nonfinite
+        world, tx, max_norm, with_norm, skip = (
+            self.world_size,
+            self.tx,
+            self.max_norm,
+            self.grad_norm,
+            self.skip_nonfinite,
+        )
         low, dtype, trainable = self.low_precision, self.compute_dtype, self.trainable
 
         def local_step(state: TrainState, batch):

@@ -138,8 +138,10 @@ class ZeroTrainer(ShardedTrainer):
         axis = kwargs.get("axis", DEFAULT_AXIS)
         n = mesh_world_size(mesh, axis)
         if layout.world_size != n:
-            raise ConfigError(f"the layout is for world size {layout.world_size} but mesh axis {axis!r} has {n} devices; "
-                              f"use layout.relayout({n})")
+            raise ConfigError(
+                f"the layout is for world size {layout.world_size} but mesh axis {axis!r} has {n} devices; "
+                f"use layout.relayout({n})"
+            )
         for spec in program.specs:
             if spec.name not in layout:
                 raise LayoutError(f"layout has no tensor {spec.name!r} of {program.name!r}")
@@ -158,8 +160,16 @@ class ZeroTrainer(ShardedTrainer):
         return [ChunkUnit(layout, c.index) for c in layout.chunks]
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, mesh: Mesh, *, step: int | None = None, program: Program | None = None,
-                        axis: str = DEFAULT_AXIS, **kwargs) -> tuple[ZeroTrainer, TrainState]:
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike,
+        mesh: Mesh,
+        *,
+        step: int | None = None,
+        program: Program | None = None,
+        axis: str = DEFAULT_AXIS,
+        **kwargs,
+    ) -> tuple[ZeroTrainer, TrainState]:
         """A trainer and its state from a chunkzero checkpoint of torch AdamW (any world size): the
         chunks and AdamW state restored on ``mesh`` (:func:`jax_backend.restore_checkpoint`),
         torch AdamW with the saved hyper-parameters of every param group (:func:`jax_backend.adamw_from_meta`), the
@@ -197,7 +207,15 @@ class ZeroTrainer(ShardedTrainer):
                               "run: pass mixed_precision='fp32' or 'bf16'")
         kwargs.setdefault("mixed_precision", meta.mixed_precision)
         kwargs.setdefault("max_norm", optim.hyperparameters.get("max_norm"))
-        trainer = cls(program, restored.layout, mesh, adamw_from_meta(optim, layout=restored.layout), optimizer_meta=optim, axis=axis, **kwargs)
+        trainer = cls(
+            program,
+            restored.layout,
+            mesh,
+            adamw_from_meta(optim, layout=restored.layout),
+            optimizer_meta=optim,
+            axis=axis,
+            **kwargs,
+        )
         trainer.source = meta
         return trainer, trainer.from_chunks(restored.chunks, restored.opt_state_chunks, optim.step)
 
@@ -222,11 +240,18 @@ class ZeroTrainer(ShardedTrainer):
             CheckpointError: as :func:`jax_backend.save_checkpoint` (the step exists, or is before the latest).
         """
         if self.optimizer_meta is None:
-            raise ConfigError("this ZeroTrainer has no optimizer_meta: build it with ZeroTrainer.from_checkpoint, or pass "
-                              "optimizer_meta=jax_backend.optim.adamw_meta(...) describing tx")
+            raise ConfigError(
+                "this ZeroTrainer has no optimizer_meta: build it with ZeroTrainer.from_checkpoint, or pass "
+                "optimizer_meta=jax_backend.optim.adamw_meta(...) describing tx"
+            )
         opt_state, count = self.opt_state_chunks(state)
-        optim = dataclasses.replace(self.optimizer_meta, step=count, state_keys=list(ADAMW_STATE_KEYS), tensor_steps=None,
-                                    hyperparameters={**self.optimizer_meta.hyperparameters, "max_norm": self.max_norm})
+        optim = dataclasses.replace(
+            self.optimizer_meta,
+            step=count,
+            state_keys=list(ADAMW_STATE_KEYS),
+            tensor_steps=None,
+            hyperparameters={**self.optimizer_meta.hyperparameters, "max_norm": self.max_norm},
+        )
         source = self.source
         if source is not None and source.loss_scaler is not None and source.optimizer is not None:
             taken = count - source.optimizer.step
@@ -263,9 +288,12 @@ class ZeroTrainer(ShardedTrainer):
         master = {chunk_key(i): v for i, v in arrays.items()}
         opt = None
         if opt_state_chunks is not None:
-            opt = adam_state_from_chunks(self.tx, {k: master[k] for k in self.trainable},
-                                         {s: {k: opt_state_chunks[s][k] for k in self.trainable} for s in opt_state_chunks},
-                                         step)
+            opt = adam_state_from_chunks(
+                self.tx,
+                {k: master[k] for k in self.trainable},
+                {s: {k: opt_state_chunks[s][k] for k in self.trainable} for s in opt_state_chunks},
+                step,
+            )
         return self.state_from_master(master, opt)
 
     def opt_state_chunks(self, state: TrainState) -> tuple[dict[str, dict[str, jax.Array]], int]:

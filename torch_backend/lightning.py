@@ -155,8 +155,10 @@ def zero_optimizer_from(model: ZeroDDP, optimizer: torch.optim.Optimizer, *, max
         defaults = {k: v for k, v in drop_unset(optimizer.defaults).items() if k in accepted}
     else:
         defaults = drop_unset(optimizer.defaults)
-    groups = [{"params": list(g["params"]), **drop_unset({k: v for k, v in g.items() if k not in ("params", "initial_lr")})}
-              for g in optimizer.param_groups]
+    groups = [
+        {"params": list(g["params"]), **drop_unset({k: v for k, v in g.items() if k not in ("params", "initial_lr")})}
+        for g in optimizer.param_groups
+    ]
     zero = ZeroOptimizer(model, type(optimizer), params=groups, max_norm=max_norm, **defaults)
     if len(zero.param_groups) != len(optimizer.param_groups):
         raise ConfigError(f"{type(optimizer).__name__} has {len(optimizer.param_groups)} param groups, of which "
@@ -261,16 +263,20 @@ class ZeroStrategy(DDPStrategy):
         self.model = self.zero_model
         if trainer.state.fn == TrainerFn.FITTING:
             if trainer.gradient_clip_algorithm not in (None, GradClipAlgorithmType.NORM):
-                raise ConfigError("ZeroStrategy clips gradients by their global norm only (gradient_clip_algorithm='norm')")
+                raise ConfigError(
+                    "ZeroStrategy clips gradients by their global norm only (gradient_clip_algorithm='norm')"
+                )
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)  # configure_optimizers: torch optimizers and scheduler configs
         if len(self.optimizers) != 1:
-            raise ConfigError(f"ZeroStrategy trains with one optimizer (one ZeroOptimizer owns every trainable chunk's "
-                              f"master shard); configure_optimizers returned {len(self.optimizers)}: put the parameters "
-                              "in param groups of one optimizer")
+            raise ConfigError(
+                f"ZeroStrategy trains with one optimizer (one ZeroOptimizer owns every trainable chunk's "
+                f"master shard); configure_optimizers returned {len(self.optimizers)}: put the parameters "
+                "in param groups of one optimizer"
+            )
         original = self.optimizers[0]
         clip = trainer.gradient_clip_val
         zero = zero_optimizer_from(self.zero_model, original, max_norm=float(clip) if clip else None)
@@ -373,8 +379,10 @@ class ZeroStrategy(DDPStrategy):
         meta = load_checkpoint(path, self.zero_model, optimizer, load_rng=fitting)
         extra = meta.extra or {}
         if LIGHTNING_KEY not in extra:
-            raise CheckpointError(f"checkpoint {str(path)!r} holds no Lightning state (it was not saved by ZeroStrategy); "
-                                  "load it with torch_backend.load_checkpoint")
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} holds no Lightning state (it was not saved by ZeroStrategy); "
+                "load it with torch_backend.load_checkpoint"
+            )
         return from_json(extra[LIGHTNING_KEY], "Lightning checkpoint")
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:

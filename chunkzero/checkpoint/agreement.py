@@ -29,7 +29,9 @@ def layout_digest(layout: ChunkLayout) -> str:
     return hashlib.sha256(json.dumps(layout.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def save_target(directory: str | os.PathLike, step: int, layout: ChunkLayout, *, max_to_keep: int | None) -> dict[str, Any]:
+def save_target(
+    directory: str | os.PathLike, step: int, layout: ChunkLayout, *, max_to_keep: int | None
+) -> dict[str, Any]:
     """This rank's record of a save: what every rank must have been asked for.
 
     Returns:

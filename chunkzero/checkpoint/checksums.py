@@ -118,14 +118,20 @@ def validate_record(value: Any, valid_numels: dict[str, tuple[int, ...]], bad) -
     """
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("algorithm") != CHECKSUM_ALGORITHM or not isinstance(value.get("arrays"), dict):
+    if (
+        not isinstance(value, dict)
+        or value.get("algorithm") != CHECKSUM_ALGORITHM
+        or not isinstance(value.get("arrays"), dict)
+    ):
         raise bad("checksums", f"expected {{'algorithm': {CHECKSUM_ALGORITHM!r}, 'arrays': {{...}}}}")
     for key, sums in value["arrays"].items():
         if not isinstance(sums, list) or not all(isinstance(x, str) and _HEX.fullmatch(x) for x in sums):
             raise bad(f"checksums.arrays.{key}", "expected a list of 32-hex-digit strings")
         valid = _valid_numels(key, valid_numels, bad, "arrays")
         if len(sums) != len(valid):
-            raise bad(f"checksums.arrays.{key}", f"expected {len(valid)} checksums (one per saved shard), got {len(sums)}")
+            raise bad(
+                f"checksums.arrays.{key}", f"expected {len(valid)} checksums (one per saved shard), got {len(sums)}"
+            )
     blocks = value.get("blocks")
     if blocks is None:
         return value

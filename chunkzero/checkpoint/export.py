@@ -82,7 +82,17 @@ def parse_size(text: str | int) -> int:
         if not m:
             raise ConfigError(f"not a size: {text!r} (examples: 5GB, 500MB, 64MiB, 1000000)")
         unit = (m.group(2) or "").upper().rstrip("B")
-        mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+        mult = {
+            "": 1,
+            "K": 10**3,
+            "M": 10**6,
+            "G": 10**9,
+            "T": 10**12,
+            "KI": 2**10,
+            "MI": 2**20,
+            "GI": 2**30,
+            "TI": 2**40,
+        }[unit]
         value = int(float(m.group(1)) * mult)
     if value < 1:
         raise ConfigError(f"size must be positive, got {text!r}")
@@ -130,7 +140,9 @@ class TensorStream:
 
     def __init__(self, step_dir: Path, meta: CheckpointMeta, *, ema: bool = False):
         if ema and meta.ema is None:
-            raise CheckpointError(f"checkpoint {str(step_dir)!r} holds no EMA (saved without a ZeroEMA); export without --ema")
+            raise CheckpointError(
+                f"checkpoint {str(step_dir)!r} holds no EMA (saved without a ZeroEMA); export without --ema"
+            )
         self.meta = meta
         self.ema = bool(ema)
         self.layout: ChunkLayout = meta.layout
@@ -192,7 +204,9 @@ class ExportReport:
 # ====================================================================== safetensors (streaming)
 
 
-def _write_safetensors(stream: TensorStream, out: Path, dtype: str | None, max_shard_bytes: int) -> tuple[list[str], int]:
+def _write_safetensors(
+    stream: TensorStream, out: Path, dtype: str | None, max_shard_bytes: int
+) -> tuple[list[str], int]:
     tensors = stream.ordered()
     plan: list[list[tuple[TensorPlacement, str, int]]] = [[]]
     current = 0
@@ -212,7 +226,11 @@ def _write_safetensors(stream: TensorStream, out: Path, dtype: str | None, max_s
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         pos = 0
         for t, out_dtype, nbytes in entries:
-            header[t.name] = {"dtype": _ST_DTYPES[out_dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes]}
+            header[t.name] = {
+                "dtype": _ST_DTYPES[out_dtype],
+                "shape": list(t.shape),
+                "data_offsets": [pos, pos + nbytes],
+            }
             pos += nbytes
             weight_map[t.name] = fname
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")

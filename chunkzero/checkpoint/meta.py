@@ -301,7 +301,9 @@ class CheckpointMeta:
             raise bad("format", f"expected {CHECKPOINT_FORMAT!r}, got {doc['format']!r}")
         version = get("version", int)
         if not 1 <= version <= CHECKPOINT_VERSION:
-            raise bad("version", f"version {version} is not supported (this chunkzero reads up to {CHECKPOINT_VERSION})")
+            raise bad(
+                "version", f"version {version} is not supported (this chunkzero reads up to {CHECKPOINT_VERSION})"
+            )
         step = get("step", int)
         if step < 0:
             raise bad("step", f"must be >= 0, got {step}")
@@ -388,12 +390,15 @@ class CheckpointMeta:
         missing = [p for p in wanted if p not in saved]
         if missing:
             more = f" ({len(missing)} missing)" if len(missing) > 1 else ""
-            raise CheckpointFormatError(f"{source}: array {array_name(missing[0])!r} listed by the checkpoint metadata is not saved{more}")
+            raise CheckpointFormatError(
+                f"{source}: array {array_name(missing[0])!r} listed by the checkpoint metadata is not saved{more}"
+            )
         for path, (shape, dtype) in wanted.items():
             got = saved[path]
             if got is not None and (tuple(got[0]), str(got[1])) != (tuple(shape), dtype):
                 raise CheckpointFormatError(
-                    f"{source}: array {array_name(path)!r} is {got[1]}{list(got[0])}, the metadata's layout says {dtype}{list(shape)}"
+                    f"{source}: array {array_name(path)!r} is {got[1]}{list(got[0])}, the metadata's layout says "
+                    f"{dtype}{list(shape)}"
                 )
 
     def saved_shards(self, path: ArrayPath) -> list[tuple[int, int, int]]:
@@ -436,7 +441,10 @@ class CheckpointMeta:
             ranks = [0] if self.layout.chunks[chunk_index(path[-1])].keep_gathered else range(len(per_rank))
             for q in ranks:
                 if key not in per_rank[q]:
-                    raise CheckpointError(f"rank {q} computed no checksum for array {array_name(path)!r}; the ranks disagree on what they save")
+                    raise CheckpointError(
+                        f"rank {q} computed no checksum for array {array_name(path)!r}; the ranks disagree on what "
+                        "they save"
+                    )
             blocks[key] = [list(per_rank[q][key]) for q in ranks]
         return self.record_of_blocks(blocks)
 
@@ -448,9 +456,13 @@ class CheckpointMeta:
 
     def record_of_blocks(self, blocks: Mapping[str, list[list[str]]]) -> dict[str, Any]:
         numel = {k: self.storage_block_numel(tuple(k.split("/"))) for k in blocks}  # k: checksum_key(path)
-        return {"algorithm": CHECKSUM_ALGORITHM,
-                "arrays": {k: [combine_checksums(b) for b in per_shard] for k, per_shard in blocks.items()},
-                "blocks": {k: {"block_numel": numel[k], "sums": [list(b) for b in per_shard]} for k, per_shard in blocks.items()}}
+        return {
+            "algorithm": CHECKSUM_ALGORITHM,
+            "arrays": {k: [combine_checksums(b) for b in per_shard] for k, per_shard in blocks.items()},
+            "blocks": {
+                k: {"block_numel": numel[k], "sums": [list(b) for b in per_shard]} for k, per_shard in blocks.items()
+            },
+        }
 
     def verification_unit(self, path: ArrayPath) -> int | None:
         """The elements one checksum of array ``path`` covers, counted from each saved shard's start:
@@ -525,14 +537,18 @@ class CheckpointMeta:
         recorded at every process count, or by hand). Returns whether it warned."""
         if self.checksums is not None:
             return False
-        warnings.warn(f"{step_dir}: this checkpoint records no checksums (written before they were recorded at every "
-                      "process count, or saved without them), so its data is loaded unverified", UnverifiedCheckpointWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"{step_dir}: this checkpoint records no checksums (written before they were recorded at every "
+            "process count, or saved without them), so its data is loaded unverified",
+            UnverifiedCheckpointWarning,
+            stacklevel=3,
+        )
         return True
 
     def raise_corrupted(self, path: ArrayPath, rank: int, start: int, stop: int, got: str, want: str, step_dir) -> None:
         raise CheckpointError(
-            f"array {array_name(path)!r} in {str(Path(step_dir) / STATE_ITEM)!r} is corrupted: elements [{start}, {stop}) "
+            f"array {array_name(path)!r} in {str(Path(step_dir) / STATE_ITEM)!r} is corrupted: elements [{start}, "
+            f"{stop}) "
             f"saved by rank {rank} have checksum {got}, the metadata recorded {want}"
         )
 

@@ -212,7 +212,10 @@ def _manager(directory: Path, options: Any):
         logging.getLogger("absl").addFilter(_without_small_chunk_warning)  # (kept once however often added)
         logging.getLogger("absl").addFilter(_without_orbax_thread_errors)
         # ``state`` through the PyTree handler: the on-disk format of ``StandardSave``, and subsets restore
-        handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS), META_ITEM: ocp.JsonCheckpointHandler()}
+        handlers = {
+            STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS),
+            META_ITEM: ocp.JsonCheckpointHandler(),
+        }
         manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
         _MANAGERS[key] = _Managed(manager, options)
         return manager
@@ -344,7 +347,9 @@ def save_step(
     step = meta.step
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be a non-negative int, got {step!r}")
-    if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1):
+    if max_to_keep is not None and (
+        isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+    ):
         raise ConfigError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
     timeout_s = check_timeout(timeout_s)
     directory = Path(directory).resolve()  # Orbax wants absolute paths
@@ -371,7 +376,10 @@ def save_step(
             raise CheckpointError(f"step {step} is before the latest step {existing[-1]} under {str(directory)!r}; "
                                   "steps only grow (write elsewhere to branch)")
         try:
-            items = {STATE_ITEM: ocp.args.PyTreeSave(tree, save_args=_save_args(meta, tree)), META_ITEM: ocp.args.JsonSave(doc)}
+            items = {
+                STATE_ITEM: ocp.args.PyTreeSave(tree, save_args=_save_args(meta, tree)),
+                META_ITEM: ocp.args.JsonSave(doc),
+            }
             saved = manager.save(step, args=ocp.args.Composite(**items), force=True)
             with _MANAGERS_LOCK:
                 if (m := _MANAGERS.get(str(directory))) is not None:
@@ -479,14 +487,18 @@ def _read_manager(root: Path) -> Iterator[Any]:
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     # read-only managers never save: save_interval_steps=0 as Orbax would set it, without its warning
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0, multiprocessing_options=alone)
+    options = ocp.CheckpointManagerOptions(
+        read_only=True, create=False, save_interval_steps=0, multiprocessing_options=alone
+    )
     handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
     logging.getLogger("absl").addFilter(_without_expected_warnings)  # (kept once however often added)
     with ocp.CheckpointManager(root.absolute(), item_handlers=handlers, options=options) as manager:
         yield manager
 
 
-def read_array_metadata(path: str | os.PathLike, step: int | None = None) -> dict[ArrayPath, tuple[tuple[int, ...], str]]:
+def read_array_metadata(
+    path: str | os.PathLike, step: int | None = None
+) -> dict[ArrayPath, tuple[tuple[int, ...], str]]:
     """Global shape and dtype of every array of a step's ``state`` item, without reading any array.
 
     Args:
@@ -508,7 +520,9 @@ def read_array_metadata(path: str | os.PathLike, step: int | None = None) -> dic
         raise CheckpointError(f"cannot read checkpoint array metadata {where}: {type(e).__name__}: {e}") from e
     if tree is None:
         raise CheckpointError(f"checkpoint has no {STATE_ITEM!r} item: {where}")
-    return {p: (tuple(int(d) for d in m.shape), str(m.dtype)) for p, m in flat_arrays(getattr(tree, "tree", tree)).items()}
+    return {
+        p: (tuple(int(d) for d in m.shape), str(m.dtype)) for p, m in flat_arrays(getattr(tree, "tree", tree)).items()
+    }
 
 
 def array_restore_args(item: Mapping[str, Any]) -> Any:
@@ -519,7 +533,8 @@ def array_restore_args(item: Mapping[str, Any]) -> Any:
 
     ocp = _ocp()
     return jax.tree.map(
-        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False), dict(item)
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype, strict=False),
+        dict(item),
     )
 
 
@@ -546,7 +561,9 @@ def restore_arrays(step_dir: str | os.PathLike, item: Mapping[str, Any], restore
         with _read_manager(step_dir.parent) as manager:
             restored = manager.restore(int(step_dir.name), args=ocp.args.Composite(**{STATE_ITEM: args}))
     except Exception as e:
-        raise CheckpointError(f"cannot restore checkpoint arrays from {step_dir / STATE_ITEM}: {type(e).__name__}: {e}") from e
+        raise CheckpointError(
+            f"cannot restore checkpoint arrays from {step_dir / STATE_ITEM}: {type(e).__name__}: {e}"
+        ) from e
     return restored[STATE_ITEM]
 
 
@@ -594,8 +611,13 @@ def array_read_spec(index: ArrayIndex, path: ArrayPath, context: Any) -> dict:
     from etils import epath
 
     ocp = _ocp()
-    info = ocp.type_handlers.ParamInfo(name=array_name(path), parent_dir=epath.Path(index.item_dir),
-                                       is_ocdbt_checkpoint=index.use_ocdbt, use_zarr3=index.use_zarr3, ts_context=context)
+    info = ocp.type_handlers.ParamInfo(
+        name=array_name(path),
+        parent_dir=epath.Path(index.item_dir),
+        is_ocdbt_checkpoint=index.use_ocdbt,
+        use_zarr3=index.use_zarr3,
+        ts_context=context,
+    )
     return ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=index.use_ocdbt)
 
 
@@ -632,7 +654,11 @@ def _streaming_numpy_handler():
     class StreamingNumpyHandler(ocp.type_handlers.NumpyHandler):
         async def serialize(self, values, infos, args=None):
             args = list(args or [ocp.SaveArgs()] * len(values))
-            return [ocp_future.CommitFutureAwaitingContractedSignals(self._stream(values, infos, args), name="chunkzero_export")]
+            return [
+                ocp_future.CommitFutureAwaitingContractedSignals(
+                    self._stream(values, infos, args), name="chunkzero_export"
+                )
+            ]
 
         async def _stream(self, values, infos, args):
             for i in sorted(range(len(values)), key=lambda i: values[i].order):

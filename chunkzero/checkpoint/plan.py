@@ -21,7 +21,9 @@ def matching_names(tensor: TensorPlacement | TensorSpec, keys: Container[str]) -
     return [n for n in (tensor.name, *tensor.aliases) if n in keys]
 
 
-def saved_tensor(saved: ChunkLayout, tensor: TensorPlacement | TensorSpec, *, source: str = "checkpoint") -> TensorPlacement:
+def saved_tensor(
+    saved: ChunkLayout, tensor: TensorPlacement | TensorSpec, *, source: str = "checkpoint"
+) -> TensorPlacement:
     """The placement in ``saved`` of ``tensor`` (a tensor of another layout), by name or any alias.
 
     Raises:
@@ -51,10 +53,14 @@ def check_compatible(saved: ChunkLayout, target: ChunkLayout, *, source: str = "
     extra = [n for n in saved.names if n not in matched]
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise CheckpointError(f"{source} holds tensors the model does not have: {', '.join(map(repr, extra[:5]))}{more}")
+        raise CheckpointError(
+            f"{source} holds tensors the model does not have: {', '.join(map(repr, extra[:5]))}{more}"
+        )
 
 
-def compare_layouts(saved: ChunkLayout, target: ChunkLayout, *, source: str = "checkpoint") -> tuple[list[str], list[str]]:
+def compare_layouts(
+    saved: ChunkLayout, target: ChunkLayout, *, source: str = "checkpoint"
+) -> tuple[list[str], list[str]]:
     """The tensors one layout has and the other lacks, for a load that allows them (a fine-tune that
     adds a head, an inference checkpoint with extra tensors); tensors matched by name or alias.
 
@@ -113,7 +119,12 @@ def read_plan(saved: ChunkLayout, target: ChunkLayout, chunk: int, rank: int, ki
         s = saved_tensor(saved, t)
         p = ReadPiece((*kind, chunk_key(s.chunk)), s.offset + a, s.offset + b, shard_offset)
         last = pieces[-1] if pieces else None
-        if last and last.array == p.array and last.src_stop == p.src_start and last.dst_offset + last.numel == p.dst_offset:
+        if (
+            last
+            and last.array == p.array
+            and last.src_stop == p.src_start
+            and last.dst_offset + last.numel == p.dst_offset
+        ):
             pieces[-1] = ReadPiece(p.array, last.src_start, p.src_stop, last.dst_offset)
         else:
             pieces.append(p)

@@ -64,7 +64,13 @@ class Target:
         self.in_place = into is not None
 
     def put(self, offset: int, data: np.ndarray) -> None:
-        if self._array is None and offset == 0 and data.size == self.size and data.dtype == self.dtype and data.flags.writeable:
+        if (
+            self._array is None
+            and offset == 0
+            and data.size == self.size
+            and data.dtype == self.dtype
+            and data.flags.writeable
+        ):
             self._array = data
             return
         if self._array is None:
@@ -207,7 +213,9 @@ class ChunkReader:
             self.bytes_read += nbytes
         flush()
 
-    def _runs(self, needs: list[tuple[ReadPiece, Target]]) -> dict[tuple[ArrayPath, int, int, int], list[tuple[ReadPiece, Target]]]:
+    def _runs(
+        self, needs: list[tuple[ReadPiece, Target]]
+    ) -> dict[tuple[ArrayPath, int, int, int], list[tuple[ReadPiece, Target]]]:
         """The reads that serve ``needs``: ``(array, saving rank, start, stop) -> the pieces it feeds``.
 
         Per saved shard ``[a, e)`` that pieces overlap, the checksum units holding a needed element
@@ -238,7 +246,9 @@ class ChunkReader:
                 else:
                     merged.append([lo, hi])
             for lo, hi in merged:
-                runs[(path, q, lo, hi)] = [(p, out) for p, out in users[(path, q)] if p.src_start < hi and lo < p.src_stop]
+                runs[(path, q, lo, hi)] = [
+                    (p, out) for p, out in users[(path, q)] if p.src_start < hi and lo < p.src_stop
+                ]
         return runs
 
     def read(self, path: ArrayPath, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -304,7 +314,9 @@ def read_shards(
     optim_keys = saved_keys if optim_keys is None else list(optim_keys)
     for k in optim_keys:
         if k not in saved_keys:
-            raise CheckpointError(f"optimizer state {k!r} is not in the checkpoint {str(step_dir)!r} (it holds {saved_keys})")
+            raise CheckpointError(
+                f"optimizer state {k!r} is not in the checkpoint {str(step_dir)!r} (it holds {saved_keys})"
+            )
     reader = reader or ChunkReader(step_dir, meta)
     into = into or {}
     param_targets: dict[int, Target] = {}

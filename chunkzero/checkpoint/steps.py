@@ -78,7 +78,8 @@ def resolve_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
     steps = list_steps(path)
     if not steps:
         raise CheckpointError(
-            f"no committed checkpoint step under {str(path)!r} (expected <root>/<step>/ with {STATE_ITEM!r} and {META_ITEM!r})"
+            f"no committed checkpoint step under {str(path)!r} (expected <root>/<step>/ with {STATE_ITEM!r} and "
+            f"{META_ITEM!r})"
         )
     if step is None:
         step = steps[-1]
@@ -107,5 +108,7 @@ def read_meta(path: str | os.PathLike, step: int | None = None) -> CheckpointMet
         raise CheckpointError(f"checkpoint metadata {str(meta_file)!r} is missing") from None
     meta = CheckpointMeta.from_json(text, source=str(meta_file))
     if int(step_dir.name) != meta.step:
-        raise CheckpointFormatError(f"{meta_file}: field 'step': {meta.step} differs from the directory's step {step_dir.name}")
+        raise CheckpointFormatError(
+            f"{meta_file}: field 'step': {meta.step} differs from the directory's step {step_dir.name}"
+        )
     return meta

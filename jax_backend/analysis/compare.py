@@ -175,7 +175,8 @@ def format_comparison(cmp: LayoutComparison) -> str:
                          f"{p.num_allreduces} | {p.comm_bytes / MIB:.1f} | {p.padding_numel:,} |")
         return "\n".join(lines)
     lines += [
-        "| strategy | state MiB pred / meas (args) | err | resident MiB | temp MiB pred* / meas | all-gathers pred / meas | "
+        "| strategy | state MiB pred / meas (args) | err | resident MiB | temp MiB pred* / meas | all-gathers pred / "
+        "meas | "
         "reduce-scatters pred / meas | all-reduces pred / meas | sent MiB pred / meas | err | padding pred / meas | "
         "replicated | step ms | compile CPU s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -326,9 +327,17 @@ def measured_sweep(model: str | Program, world_size: int, chunk_sizes: Iterable[
         trainer = ZeroTrainer(program, layout, mesh, optax.sgd(0.1), mixed_precision=precision)
         m = measure_trainer(trainer, batch_size or world_size, min(seq_len, program.max_seq_len or seq_len))
         cost = chunk_zero3_cost(layout, precision, "sgd")
-        rows.append(dict(chunk_size=int(c), num_chunks=len(layout.chunks), pred_allgathers=cost.num_allgathers,
-                         meas_allgathers=m.collectives.buffers["all-gather"], pred_reduce_scatters=cost.num_reduce_scatters,
-                         meas_reduce_scatters=m.collectives.buffers["reduce-scatter"], meas_temp_bytes=m.memory.temp_bytes))
+        rows.append(
+            dict(
+                chunk_size=int(c),
+                num_chunks=len(layout.chunks),
+                pred_allgathers=cost.num_allgathers,
+                meas_allgathers=m.collectives.buffers["all-gather"],
+                pred_reduce_scatters=cost.num_reduce_scatters,
+                meas_reduce_scatters=m.collectives.buffers["reduce-scatter"],
+                meas_temp_bytes=m.memory.temp_bytes,
+            )
+        )
     return rows
 
 

@@ -81,7 +81,10 @@ def parse_collectives(hlo_text: str, default_group_size: int = 1) -> list[Collec
             continue
         op = m.group("op")
         kind = op.removesuffix("-start")
-        shapes = [(_DTYPE_BYTES.get(dt, 4), [int(x) for x in dims.split(",") if x]) for dt, dims in _SHAPE_RE.findall(m.group("type"))]
+        shapes = [
+            (_DTYPE_BYTES.get(dt, 4), [int(x) for x in dims.split(",") if x])
+            for dt, dims in _SHAPE_RE.findall(m.group("type"))
+        ]
         if op in ("all-gather-start", "collective-permute-start") and len(shapes) >= 2:
             shapes = shapes[len(shapes) // 2 :]  # (operands, results): keep the results
         sizes = tuple(b * math.prod(d) for b, d in shapes)

@@ -54,8 +54,11 @@ def plot_chunk_map(layout: ChunkLayout, ax=None, *, max_chunks: int | None = Non
         for t in layout.chunk_tensors(c.index):
             grp = _tensor_group(t.name)
             color = "0.6" if grp == "embeddings / head" else cmap(blocks.setdefault(grp, len(blocks)) % 20)
-            ax.add_patch(Rectangle((t.offset * scale, y - 0.4), t.numel * scale, 0.8, facecolor=color, edgecolor="white",
-                                   linewidth=0.3))
+            ax.add_patch(
+                Rectangle(
+                    (t.offset * scale, y - 0.4), t.numel * scale, 0.8, facecolor=color, edgecolor="white", linewidth=0.3
+                )
+            )
         if c.padding:
             ax.add_patch(Rectangle((c.utilized * scale, y - 0.4), c.padding * scale, 0.8, facecolor="none",
                                    edgecolor="red", hatch="///", linewidth=0.5))

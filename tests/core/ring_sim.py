@@ -47,7 +47,9 @@ def ring_all_reduce(ranks: list[int], buffers: list[np.ndarray], log: list[Trans
     return [np.concatenate(p) for p in ring_all_gather(ranks, shards, log)]
 
 
-def hierarchical_all_gather(ranks: list[int], shards: list[np.ndarray], per_node: int, log: list[Transfer]) -> list[np.ndarray]:
+def hierarchical_all_gather(
+    ranks: list[int], shards: list[np.ndarray], per_node: int, log: list[Transfer]
+) -> list[np.ndarray]:
     """Across nodes first (ranks with the same place in their node), then within each node."""
     n = len(ranks)
     k = n // per_node
@@ -71,7 +73,9 @@ def hierarchical_all_gather(ranks: list[int], shards: list[np.ndarray], per_node
     return out
 
 
-def hierarchical_reduce_scatter(ranks: list[int], buffers: list[np.ndarray], per_node: int, log: list[Transfer]) -> list[np.ndarray]:
+def hierarchical_reduce_scatter(
+    ranks: list[int], buffers: list[np.ndarray], per_node: int, log: list[Transfer]
+) -> list[np.ndarray]:
     """Within each node first (piece ``l`` = the blocks of the ranks at place ``l``), then across nodes."""
     n = len(ranks)
     k = n // per_node
@@ -79,7 +83,10 @@ def hierarchical_reduce_scatter(ranks: list[int], buffers: list[np.ndarray], per
     node_sums: dict[int, np.ndarray] = {}
     for a in range(k):
         pos = [a * per_node + local for local in range(per_node)]
-        pieces = [[np.concatenate([blocks[p][b * per_node + local] for b in range(k)]) for local in range(per_node)] for p in pos]
+        pieces = [
+            [np.concatenate([blocks[p][b * per_node + local] for b in range(k)]) for local in range(per_node)]
+            for p in pos
+        ]
         got = ring_reduce_scatter([ranks[p] for p in pos], pieces, log)
         for j, p in enumerate(pos):
             node_sums[p] = got[j]

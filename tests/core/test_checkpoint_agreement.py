@@ -35,7 +35,10 @@ def test_layouts_compare_by_digest(tmp_path):
     other = ChunkLayout.build([TensorSpec("a", (5, 7)), TensorSpec("b", (13,))], 40, 2)
     assert layout_digest(LAYOUT) == layout_digest(ChunkLayout.from_dict(LAYOUT.to_dict())) != layout_digest(other)
     with pytest.raises(CheckpointError, match=r"disagree on the chunk layout \(SHA-256\) of the save"):
-        check_agreement([save_target(tmp_path, 1, LAYOUT, max_to_keep=None), save_target(tmp_path, 1, other, max_to_keep=None)], "save")
+        check_agreement(
+            [save_target(tmp_path, 1, LAYOUT, max_to_keep=None), save_target(tmp_path, 1, other, max_to_keep=None)],
+            "save",
+        )
 
 
 def test_load_outcomes(tmp_path):
@@ -43,4 +46,6 @@ def test_load_outcomes(tmp_path):
     assert failed_ranks([ok, bad, ok]) == [(1, "CheckpointError: truncated")] and failed_ranks([ok, ok]) == []
     with pytest.raises(CheckpointError, match=rf"step directory of the load: rank 0 has '{tmp_path / '1'}', rank 1 has "
                                               rf"'{tmp_path / '2'}'"):
-        check_agreement([{"step_dir": ok["step_dir"]}, {"step_dir": load_outcome(tmp_path / "2", None)["step_dir"]}], "load")
+        check_agreement(
+            [{"step_dir": ok["step_dir"]}, {"step_dir": load_outcome(tmp_path / "2", None)["step_dir"]}], "load"
+        )

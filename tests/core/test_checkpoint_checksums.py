@@ -15,7 +15,9 @@ from chunkzero.layout import ChunkLayout, TensorSpec
 F32_BLOCK = STORAGE_BLOCK_BYTES // 4  # 262,144 fp32 elements
 
 
-@pytest.mark.parametrize("n", [1, 7, F32_BLOCK, F32_BLOCK + 1, 3 * F32_BLOCK, 5_000_000, 31_168_000, 2 * 1_000_003, 123_456_789])
+@pytest.mark.parametrize(
+    "n", [1, 7, F32_BLOCK, F32_BLOCK + 1, 3 * F32_BLOCK, 5_000_000, 31_168_000, 2 * 1_000_003, 123_456_789]
+)
 @pytest.mark.parametrize("itemsize", [2, 4])
 def test_storage_block_divides_the_write_and_fits_the_target(n, itemsize):
     b = storage_block_numel(n, itemsize)
@@ -23,7 +25,9 @@ def test_storage_block_divides_the_write_and_fits_the_target(n, itemsize):
     if n * itemsize <= STORAGE_BLOCK_BYTES:
         assert b == n  # small writes are one block
     elif b < n:
-        assert b * itemsize <= STORAGE_BLOCK_BYTES and b * itemsize % 8 == 0 and b * itemsize * 16 >= STORAGE_BLOCK_BYTES
+        assert (
+            b * itemsize <= STORAGE_BLOCK_BYTES and b * itemsize % 8 == 0 and b * itemsize * 16 >= STORAGE_BLOCK_BYTES
+        )
         better = [d for d in range(b + 1, STORAGE_BLOCK_BYTES // itemsize + 1) if n % d == 0 and d * itemsize % 8 == 0]
         assert not better, f"{better[-1]} is a larger block than {b}"
     else:  # no usable divisor (a large odd factor): the write stays one block
@@ -40,7 +44,11 @@ def test_block_checksums_combine_into_the_shard_checksum(n, block):
     assert combine_checksums(sums) == shard_checksum(data)
 
 
-SPECS = [TensorSpec("a", (6 * F32_BLOCK - 1,)), TensorSpec("b", (F32_BLOCK // 2, 6)), TensorSpec("c", (7,), keep_gathered=True)]
+SPECS = [
+    TensorSpec("a", (6 * F32_BLOCK - 1,)),
+    TensorSpec("b", (F32_BLOCK // 2, 6)),
+    TensorSpec("c", (7,), keep_gathered=True),
+]
 """Chunk 0 holds ``a`` alone: 1,572,863 elements, odd, so at world size 1 it has no usable block and stays
 one; at 2 and 3 it is padded by one element and splits into blocks, the last rank's last block shorter."""
 
@@ -72,8 +80,11 @@ def test_partial_reads_verify_by_block(world):
         bad = whole[path][a:e].copy()
         k = (e - a - 1) // unit  # a corrupted element in the last block is named by that block's range
         bad[k * unit + 1] += 1
-        with pytest.raises(CheckpointError, match=rf"'params.chunk_0000' in 'ck/1/state' is corrupted: elements "
-                                                  rf"\[{a + k * unit}, {min(e, a + (k + 1) * unit)}\) saved by rank {q}"):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"'params.chunk_0000' in 'ck/1/state' is corrupted: elements "
+            rf"\[{a + k * unit}, {min(e, a + (k + 1) * unit)}\) saved by rank {q}",
+        ):
             meta.verify_blocks(path, q, a, bad, step_dir="ck/1")
         with pytest.raises(CheckpointError, match="not whole checksum units"):
             meta.verify_blocks(path, q, a + 1, whole[path][a + 1 : a + 1 + unit], step_dir="ck/1")
@@ -91,16 +102,37 @@ def test_checkpoints_without_blocks_verify_whole_shards():
     with pytest.raises(CheckpointError, match="not whole checksum units"):
         meta.verify_blocks(path, q, a, whole[path][a : a + 8], step_dir="x")
     meta.checksums = None
-    assert meta.verification_unit(path) is None and meta.verify_blocks(path, q, a, whole[path][a : a + 8], step_dir="x") is False
+    assert (
+        meta.verification_unit(path) is None
+        and meta.verify_blocks(path, q, a, whole[path][a : a + 8], step_dir="x") is False
+    )
 
 
-@pytest.mark.parametrize("damage, field", [
-    (lambda b: b["params/chunk_0000"]["sums"][0].pop(), r"checksums.blocks.params/chunk_0000.sums\[0\]': expected \d+ block checksums"),
-    (lambda b: b["params/chunk_0000"]["sums"].pop(), r"checksums.blocks.params/chunk_0000': expected the blocks of 2"),
-    (lambda b: b["params/chunk_0000"].update(block_numel=0), r"checksums.blocks.params/chunk_0000': expected \{'block_numel'"),
-    (lambda b: b.update({"params/chunk_0099": b["params/chunk_0000"]}), r"checksums.blocks.params/chunk_0099': does not name a chunk"),
-    (lambda b: b["params/chunk_0000"]["sums"][1].__setitem__(0, "zz"), r"checksums.blocks.params/chunk_0000.sums\[1\]': expected a list"),
-])
+@pytest.mark.parametrize(
+    "damage, field",
+    [
+        (
+            lambda b: b["params/chunk_0000"]["sums"][0].pop(),
+            r"checksums.blocks.params/chunk_0000.sums\[0\]': expected \d+ block checksums",
+        ),
+        (
+            lambda b: b["params/chunk_0000"]["sums"].pop(),
+            r"checksums.blocks.params/chunk_0000': expected the blocks of 2",
+        ),
+        (
+            lambda b: b["params/chunk_0000"].update(block_numel=0),
+            r"checksums.blocks.params/chunk_0000': expected \{'block_numel'",
+        ),
+        (
+            lambda b: b.update({"params/chunk_0099": b["params/chunk_0000"]}),
+            r"checksums.blocks.params/chunk_0099': does not name a chunk",
+        ),
+        (
+            lambda b: b["params/chunk_0000"]["sums"][1].__setitem__(0, "zz"),
+            r"checksums.blocks.params/chunk_0000.sums\[1\]': expected a list",
+        ),
+    ],
+)
 def test_block_record_is_validated(damage, field):
     meta, _ = _meta(2)
     doc = meta.to_dict()

@@ -121,10 +121,16 @@ def test_check_saved_arrays_names_the_array():
     meta.check_saved_arrays(dict.fromkeys(saved), source="s")  # presence only
     del saved[("optim", "exp_avg", "chunk_0001")]
     meta.check_saved_arrays(saved, source="s", with_optimizer=False)
-    with pytest.raises(CheckpointFormatError, match=r"s: array 'optim.exp_avg.chunk_0001' listed by the checkpoint metadata is not saved$"):
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"s: array 'optim.exp_avg.chunk_0001' listed by the checkpoint metadata is not saved$",
+    ):
         meta.check_saved_arrays(saved, source="s")
     saved[("optim", "exp_avg", "chunk_0001")] = ((3,), "float32")
-    with pytest.raises(CheckpointFormatError, match=r"'optim.exp_avg.chunk_0001' is float32\[3\], the metadata's layout says float32\[\d+\]"):
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"'optim.exp_avg.chunk_0001' is float32\[3\], the metadata's layout says float32\[\d+\]",
+    ):
         meta.check_saved_arrays(saved, source="s")
 
 
@@ -147,7 +153,9 @@ def test_state_tree_and_shard_arrays():
     params = {chunk_index(p[-1]): a for p, a in arrays.items() if p[0] == "params"}
     optim = {"exp_avg": {chunk_index(p[-1]): a for p, a in arrays.items() if p[0] == "optim"}}
     got = shard_arrays(meta, params, optim)
-    assert list(got) == list(meta.expected_arrays()) and all(np.shares_memory(got[p], arrays[p]) for p in got)  # no copies
+    assert list(got) == list(meta.expected_arrays()) and all(
+        np.shares_memory(got[p], arrays[p]) for p in got
+    )  # no copies
     with pytest.raises(ConfigError, match=r"optimizer shards for \[\] but meta lists state keys \['exp_avg'\]"):
         shard_arrays(meta, params)
     with pytest.raises(ConfigError, match="no params shard for chunk 1"):
@@ -159,7 +167,10 @@ def test_state_tree_and_shard_arrays():
 
 
 def test_optimizer_groups_and_tensor_steps_round_trip_and_are_validated():
-    groups = [{"lr": 0.1, "weight_decay": 0.1, "params": ["a", "c"]}, {"lr": 0.05, "weight_decay": 0.0, "params": ["b", "d"]}]
+    groups = [
+        {"lr": 0.1, "weight_decay": 0.1, "params": ["a", "c"]},
+        {"lr": 0.05, "weight_decay": 0.0, "params": ["b", "d"]},
+    ]
     meta = _meta(2)
     meta.optimizer = OptimizerMeta("torch.optim.AdamW", {"lr": 0.1, "max_norm": None}, ["exp_avg"], 3, groups, {"d": 0})
     back = CheckpointMeta.from_json(meta.to_json())

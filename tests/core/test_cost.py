@@ -58,9 +58,17 @@ def test_chunk_zero3_frozen_and_keep_gathered_by_hand():
       reduce-scatter: chunk 0 only, 2 × 2 × 4 = 16 B; all-reduce: chunk 2, 2·(2/3)·3·4 = 16 B.
       padding 1 + 2 + 0 = 3; peak gathered (6 + 6)·4 + 6·4 = 72 B.
     """
-    specs = [TensorSpec("a", (5,)), TensorSpec("f", (4,), requires_grad=False), TensorSpec("k", (3,), keep_gathered=True)]
+    specs = [
+        TensorSpec("a", (5,)),
+        TensorSpec("f", (4,), requires_grad=False),
+        TensorSpec("k", (3,), keep_gathered=True),
+    ]
     layout = ChunkLayout.build(specs, 8, 3)
-    assert [(ch.size, ch.keep_gathered, ch.requires_grad) for ch in layout.chunks] == [(6, False, True), (6, False, False), (3, True, True)]
+    assert [(ch.size, ch.keep_gathered, ch.requires_grad) for ch in layout.chunks] == [
+        (6, False, True),
+        (6, False, False),
+        (3, True, True),
+    ]
     c = chunk_zero3_cost(layout, "fp32", "sgd")
     assert (c.stored_numel, c.param_bytes, c.grad_bytes, c.master_bytes, c.optimizer_state_bytes) == (7, 28, 20, 0, 20)
     assert (c.allgather_bytes, c.reduce_scatter_bytes, c.allreduce_bytes) == (64, 16, 16)
@@ -85,7 +93,12 @@ def test_fsdp_by_hand():
     assert c.peak_gathered_bytes == 54
     # one unit for everything: the same bytes in 2 all-gathers and 1 reduce-scatter
     one = fsdp_cost(specs, 3, "bf16", "adam", unit_of=lambda name: "all")
-    assert (one.allgather_bytes, one.reduce_scatter_bytes, one.num_allgathers, one.num_reduce_scatters) == (48, 24, 2, 1)
+    assert (one.allgather_bytes, one.reduce_scatter_bytes, one.num_allgathers, one.num_reduce_scatters) == (
+        48,
+        24,
+        2,
+        1,
+    )
     assert one.peak_gathered_bytes == 18 * 2 + 18 * 2
 
 
@@ -142,7 +155,9 @@ def test_per_element_accounting(specs, chunk_size, world_size, precision, optimi
     assert c.model_state_bytes == b[0] * c.stored_numel + (b[1] + b[2] + k) * trainable
     for cost in (fsdp_cost(specs, world_size, precision, optimizer), ddp_cost(specs, world_size, precision, optimizer)):
         assert cost.param_bytes == b[0] * cost.stored_numel
-        assert cost.stored_numel * (world_size if cost.strategy == "fsdp" else 1) == cost.param_numel + cost.padding_numel
+        assert (
+            cost.stored_numel * (world_size if cost.strategy == "fsdp" else 1) == cost.param_numel + cost.padding_numel
+        )
         if world_size == 1:
             assert cost.comm_bytes == 0
 

@@ -9,7 +9,8 @@ def test_core_imports_no_framework():
         "import chunkzero.checkpoint.reader, chunkzero.checkpoint.orbax_store, chunkzero.checkpoint.export\n"
         "import chunkzero.lightning\n"
         "import chunkzero.job.data, chunkzero.job.models, chunkzero.job.checks, chunkzero.job.report\n"
-        "bad = [m for m in ('torch', 'jax', 'flax', 'orbax', 'optax', 'tensorstore', 'lightning') if m in sys.modules]\n"
+        "bad = [m for m in ('torch', 'jax', 'flax', 'orbax', 'optax', 'tensorstore', 'lightning') if m in "
+        "sys.modules]\n"
         "print(','.join(bad))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -40,8 +41,10 @@ def test_jax_backend_has_no_import_cycle():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    files = {p.relative_to(root).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__"): p.relative_to(root)
-             for p in (root / "jax_backend").rglob("*.py")}
+    files = {
+        p.relative_to(root).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__"): p.relative_to(root)
+        for p in (root / "jax_backend").rglob("*.py")
+    }
     import os
 
     cwd = os.getcwd()

@@ -38,7 +38,9 @@ def test_metrics_jsonl_is_strict_json_with_a_flag(tmp_path):
     assert train[5]["loss"] == 4.8 and "non_finite" not in train[5]
     assert records[-1] == {"kind": "val", "step": 5, "val_loss": None, "non_finite": True}
     # a resume reads them back (null as nan) and rewrites them strict
-    again = Metrics(tmp_path / "metrics.jsonl", [_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()])
+    again = Metrics(
+        tmp_path / "metrics.jsonl", [_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    )
     again.close()
     assert [s for s, v in again.train if math.isnan(v)] == [3, 4]
     assert all(_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())

@@ -139,7 +139,10 @@ def test_strategy_calls_by_hand():
     specs = [TensorSpec("a", (1600,))]
     layout = ChunkLayout.build(specs, 1600, 16)
     topo = Topology(2, 8)
-    got = {r.name: (r.intra_bytes, r.inter_bytes) for r in compare_network(specs, topo, layout=layout, shard_group_sizes=[8])}
+    got = {
+        r.name: (r.intra_bytes, r.inter_bytes)
+        for r in compare_network(specs, topo, layout=layout, shard_group_sizes=[8])
+    }
     assert got == {"zero3": (7875, 1125), "hybrid S=8": (8400, 400), "hpz": (8050, 750), "ddp": (5250, 750)}
     hybrid = step_comm("hybrid", layout, topo, shard_group_size=8)
     assert hybrid.counts() == {("all-gather", 8): 2, ("reduce-scatter", 8): 1, ("all-reduce", 2): 1}
@@ -158,7 +161,12 @@ def test_hybrid_ends_are_flat_and_ddp():
     layout = ChunkLayout.build(specs, 2**30, 8)  # one chunk per group: one bucket-sized chunk
     flat = step_comm("zero3", layout, topo)
     full = step_comm("hybrid", layout, topo, shard_group_size=8)
-    assert (full.calls, full.intra_bytes, full.inter_bytes, full.time_s) == (flat.calls, flat.intra_bytes, flat.inter_bytes, flat.time_s)
+    assert (full.calls, full.intra_bytes, full.inter_bytes, full.time_s) == (
+        flat.calls,
+        flat.intra_bytes,
+        flat.inter_bytes,
+        flat.time_s,
+    )
     one = step_comm("hybrid", layout, topo, shard_group_size=1)
     ddp = step_comm("ddp", layout, topo, specs=specs)
     assert {c.kind for c in one.calls} == {"all-reduce"}

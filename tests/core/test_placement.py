@@ -61,7 +61,17 @@ def test_chunk_placement_rejects_bad_fields(args, match):
 # ------------------------------------------------------------------ static policy
 @pytest.mark.parametrize(
     "frac, n, expected",
-    [(0.0, 5, 0), (1e-6, 5, 1), (0.2, 5, 1), (0.21, 5, 2), (0.5, 3, 2), (1 / 3, 3, 1), (0.55, 100, 55), (1.0, 4, 4), (0.5, 0, 0)],
+    [
+        (0.0, 5, 0),
+        (1e-6, 5, 1),
+        (0.2, 5, 1),
+        (0.21, 5, 2),
+        (0.5, 3, 2),
+        (1 / 3, 3, 1),
+        (0.55, 100, 55),
+        (1.0, 4, 4),
+        (0.5, 0, 0),
+    ],
 )
 def test_offload_count_rounds_up_without_float_noise(frac, n, expected):
     assert offload_count(frac, n) == expected
@@ -149,7 +159,9 @@ def replay(plan, sizes, order, m, budget):
         h2d = d2h = 0
         for t, c in enumerate(order):
             ev, pf = set(s.evict[t]), set(s.prefetch[t])
-            assert ev <= resident and not pf & resident, f"step {j} access {t}: evicts a missing or prefetches a present chunk"
+            assert ev <= resident and not pf & resident, (
+                f"step {j} access {t}: evicts a missing or prefetches a present chunk"
+            )
             resident = (resident - ev) | pf
             h2d += sum(sizes[i] for i in pf)
             d2h += sum(sizes[i] for i in ev)
@@ -346,7 +358,15 @@ def test_budget_below_one_chunk_plus_its_activations_names_both_numbers():
     ],
 )
 def test_auto_rejects_bad_inputs(args, match):
-    names = ("chunk_bytes", "access_order", "non_model_bytes", "device_budget_bytes", "policy", "optim_state_bytes", "max_steps")
+    names = (
+        "chunk_bytes",
+        "access_order",
+        "non_model_bytes",
+        "device_budget_bytes",
+        "policy",
+        "optim_state_bytes",
+        "max_steps",
+    )
     with pytest.raises(ConfigError, match=match):
         plan_placement(*args[:4], **dict(zip(names[4:], args[4:])))
 
@@ -354,4 +374,6 @@ def test_auto_rejects_bad_inputs(args, match):
 def test_empty_trace_moves_nothing():
     assert belady_plan([4, 4], [], [], 4).bytes_moved_per_step == 0
     static = static_plan([4, 4], [], [], 4)
-    assert static.offloaded_prefix == 1 and static.steps[0].resident_at_start == (1,) and static.bytes_moved_per_step == 0
+    assert (
+        static.offloaded_prefix == 1 and static.steps[0].resident_at_start == (1,) and static.bytes_moved_per_step == 0
+    )

@@ -57,5 +57,7 @@ def test_corrupted_jax_checkpoint_is_refused_everywhere(tmp_path):
                        timeout=300)
     assert p.returncode != 0, describe(p)
     last = p.stderr.strip().splitlines()[-1]
-    assert "array 'params.chunk_0000'" in last and "/checkpoints/10/state" in last and "is corrupted" in last, describe(p)
+    assert "array 'params.chunk_0000'" in last and "/checkpoints/10/state" in last and "is corrupted" in last, describe(
+        p
+    )
     assert not (tmp_path / "exported" / "model.safetensors").exists()

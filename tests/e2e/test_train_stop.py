@@ -99,7 +99,9 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
         sig = signal.SIGTERM if how == "kill" else signal.SIGINT
         assert proc.returncode == 128 + sig, stderr[-3000:]
         last = stderr.strip().splitlines()[-1]
-        assert last == f"chunkzero train: stopped by {signal.Signals(sig).name}{' (Ctrl-C)' if how == 'ctrl-c' else ''}; " \
-                       "every worker was stopped (checkpoints saved before are intact)", stderr[-3000:]
+        assert (
+            last == f"chunkzero train: stopped by {signal.Signals(sig).name}{' (Ctrl-C)' if how == 'ctrl-c' else ''}; "
+            "every worker was stopped (checkpoints saved before are intact)"
+        ), stderr[-3000:]
         assert "Traceback" not in stderr and "SavedView" not in stderr, stderr[-3000:]
         assert not re.search(r"^[FE]\d{4} \d\d:", stderr, re.M), stderr[-3000:]  # absl's fatal and error lines

@@ -108,10 +108,17 @@ class TorchRun:
         """``torch.optim.AdamW`` over ``model`` holding the run's state (step = :attr:`step`)."""
         opt = torch.optim.AdamW(model.parameters(), **HYPER)
         names = [n for n, _ in model.named_parameters()]
-        state = {i: {"step": torch.tensor(float(self.step)),
-                     "exp_avg": torch.from_numpy(self.opt_state["exp_avg"][n].copy()),
-                     "exp_avg_sq": torch.from_numpy(self.opt_state["exp_avg_sq"][n].copy())} for i, n in enumerate(names)}
-        opt.load_state_dict({"state": state, "param_groups": [{**opt.param_groups[0], "params": list(range(len(names)))}]})
+        state = {
+            i: {
+                "step": torch.tensor(float(self.step)),
+                "exp_avg": torch.from_numpy(self.opt_state["exp_avg"][n].copy()),
+                "exp_avg_sq": torch.from_numpy(self.opt_state["exp_avg_sq"][n].copy()),
+            }
+            for i, n in enumerate(names)
+        }
+        opt.load_state_dict(
+            {"state": state, "param_groups": [{**opt.param_groups[0], "params": list(range(len(names)))}]}
+        )
         return opt
 
 
@@ -146,7 +153,9 @@ def write_with_torch_backend(root: Path, tokens: np.ndarray):
     from torch_backend._testing import run_distributed
 
     env = {**XLA_ENV, "CHUNKZERO_TEST_THREADS": "1"}
-    logits, params, opt = run_distributed(_zero_train_and_save, SAVE_WORLD_SIZE, str(root), tokens, env=env, timeout=600)[0]
+    logits, params, opt = run_distributed(
+        _zero_train_and_save, SAVE_WORLD_SIZE, str(root), tokens, env=env, timeout=600
+    )[0]
     return logits, params, opt
 
 

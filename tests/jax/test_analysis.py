@@ -53,7 +53,13 @@ def test_parse_collectives_of_hlo_text():
     assert ar.wire_bytes == ar.buffer_bytes  # 2(n-1)/n with n = 2
     assert ags.result_bytes == (32 * 4,)
     counts = count_collectives(HLO)
-    assert counts.ops == {"all-gather": 2, "reduce-scatter": 1, "all-reduce": 1, "all-to-all": 0, "collective-permute": 0}
+    assert counts.ops == {
+        "all-gather": 2,
+        "reduce-scatter": 1,
+        "all-reduce": 1,
+        "all-to-all": 0,
+        "collective-permute": 0,
+    }
     assert counts.buffers["all-reduce"] == 3
 
 
@@ -149,7 +155,10 @@ def test_cli_layout_measure_sets_device_count_and_plots(tmp_path):
     doc = json.loads(r.stdout)
     assert doc["world_size"] == 2 and [row["strategy"] for row in doc["rows"]] == ["chunk-zero3", "fsdp", "ddp"]
     zero = doc["rows"][0]
-    assert zero["meas_allgathers"] == zero["pred_allgathers"] and zero["meas_reduce_scatters"] == zero["pred_reduce_scatters"]
+    assert (
+        zero["meas_allgathers"] == zero["pred_allgathers"]
+        and zero["meas_reduce_scatters"] == zero["pred_reduce_scatters"]
+    )
     assert all(abs(row["state_error"]) < STATE_BYTES_RTOL for row in doc["rows"])
     assert plot.stat().st_size > 10_000
 

@@ -30,8 +30,10 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("reads") / "ckpt"
     layout = ChunkLayout.build(SPECS, 8 * BLOCK, 2)
     rng = np.random.default_rng(0)
-    whole = {chunk_key(c.index): np.concatenate([rng.standard_normal(c.utilized), np.zeros(c.padding)]).astype(np.float32)
-             for c in layout.chunks}
+    whole = {
+        chunk_key(c.index): np.concatenate([rng.standard_normal(c.utilized), np.zeros(c.padding)]).astype(np.float32)
+        for c in layout.chunks
+    }
     opt = {"exp_avg": {k: a + 1 for k, a in whole.items()}}
     mesh = jb.make_mesh(2)
     jb.save_checkpoint(root, jb.shard_chunks(whole, layout, mesh), layout, step=1,
@@ -112,7 +114,10 @@ def test_a_bad_block_fails_only_the_reads_that_touch_it(saved, tmp_path):
     target = meta.layout.relayout(3)
     _, a, e = meta.saved_shards(("params", "chunk_0000"))[1]
     start = a + (e - a - 1) // BLOCK * BLOCK
-    with pytest.raises(CheckpointError, match=rf"'params.chunk_0000' in '.*/1/state' is corrupted: elements \[{start}, {e}\) saved by rank 1"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"'params.chunk_0000' in '.*/1/state' is corrupted: elements \[{start}, {e}\) saved by rank 1",
+    ):
         read_shards(root / "1", bad, target, 2)  # rank 2 of 3 owns the end of chunk 0
     read_shards(root / "1", bad, target, 0)  # rank 0 of 3 reads none of rank 1's blocks of chunk 0
 

@@ -96,7 +96,10 @@ def _model_by_group(calls) -> dict[tuple[str, int], tuple[int, int]]:
     out: dict[tuple[str, int], tuple[int, int]] = {}
     for c in calls:
         n, b = out.get((c.kind, c.group_size), (0, 0))
-        out[(c.kind, c.group_size)] = (n + c.count, b + round(c.count * ring_link_bytes(c.kind, c.buffer_bytes, c.group_size)))
+        out[(c.kind, c.group_size)] = (
+            n + c.count,
+            b + round(c.count * ring_link_bytes(c.kind, c.buffer_bytes, c.group_size)),
+        )
     return out
 
 

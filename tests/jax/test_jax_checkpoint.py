@@ -66,7 +66,9 @@ def test_root_and_step_dir_resolve_the_same(torch_run, tmp_path):
 
 def test_read_meta_and_array_metadata_without_arrays(torch_run):
     meta = ckpt.read_meta(torch_run.root)
-    assert meta.step == torch_run.step and meta.layout.world_size == 3 and meta.model_config == torch_run.config.to_dict()
+    assert (
+        meta.step == torch_run.step and meta.layout.world_size == 3 and meta.model_config == torch_run.config.to_dict()
+    )
     assert meta.optimizer.state_keys == ["exp_avg", "exp_avg_sq"]
     arrays = orbax_store.read_array_metadata(torch_run.step_dir)
     assert arrays == meta.expected_arrays()
@@ -92,9 +94,15 @@ def test_save_restore_keep_gathered_and_frozen(tmp_path):
         TensorSpec("table", (7,), "bfloat16", requires_grad=False),
     ]
     layout = ChunkLayout.build(specs, chunk_size=64, world_size=2)
-    src = {"w": np.arange(33, dtype=np.float32), "b": -np.ones(5, np.float32), "table": np.arange(7).astype(jnp.bfloat16)}
+    src = {
+        "w": np.arange(33, dtype=np.float32),
+        "b": -np.ones(5, np.float32),
+        "table": np.arange(7).astype(jnp.bfloat16),
+    }
     chunks = jb.flatten(src, layout, mesh=jb.make_mesh(2))
-    opt = jb.flatten_optimizer({"m": {"w": np.ones(33, np.float32), "b": np.ones(5, np.float32)}}, layout, mesh=jb.make_mesh(2))
+    opt = jb.flatten_optimizer(
+        {"m": {"w": np.ones(33, np.float32), "b": np.ones(5, np.float32)}}, layout, mesh=jb.make_mesh(2)
+    )
     jb.save_checkpoint(tmp_path, chunks, layout, step=1, opt_state_chunks=opt,
                        optimizer_meta=OptimizerMeta("optax.sgd", {"lr": 0.1}, ["m"], 1), mixed_precision="bf16")
     for n in (1, 3, 8):
@@ -208,7 +216,9 @@ def test_checksum_mismatch_is_reported(torch_run, tmp_path):
     sums[1] = "0" * 32
     f.write_text(json.dumps(doc))
     jb.restore_chunks(root, jb.make_mesh(2))  # parameters only: the optimizer state is not read
-    with pytest.raises(CheckpointError, match=r"'optim\.exp_avg\.chunk_0001' in '.*/state' is corrupted.*saved by rank 1"):
+    with pytest.raises(
+        CheckpointError, match=r"'optim\.exp_avg\.chunk_0001' in '.*/state' is corrupted.*saved by rank 1"
+    ):
         jb.restore_chunks(root, jb.make_mesh(2), with_optimizer=True)
 
 
@@ -236,8 +246,14 @@ def test_keep_last_n_never_deletes_the_newest_finite_step(tmp_path, flags, kept)
     layout = ChunkLayout.build([TensorSpec("a", (100,))], 128, 1)
     for step, finite in enumerate(flags, start=1):
         extra = {} if finite is None else {"finite": finite}
-        jb.save_checkpoint(tmp_path, {"chunk_0000": np.zeros(layout.chunks[0].size, np.float32)}, layout, step=step, extra=extra,
-                           options=ocp.CheckpointManagerOptions(max_to_keep=3))
+        jb.save_checkpoint(
+            tmp_path,
+            {"chunk_0000": np.zeros(layout.chunks[0].size, np.float32)},
+            layout,
+            step=step,
+            extra=extra,
+            options=ocp.CheckpointManagerOptions(max_to_keep=3),
+        )
     assert ckpt.list_steps(tmp_path) == kept
 
 
@@ -260,4 +276,6 @@ def test_a_checkpoint_without_checksums_loads_with_one_warning(tmp_path):
             warnings.simplefilter("always")
             load()
         said = [w for w in caught if issubclass(w.category, UnverifiedCheckpointWarning)]
-        assert len(said) == 1 and "records no checksums" in str(said[0].message) and "unverified" in str(said[0].message)
+        assert (
+            len(said) == 1 and "records no checksums" in str(said[0].message) and "unverified" in str(said[0].message)
+        )

@@ -30,7 +30,9 @@ def test_configs_match_torch():
         jb.gpt_config("gpt-huge")
 
 
-@pytest.mark.parametrize("cfg", [tgpt.GPT_CONFIGS["gpt-tiny"], tgpt.GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=8, bias=False)])
+@pytest.mark.parametrize(
+    "cfg", [tgpt.GPT_CONFIGS["gpt-tiny"], tgpt.GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=8, bias=False)]
+)
 def test_param_specs_are_torch_named_parameters(cfg):
     model = tgpt.GPT(cfg)
     assert jb.param_specs(cfg) == torch_param_specs(model)
@@ -131,7 +133,9 @@ def test_hf_loader_bad_input():
 def test_layout_mismatch_names_first_tensor_and_both_shapes(torch_run):
     chunks, layout = jb.restore_chunks(torch_run.root, jb.make_mesh(2))
     wrong = dataclasses.replace(jb.GPT_CONFIGS["gpt-tiny"], block_size=64)  # wpe is (64, 64), saved (128, 64)
-    with pytest.raises(ShapeMismatchError, match=r"'transformer\.wpe\.weight': expected \(64, 64\), got \(128, 64\)") as e:
+    with pytest.raises(
+        ShapeMismatchError, match=r"'transformer\.wpe\.weight': expected \(64, 64\), got \(128, 64\)"
+    ) as e:
         jb.gpt_from_chunks(chunks, layout, wrong)
     assert "transformer/wpe/embedding" in str(e.value)
     with pytest.raises(ShapeMismatchError, match=r"transformer\.wpe\.weight"):

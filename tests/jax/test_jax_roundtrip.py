@@ -100,10 +100,16 @@ def test_jax_adamw_step_matches_torch_and_saves_for_torch(torch_run, tmp_path, n
     assert meta.layout.world_size == n and meta.optimizer.class_name == "torch.optim.AdamW"
     handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     with ocp.CheckpointManager(root.absolute(), item_handlers=handlers) as mngr:
-        as_numpy = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), mngr.item_metadata(meta.step)["state"])
-        saved = mngr.restore(meta.step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=as_numpy)))["state"]
+        as_numpy = jax.tree.map(
+            lambda m: ocp.RestoreArgs(restore_type=np.ndarray), mngr.item_metadata(meta.step)["state"]
+        )
+        saved = mngr.restore(meta.step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=as_numpy)))[
+            "state"
+        ]
     for c in layout.chunks:
-        np.testing.assert_array_equal(np.asarray(saved["params"][chunk_key(c.index)]), np.asarray(chunks[chunk_key(c.index)]))
+        np.testing.assert_array_equal(
+            np.asarray(saved["params"][chunk_key(c.index)]), np.asarray(chunks[chunk_key(c.index)])
+        )
         np.testing.assert_array_equal(np.asarray(saved["optim"]["exp_avg_sq"][chunk_key(c.index)]),
                                       np.asarray(opt["exp_avg_sq"][chunk_key(c.index)]))
 

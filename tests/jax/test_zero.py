@@ -54,7 +54,9 @@ def test_zero_k_steps_equal_unsharded_adamw(program):
     np.testing.assert_allclose(losses, ref_losses, rtol=FP32_RTOL)
     got = unflatten(trainer.chunks(state), layout, nested=False)  # through the public chunk API
     err = normwise_rel_err(got, ref)
-    print(f"zero vs unsharded after {STEPS} AdamW steps: normwise {err:.2e}, per-tensor max {max_rel_err(got, ref):.2e}")
+    print(
+        f"zero vs unsharded after {STEPS} AdamW steps: normwise {err:.2e}, per-tensor max {max_rel_err(got, ref):.2e}"
+    )
     assert err < FP32_RTOL
     # the state stays sharded: one shard per device of every chunk
     for k, v in state.master.items():

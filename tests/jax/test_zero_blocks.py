@@ -42,7 +42,11 @@ def test_llama_program_equals_hugging_face():
     batch = random_batch(program, 2, 12, seed=1)
     with torch.no_grad():
         logits = hf(torch.tensor(np.array(batch["idx"]), dtype=torch.long)).logits
-        ref = float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.tensor(np.array(batch["targets"]), dtype=torch.long).flatten()))
+        ref = float(
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), torch.tensor(np.array(batch["targets"]), dtype=torch.long).flatten()
+            )
+        )
     ours = float(program.loss({k: jnp.asarray(v) for k, v in sd.items()}, batch))
     assert abs(ours - ref) <= 1e-5 * abs(ref), (ours, ref)
 

@@ -44,6 +44,8 @@ def test_reported_grad_norm_is_the_unclipped_global_norm(max_norm):
 
 def test_without_grad_norm_the_step_has_two_outputs():
     program = tiny_program()
-    trainer = ZeroTrainer(program, ChunkLayout.build(program.specs, CHUNK_SIZE, WORLD), make_mesh(WORLD), optax.sgd(0.1))
+    trainer = ZeroTrainer(
+        program, ChunkLayout.build(program.specs, CHUNK_SIZE, WORLD), make_mesh(WORLD), optax.sgd(0.1)
+    )
     out = trainer.step_fn(trainer.init(program.init(0)), trainer.shard_batch(batches(program, 1)[0]))
     assert len(out) == 2

@@ -110,7 +110,9 @@ def test_torch_resumes_a_jax_trained_step_as_if_uninterrupted(tmp_path):
     trainer.save_checkpoint(tmp_path / "ckpt", state, step=WARMUP + JAX_STEPS)
     meta = read_meta(tmp_path / "ckpt")
     assert meta.step == meta.optimizer.step == WARMUP + JAX_STEPS and meta.layout.world_size == 4
-    assert meta.loss_scaler["step_count"] == WARMUP + JAX_STEPS and meta.optimizer.hyperparameters["max_norm"] == MAX_NORM
+    assert (
+        meta.loss_scaler["step_count"] == WARMUP + JAX_STEPS and meta.optimizer.hyperparameters["max_norm"] == MAX_NORM
+    )
 
     torch.manual_seed(123)  # another init, and every hyper-parameter wrong: all must come from the checkpoint
     resumed = ZeroDDP(GPT(cfg), chunk_size=CHUNK_SIZE)

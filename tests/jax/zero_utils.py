@@ -36,4 +36,6 @@ def normwise_rel_err(got: dict, ref: dict) -> float:
 
 def max_rel_err(got: dict, ref: dict) -> float:
     """Largest per-tensor ``max|got − ref| / max|ref|``."""
-    return max(float(np.abs(np.asarray(got[n]) - np.asarray(ref[n])).max() / np.abs(np.asarray(ref[n])).max()) for n in ref)
+    return max(
+        float(np.abs(np.asarray(got[n]) - np.asarray(ref[n])).max() / np.abs(np.asarray(ref[n])).max()) for n in ref
+    )

@@ -82,7 +82,9 @@ def worker_frozen_exact(rank: int, world: int, root: str):
     optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
     zero_run(model, optim, gpt2_loss, data, rank, world)
     assert_bitwise(model.state_dict(), frozen, "state_dict after 3 bf16 steps")
-    ref_masters = low_precision_reference(ref, gpt2_loss, data, torch.bfloat16, lambda ps: torch.optim.AdamW(ps, **ADAMW))
+    ref_masters = low_precision_reference(
+        ref, gpt2_loss, data, torch.bfloat16, lambda ps: torch.optim.AdamW(ps, **ADAMW)
+    )
     rel = update_error(model, initial, ref_masters)
     assert rel <= UPDATE_RTOL, f"relative L2 error of the bf16 update {rel:.3g} > {UPDATE_RTOL}"
 
@@ -90,7 +92,9 @@ def worker_frozen_exact(rank: int, world: int, root: str):
     report = optim.memory_report()
     want: dict[str, int] = {}
     for c in frozen_chunks:
-        want[c.info.dtype] = want.get(c.info.dtype, 0) + layout.shard_numel(c.index) * (2 if c.info.dtype == "bfloat16" else 4)
+        want[c.info.dtype] = want.get(c.info.dtype, 0) + layout.shard_numel(c.index) * (
+            2 if c.info.dtype == "bfloat16" else 4
+        )
     assert report.frozen_parameters == {"cpu": want}, (report.frozen_parameters, want)
     assert report.frozen_total("bfloat16") > 0 and report.frozen_total("float32") > 0
 
@@ -108,6 +112,8 @@ def worker_frozen_exact(rank: int, world: int, root: str):
         export_checkpoint(saved, os.path.join(root, "export"))
         exported = load_file(os.path.join(root, "export", "model.safetensors"))
         for n, w in frozen.items():
-            assert exported[n].dtype == w.dtype and torch.equal(exported[n].view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32),
-                                                                w.view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32)), n
+            assert exported[n].dtype == w.dtype and torch.equal(
+                exported[n].view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32),
+                w.view(torch.int16 if w.dtype == torch.bfloat16 else torch.int32),
+            ), n
     return rel

@@ -68,7 +68,9 @@ def worker_equivalence(rank: int, world: int, sizes: tuple[int, ...]):
         model, losses, no_sync_bytes = _train(s, data, rank, world)
         assert model.layout.world_size == s and model.replicas == world // s and model.shard_rank == rank % s
         assert model.layout.chunks[0].size % s == 0
-        assert any(c.keep_gathered for c in model.layout.chunks) and any(not c.requires_grad for c in model.layout.chunks)
+        assert any(c.keep_gathered for c in model.layout.chunks) and any(
+            not c.requires_grad for c in model.layout.chunks
+        )
         assert not model.gathered_chunks()
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
         assert_state_close(model.state_dict(), ref.state_dict(), **FP32)

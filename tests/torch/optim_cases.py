@@ -148,9 +148,13 @@ def worker_param_groups(rank: int, world: int):
     assert_optimizer_state_close(osd, ropt.state_dict(), **FP32)
 
     # the same groups given by name (aliases of the tied weight included) build the same optimizer
-    by_name = ZeroOptimizer(ZeroDDP(gpt2_three_layers(), chunk_size=1200), torch.optim.AdamW,
-                            param_groups=nanogpt_groups(module, lr, key=lambda n, p: n.replace("transformer.wte", "lm_head")),
-                            lr=lr, eps=1e-6)
+    by_name = ZeroOptimizer(
+        ZeroDDP(gpt2_three_layers(), chunk_size=1200),
+        torch.optim.AdamW,
+        param_groups=nanogpt_groups(module, lr, key=lambda n, p: n.replace("transformer.wte", "lm_head")),
+        lr=lr,
+        eps=1e-6,
+    )
     assert by_name.group_names == optim.group_names
 
     # into a plain torch AdamW over the same groups (name-keyed), and a torch state dict back in
@@ -178,7 +182,9 @@ def _scheduled(build_sched, model_fn, world, rank, data, resume_at=None):
 
     def make():
         model = ZeroDDP(model_fn(), chunk_size=100, keep_gathered=["ln.weight", "ln.bias"])
-        optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=nanogpt_groups(model.module, 1e-2), lr=1e-2, eps=1e-6)
+        optim = ZeroOptimizer(
+            model, torch.optim.AdamW, param_groups=nanogpt_groups(model.module, 1e-2), lr=1e-2, eps=1e-6
+        )
         return model, optim, build_sched(optim)
 
     model, optim, sched = make()
@@ -366,7 +372,9 @@ def worker_low_precision(rank: int, world: int):
         want = low_precision_reference(build(), loss_fn, data, dtype, lambda ps: torch.optim.SGD(ps, **sgd),
                                        max_norm=0.05, scale=2.0**8 if dtype is torch.float16 else 1.0)
         out[f"{dtype_name}_clip"] = update_error(run(dtype_name, torch.optim.SGD, sgd, 0.05, **offload), start, want)
-        out[f"{dtype_name}_unclipped"] = update_error(run(dtype_name, torch.optim.SGD, sgd, None, **offload), start, want)
+        out[f"{dtype_name}_unclipped"] = update_error(
+            run(dtype_name, torch.optim.SGD, sgd, None, **offload), start, want
+        )
     for key in ("bf16_adamw", "bf16_clip", "fp16_clip"):
         assert out[key] <= UPDATE_RTOL, out
     for key in ("bf16_adamw_half_lr", "bf16_unclipped", "fp16_unclipped"):

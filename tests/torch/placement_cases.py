@@ -54,7 +54,11 @@ def train(module, data, *, fraction: float | None = None, policy: str = "auto", 
                 step = ap.plan.step(ap._k)
                 t = ap._pos - 1
                 want = {i for i, c in enumerate(model.chunks) if not c.resident and _on_device_in_plan(step, i, t)}
-                have = {i for i, p in enumerate(ap.placements) if p.param is Location.DEVICE and not model.chunks[i].resident}
+                have = {
+                    i
+                    for i, p in enumerate(ap.placements)
+                    if p.param is Location.DEVICE and not model.chunks[i].resident
+                }
                 checks.append((want, have - set(ap._early)))
 
         ap.accessed = checking
@@ -120,7 +124,11 @@ def worker_half_budget(rank: int, world: int) -> dict:
             assert want == have, (want, have)
         for i in plan.optim_host:
             assert ap.placements[i].optim_state is Location.HOST
-        assert all(p.optim_state is Location.DEVICE for i, p in enumerate(ap.placements) if p.trainable and i not in plan.optim_host)
+        assert all(
+            p.optim_state is Location.DEVICE
+            for i, p in enumerate(ap.placements)
+            if p.trainable and i not in plan.optim_host
+        )
         out[name] = sum(steady) / len(steady)
     assert 0 < out["auto"] < out["static"], out
     assert out["static"] == static_plan_bytes(auto.auto_placement), out

@@ -52,8 +52,12 @@ def test_plain_orbax_restores_without_chunkzero(tmp_path):
     import ml_dtypes
 
     params[frozen] = params[frozen].astype(ml_dtypes.bfloat16)
-    optim = {"exp_avg": {c.index: rng.standard_normal(c.size).astype(np.float32) for c in layout.chunks if c.requires_grad}}
-    meta = CheckpointMeta(step=5, layout=layout, optimizer=OptimizerMeta("torch.optim.AdamW", {"lr": 0.1}, ["exp_avg"], 5))
+    optim = {
+        "exp_avg": {c.index: rng.standard_normal(c.size).astype(np.float32) for c in layout.chunks if c.requires_grad}
+    }
+    meta = CheckpointMeta(
+        step=5, layout=layout, optimizer=OptimizerMeta("torch.optim.AdamW", {"lr": 0.1}, ["exp_avg"], 5)
+    )
     write_shards(tmp_path / "runs" / "ckpt", meta, 0, params, optim)
 
     want = {f"params__chunk_{i:04d}": a.astype(np.float32) for i, a in params.items()}

@@ -79,7 +79,9 @@ def _failing_loads(rank, world, root, want2):
         except CheckpointError as e:
             out[case] = str(e)
         after = full_state(model, optim)
-        out[f"{case}_unchanged"] = sorted(after) == sorted(before) and all(np.array_equal(after[k], before[k]) for k in before)
+        out[f"{case}_unchanged"] = sorted(after) == sorted(before) and all(
+            np.array_equal(after[k], before[k]) for k in before
+        )
     load_checkpoint(root, model, optim, step=2)  # a good step still loads, on both ranks
     state = full_state(model, optim)
     if rank == 0:
@@ -89,7 +91,9 @@ def _failing_loads(rank, world, root, want2):
 
 def _truncate_rank_data(step_dir: Path, process: int) -> Path:
     """Cut in half the largest data file that process ``process`` wrote (only its own shards live there)."""
-    files = [p for p in (step_dir / "state" / f"ocdbt.process_{process}").rglob("*") if p.is_file() and p.parent.name == "d"]
+    files = [
+        p for p in (step_dir / "state" / f"ocdbt.process_{process}").rglob("*") if p.is_file() and p.parent.name == "d"
+    ]
     assert files, sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*"))
     f = max(files, key=lambda p: p.stat().st_size)
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
@@ -103,7 +107,10 @@ def test_a_load_failing_on_one_rank_fails_on_all_and_changes_no_model(tmp_path):
     out = run_distributed(_failing_loads, 2, str(root), want2)
     r0, r1 = out
     assert "cannot read elements" in r1["truncated"] and f"{root / '3' / 'state'}" in r1["truncated"], r1
-    assert r0["truncated"].startswith("rank 1 failed to read the checkpoint under") and "no rank's model was changed" in r0["truncated"]
+    assert (
+        r0["truncated"].startswith("rank 1 failed to read the checkpoint under")
+        and "no rank's model was changed" in r0["truncated"]
+    )
     for r in out:
         assert "ranks disagree on the step directory of the load" in r["other_steps"], r["other_steps"]
         assert f"rank 0 has '{root / '1'}', rank 1 has '{root / '2'}'" in r["other_steps"]

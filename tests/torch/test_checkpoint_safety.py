@@ -38,8 +38,11 @@ def saved(tmp_path_factory):
 
 
 def _snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*")) if p.is_file()} | {"dirs": sorted(str(p) for p in root.rglob("*") if p.is_dir())}
+    return {
+        str(p.relative_to(root)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    } | {"dirs": sorted(str(p) for p in root.rglob("*") if p.is_dir())}
 
 
 def _copy(saved, tmp_path) -> Path:
@@ -49,7 +52,10 @@ def _copy(saved, tmp_path) -> Path:
 
 
 def _data_files(step_dir: Path) -> list[Path]:
-    return sorted((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: -p.stat().st_size)
+    return sorted(
+        (p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: -p.stat().st_size,
+    )
 
 
 def _assert_fails_cleanly(root, exc, pattern, *, step=None, model=None, optim="same", staged=False, model_intact=True):
@@ -112,12 +118,24 @@ def test_corrupt_metadata(saved, tmp_path, damage, exc, pattern):
 
 
 @pytest.mark.parametrize("staged", [False, True])
-@pytest.mark.parametrize("damage, exc, pattern", [
-    ("flip_bit", CheckpointError, r"array '(params|optim)\.[a-z_.]*chunk_\d{4}' in '.*/2/state' is corrupted: elements \[\d+, \d+\) saved by rank 0"),
-    ("truncate", CheckpointError, r"cannot read elements .* of array '.*chunk_\d{4}' in '.*/2/state'"),
-    ("delete_array_metadata", CheckpointError, r"2/state/_METADATA' is missing"),
-    ("drop_array", CheckpointFormatError, r"array 'params.chunk_0000' listed by the checkpoint metadata is not saved"),
-])
+@pytest.mark.parametrize(
+    "damage, exc, pattern",
+    [
+        (
+            "flip_bit",
+            CheckpointError,
+            r"array '(params|optim)\.[a-z_.]*chunk_\d{4}' in '.*/2/state' is corrupted: elements \[\d+, \d+\) saved "
+            r"by rank 0",
+        ),
+        ("truncate", CheckpointError, r"cannot read elements .* of array '.*chunk_\d{4}' in '.*/2/state'"),
+        ("delete_array_metadata", CheckpointError, r"2/state/_METADATA' is missing"),
+        (
+            "drop_array",
+            CheckpointFormatError,
+            r"array 'params.chunk_0000' listed by the checkpoint metadata is not saved",
+        ),
+    ],
+)
 def test_corrupt_arrays(saved, tmp_path, damage, exc, pattern, staged):
     root = _copy(saved, tmp_path)
     step_dir = root / "2"
@@ -149,7 +167,9 @@ def test_layout_not_matching_model(saved):
     with pytest.raises(ShapeMismatchError, match=r"'transformer.wte.weight': expected \(256, 64\), got \(256, 32\)"):
         load_checkpoint(saved, wider)
     deeper = ZeroDDP(GPT(GPTConfig(**{**TINY, "n_layer": 3})), chunk_size=3000)
-    with pytest.raises(CheckpointError, match=r"lacks 12 tensor\(s\) of the model: 'transformer.h.2.ln_1.weight'.*pass mode='finetune'"):
+    with pytest.raises(
+        CheckpointError, match=r"lacks 12 tensor\(s\) of the model: 'transformer.h.2.ln_1.weight'.*pass mode='finetune'"
+    ):
         load_checkpoint(saved, deeper)
     shallower = ZeroDDP(GPT(GPTConfig(**{**TINY, "n_layer": 1})), chunk_size=3000)
     with pytest.raises(CheckpointError, match=r"holds 12 tensor\(s\) the model lacks: 'transformer.h.1.ln_1.weight'"):
@@ -212,7 +232,9 @@ def test_bf16_model_and_frozen_chunk_roundtrip(tmp_path):
 def test_never_unpickles():
     """Static check of the checkpoint code: no pickle, no torch.load without weights_only=True."""
     paths = sorted((REPO / "chunkzero" / "checkpoint").glob("*.py")) + [REPO / "jax_backend" / "checkpoint.py"]
-    paths += sorted((REPO / "torch_backend" / "checkpoint").glob("*.py")) + [REPO / "torch_backend" / "zero" / "collectives.py"]
+    paths += sorted((REPO / "torch_backend" / "checkpoint").glob("*.py")) + [
+        REPO / "torch_backend" / "zero" / "collectives.py"
+    ]
     assert len(paths) > 10 and all(p.exists() for p in paths)
     for path in paths:
         src = path.read_text()

@@ -70,8 +70,13 @@ def test_flat_keywords_are_shortcuts_for_the_dataclasses():
         assert model.placements == static_placement(model.layout.chunks, offload_optim_frac=0.5, offload_param_frac=1.0)
         assert all(c.buffer.dtype == torch.bfloat16 for c in model.chunks)
     assert len(flat.offload_optim_chunks) > 0 and len(flat.offload_param_chunks) > 0
-    auto = ZeroDDP(_module(), chunk_size=80, placement=AutoPlacementPolicy(device_memory_bytes=10**6, steady_device_cap_ratio=0.5))
-    assert auto.auto_placement.budget_bytes == 5 * 10**5 and (auto.offload_optim_frac, auto.offload_param_frac) == (0.0, 0.0)
+    auto = ZeroDDP(
+        _module(), chunk_size=80, placement=AutoPlacementPolicy(device_memory_bytes=10**6, steady_device_cap_ratio=0.5)
+    )
+    assert auto.auto_placement.budget_bytes == 5 * 10**5 and (auto.offload_optim_frac, auto.offload_param_frac) == (
+        0.0,
+        0.0,
+    )
     assert resolve_placement("auto", device_memory_bytes=10**6, steady_device_cap_ratio=0.5) == auto.placement_policy
     assert ZeroDDP(_module(), chunk_size=80).placement_policy == StaticPlacement()
 
@@ -79,12 +84,26 @@ def test_flat_keywords_are_shortcuts_for_the_dataclasses():
 @pytest.mark.parametrize(
     "kwargs, names",
     [
-        (dict(placement=StaticPlacement(), offload_optim_frac=0.5), ("placement=StaticPlacement", "offload_optim_frac")),
-        (dict(placement=StaticPlacement(), device_memory_bytes=10**9), ("placement=StaticPlacement", "device_memory_bytes")),
-        (dict(placement=AutoPlacementPolicy(), steady_device_cap_ratio=0.5),
-         ("placement=AutoPlacementPolicy", "steady_device_cap_ratio")),
-        (dict(placement=AutoPlacementPolicy(), offload_param_frac=0.0), ("placement=AutoPlacementPolicy", "offload_param_frac")),
-        (dict(prefetch=PrefetchPolicy(), reshard_after_forward=True), ("prefetch=PrefetchPolicy", "reshard_after_forward")),
+        (
+            dict(placement=StaticPlacement(), offload_optim_frac=0.5),
+            ("placement=StaticPlacement", "offload_optim_frac"),
+        ),
+        (
+            dict(placement=StaticPlacement(), device_memory_bytes=10**9),
+            ("placement=StaticPlacement", "device_memory_bytes"),
+        ),
+        (
+            dict(placement=AutoPlacementPolicy(), steady_device_cap_ratio=0.5),
+            ("placement=AutoPlacementPolicy", "steady_device_cap_ratio"),
+        ),
+        (
+            dict(placement=AutoPlacementPolicy(), offload_param_frac=0.0),
+            ("placement=AutoPlacementPolicy", "offload_param_frac"),
+        ),
+        (
+            dict(prefetch=PrefetchPolicy(), reshard_after_forward=True),
+            ("prefetch=PrefetchPolicy", "reshard_after_forward"),
+        ),
     ],
 )
 def test_dataclass_with_its_flat_keywords_names_both(kwargs, names):
@@ -98,7 +117,10 @@ def test_dataclass_with_its_flat_keywords_names_both(kwargs, names):
     [
         (dict(placement="gemini"), "placement must be"),
         (dict(placement=3), "placement must be"),
-        (dict(placement="static", steady_device_cap_ratio=DEFAULT_STEADY_DEVICE_CAP_RATIO), "steady_device_cap_ratio is for"),
+        (
+            dict(placement="static", steady_device_cap_ratio=DEFAULT_STEADY_DEVICE_CAP_RATIO),
+            "steady_device_cap_ratio is for",
+        ),
         (dict(placement="static", device_memory_bytes=10**9), "device_memory_bytes is for"),
         (dict(placement="auto", offload_optim_frac=0.0), "offload_optim_frac and offload_param_frac are for"),
         (dict(mixed_precision="fp8"), "mixed_precision"),

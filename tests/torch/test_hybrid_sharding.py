@@ -33,7 +33,10 @@ def test_w4_as_2x2_4x1_and_1x4_equal_the_reference():
         layout = ChunkLayout.from_json(report[0][s]["layout"])
         intra, inter, _ = price_calls(hybrid_calls(layout, 4 // s, "fp32"), NetworkTopology(4 // s, s))
         measured = report[0][s]["step_bytes"]
-        assert (measured["intra_sent_bytes"], measured["inter_sent_bytes"]) == (round(intra), round(inter)), (s, measured)
+        assert (measured["intra_sent_bytes"], measured["inter_sent_bytes"]) == (round(intra), round(inter)), (
+            s,
+            measured,
+        )
 
 
 def test_skipping_the_replica_all_reduce_fails_the_reference():

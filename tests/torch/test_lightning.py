@@ -296,8 +296,12 @@ def test_optimizer_conversion_keeps_class_groups_and_scheduler_lr():
     model = ZeroDDP(Holder(), chunk_size=3000)
     decay = [p for p in model.module.parameters() if p.dim() >= 2]
     other = [p for p in model.module.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 3e-3}],
-                            lr=1e-2, eps=1e-6, betas=(0.8, 0.9))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": 3e-3}],
+        lr=1e-2,
+        eps=1e-6,
+        betas=(0.8, 0.9),
+    )
     torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)  # sets lr and initial_lr in the groups
     zero = zero_optimizer_from(model, opt, max_norm=0.25)
     assert type(zero.optimizer) is torch.optim.AdamW and zero.max_norm == 0.25

@@ -144,4 +144,6 @@ def test_resume_error_lists_all_up_to_the_cap():
     assert all(f"'t{i}'" in str(e.value) for i in range(3)) and "more" not in str(e.value)
     with pytest.raises(CheckpointError) as e:
         check_complete([f"t{i}" for i in range(15)], ["x"], "ck")
-    assert "'t9'" in str(e.value) and "'t10'" not in str(e.value) and "(5 more)" in str(e.value) and "'x'" in str(e.value)
+    assert (
+        "'t9'" in str(e.value) and "'t10'" not in str(e.value) and "(5 more)" in str(e.value) and "'x'" in str(e.value)
+    )

@@ -33,15 +33,27 @@ def test_is_a_torch_optimizer_sharing_groups_and_state():
     assert len(names) == len(set(names))
 
 
-@pytest.mark.parametrize("groups, match", [
-    (lambda m: [{"params": [m.transformer.wte.weight]}, {"params": ["lm_head.weight"]}], "listed in param groups 0 and 1"),
-    (lambda m: [{"params": ["transformer.h.0.attn.c_attn.weigth"]}], "did you mean 'transformer.h.0.attn.c_attn.weight'"),
-    (lambda m: [{"params": [torch.nn.Parameter(torch.zeros(3))]}], "not a parameter of the ZeroDDP-wrapped module"),
-    (lambda m: [{"params": {m.transformer.wpe.weight}}], "is a set"),
-    (lambda m: [{"params": [m.transformer.wpe.weight], "weight_decy": 0.0}], "'weight_decy' is not a hyper-parameter"),
-    (lambda m: [{"weight_decay": 0.0}], "with a 'params' entry"),
-    (lambda m: {"params": []}, "list of dicts"),
-])
+@pytest.mark.parametrize(
+    "groups, match",
+    [
+        (
+            lambda m: [{"params": [m.transformer.wte.weight]}, {"params": ["lm_head.weight"]}],
+            "listed in param groups 0 and 1",
+        ),
+        (
+            lambda m: [{"params": ["transformer.h.0.attn.c_attn.weigth"]}],
+            "did you mean 'transformer.h.0.attn.c_attn.weight'",
+        ),
+        (lambda m: [{"params": [torch.nn.Parameter(torch.zeros(3))]}], "not a parameter of the ZeroDDP-wrapped module"),
+        (lambda m: [{"params": {m.transformer.wpe.weight}}], "is a set"),
+        (
+            lambda m: [{"params": [m.transformer.wpe.weight], "weight_decy": 0.0}],
+            "'weight_decy' is not a hyper-parameter",
+        ),
+        (lambda m: [{"weight_decay": 0.0}], "with a 'params' entry"),
+        (lambda m: {"params": []}, "list of dicts"),
+    ],
+)
 def test_bad_param_groups_name_the_fault(groups, match):
     module, model = _gpt2()
     with pytest.raises(ConfigError, match=match):
@@ -77,13 +89,17 @@ def test_add_param_group_moves_default_parameters_and_equals_torch():
     module = zero_cases.Odd()
     ref = copy.deepcopy(module)
     model = ZeroDDP(module, chunk_size=100, keep_gathered=["ln.weight", "ln.bias"])
-    optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=[{"params": ["w"], "lr": 3e-2}], weight_decay=0.1, **ADAMW)
+    optim = ZeroOptimizer(
+        model, torch.optim.AdamW, param_groups=[{"params": ["w"], "lr": 3e-2}], weight_decay=0.1, **ADAMW
+    )
     with pytest.raises(ConfigError, match="already belongs to param group 0"):
         optim.add_param_group({"params": [module.w]})
     # ZeroDDP's own named_parameters() names ("module." prefix) are accepted
     optim.add_param_group({"params": ["module.ln.weight", "module.ln.bias", module.a.bias], "weight_decay": 0.0})
     assert [len(n) for n in optim.group_names] == [1, len(optim.group_names[1]), 3]
-    rest = [p for n, p in ref.named_parameters() if p.requires_grad and n not in ("w", "ln.weight", "ln.bias", "a.bias")]
+    rest = [
+        p for n, p in ref.named_parameters() if p.requires_grad and n not in ("w", "ln.weight", "ln.bias", "a.bias")
+    ]
     ropt = torch.optim.AdamW([{"params": [ref.w], "lr": 3e-2}, {"params": rest},
                               {"params": [ref.ln.weight, ref.ln.bias, ref.a.bias], "weight_decay": 0.0}],
                              weight_decay=0.1, **ADAMW)
@@ -101,7 +117,12 @@ def test_add_param_group_of_no_parameters_without_a_default_group():
     """As torch, an empty group may be added, also when every parameter already has a group."""
     module = zero_cases.Odd()
     model = ZeroDDP(module, chunk_size=100)
-    optim = ZeroOptimizer(model, torch.optim.AdamW, param_groups=[{"params": [p for p in module.parameters() if p.requires_grad]}], **ADAMW)
+    optim = ZeroOptimizer(
+        model,
+        torch.optim.AdamW,
+        param_groups=[{"params": [p for p in module.parameters() if p.requires_grad]}],
+        **ADAMW,
+    )
     optim.add_param_group({"params": [], "lr": 0.5})
     assert [len(g["params"]) for g in optim.param_groups][1:] == [0] and optim.group_names[1] == []
     optim.backward(zero_cases.odd_loss(model, zero_cases.batches("odd", 1, 2)[0]))
@@ -119,8 +140,14 @@ def test_params_takes_torchs_meaning(spelling):
     if spelling == "group dicts":  # the frozen layer's weight in the no-decay group, as a torch user writes it
         decay = lambda m: [p for n, p in m.named_parameters() if p.dim() >= 2]  # noqa: E731
         rest = lambda m: [p for n, p in m.named_parameters() if p.dim() < 2]  # noqa: E731
-        params = [{"params": decay(module), "weight_decay": 0.1}, {"params": rest(module), "weight_decay": 0.0, "lr": 5e-3}]
-        ref_params = [{"params": decay(ref), "weight_decay": 0.1}, {"params": rest(ref), "weight_decay": 0.0, "lr": 5e-3}]
+        params = [
+            {"params": decay(module), "weight_decay": 0.1},
+            {"params": rest(module), "weight_decay": 0.0, "lr": 5e-3},
+        ]
+        ref_params = [
+            {"params": decay(ref), "weight_decay": 0.1},
+            {"params": rest(ref), "weight_decay": 0.0, "lr": 5e-3},
+        ]
     else:
         params = model.parameters() if spelling == "model.parameters()" else model.module.parameters()
         ref_params = ref.parameters()
@@ -130,7 +157,10 @@ def test_params_takes_torchs_meaning(spelling):
         optim = ZeroOptimizer(model, torch.optim.AdamW, params=params, **ADAMW)
     ropt = torch.optim.AdamW(ref_params, fused=True, **ADAMW)
     assert len(optim.param_groups) == len(ropt.param_groups)
-    assert all(g["lr"] == r["lr"] and g["weight_decay"] == r["weight_decay"] for g, r in zip(optim.param_groups, ropt.param_groups))
+    assert all(
+        g["lr"] == r["lr"] and g["weight_decay"] == r["weight_decay"]
+        for g, r in zip(optim.param_groups, ropt.param_groups)
+    )
     assert "frozen.weight" not in {n for g in optim.group_names for n in g}
     for batch in zero_cases.batches("odd", 3, 4):
         optim.backward(zero_cases.odd_loss(model, batch))
@@ -142,17 +172,23 @@ def test_params_takes_torchs_meaning(spelling):
     zero_cases.assert_state_close(model.state_dict(), ref.state_dict(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("params, match", [
-    (lambda m: [p for n, p in m.named_parameters() if n != "w"], r"leaves out trainable parameter\(s\) 'w'.*param_groups="),
-    (lambda m: [{"params": [m.w]}, {"params": [m.head.weight]}], r"leaves out .*'emb.weight'.* and \d+ more"),
-    (lambda m: {"params": list(m.parameters())}, "one dict.*param_groups="),
-    (lambda m: [m.w, {"params": [m.a.weight]}], "mixes parameters and group dicts"),
-    (lambda m: [], "params= is empty"),
-    (lambda m: set(m.parameters()), "is a set"),
-    (lambda m: [{"params": [m.w]}, {"params": [m.w]}], "listed in param groups 0 and 1"),
-    (lambda m: [torch.nn.Parameter(torch.zeros(3))], "not a parameter of the ZeroDDP-wrapped module"),
-    (lambda m: 3, "iterable of parameters or of group dicts"),
-])
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        (
+            lambda m: [p for n, p in m.named_parameters() if n != "w"],
+            r"leaves out trainable parameter\(s\) 'w'.*param_groups=",
+        ),
+        (lambda m: [{"params": [m.w]}, {"params": [m.head.weight]}], r"leaves out .*'emb.weight'.* and \d+ more"),
+        (lambda m: {"params": list(m.parameters())}, "one dict.*param_groups="),
+        (lambda m: [m.w, {"params": [m.a.weight]}], "mixes parameters and group dicts"),
+        (lambda m: [], "params= is empty"),
+        (lambda m: set(m.parameters()), "is a set"),
+        (lambda m: [{"params": [m.w]}, {"params": [m.w]}], "listed in param groups 0 and 1"),
+        (lambda m: [torch.nn.Parameter(torch.zeros(3))], "not a parameter of the ZeroDDP-wrapped module"),
+        (lambda m: 3, "iterable of parameters or of group dicts"),
+    ],
+)
 def test_bad_params_name_the_fault(params, match):
     """Bad ``params=`` raise a ConfigError naming the fault, never an engine error; leaving out a
     trainable parameter is refused (torch would never update it, while ZeroDDP reduces its gradient)."""
@@ -185,8 +221,14 @@ def test_checkpoint_keeps_a_never_stepped_tensor_without_state(tmp_path):
     and training continues exactly as without the round trip."""
     def build():
         model = ZeroDDP(zero_cases.Odd(with_unused=True), chunk_size=100, find_unused_parameters=True)
-        return model, ZeroOptimizer(model, torch.optim.AdamW, max_norm=0.5, param_groups=[{"params": ["unused"], "lr": 0.3}],
-                                    weight_decay=0.1, **ADAMW)
+        return model, ZeroOptimizer(
+            model,
+            torch.optim.AdamW,
+            max_norm=0.5,
+            param_groups=[{"params": ["unused"], "lr": 0.3}],
+            weight_decay=0.1,
+            **ADAMW,
+        )
 
     data = zero_cases.batches("odd", 3, 2)
     model, optim = build()
@@ -238,7 +280,9 @@ def test_old_checkpoint_without_groups_keeps_several_groups_own(tmp_path, caplog
     one = ZeroOptimizer(ZeroDDP(zero_cases.Odd(), chunk_size=100), torch.optim.Adam, lr=0.1)
     optim_shards.load_hyperparameters(one, saved)
     assert one.param_groups[0]["lr"] == 0.5
-    two = ZeroOptimizer(ZeroDDP(zero_cases.Odd(), chunk_size=100), torch.optim.Adam, lr=0.1, param_groups=[{"params": ["w"]}])
+    two = ZeroOptimizer(
+        ZeroDDP(zero_cases.Odd(), chunk_size=100), torch.optim.Adam, lr=0.1, param_groups=[{"params": ["w"]}]
+    )
     with caplog.at_level(logging.WARNING, logger="chunkzero.checkpoint"):
         optim_shards.load_hyperparameters(two, saved)
     assert [g["lr"] for g in two.param_groups] == [0.1, 0.1] and "keep their own" in caplog.text

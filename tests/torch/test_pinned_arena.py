@@ -38,7 +38,9 @@ def test_slices_cover_the_requests_do_not_overlap_and_are_aligned():
     for i, t in enumerate(out):  # each slice is its own memory: writing one leaves the others
         t.fill_(i + 1)
     assert all(bool((t == i + 1).all()) for i, t in enumerate(out))
-    need = sum(-(-n * torch.empty(0, dtype=dt).element_size() // ALIGNMENT_BYTES) * ALIGNMENT_BYTES for n, dt in requests)
+    need = sum(
+        -(-n * torch.empty(0, dtype=dt).element_size() // ALIGNMENT_BYTES) * ALIGNMENT_BYTES for n, dt in requests
+    )
     assert arena.used_bytes == need
     assert arena.held_bytes == sum(s.nbytes for s in arena._slabs)
     assert arena.num_slabs == 3  # one shared 1 MiB slab; exact ones for the 1.2 MB and 140 kB requests

@@ -127,7 +127,9 @@ def test_budget_too_small_names_both_numbers():
 def test_default_budget_and_bad_arguments():
     module = placement_cases.base_model()
     model = ZeroDDP(copy.deepcopy(module), chunk_size=placement_cases.CHUNK_SIZE, placement="auto")
-    assert model.auto_placement.budget_bytes == int(device_memory_bytes(torch.device("cpu")) * DEFAULT_STEADY_DEVICE_CAP_RATIO)
+    assert model.auto_placement.budget_bytes == int(
+        device_memory_bytes(torch.device("cpu")) * DEFAULT_STEADY_DEVICE_CAP_RATIO
+    )
     assert model.offload_param_chunks == tuple(range(len(model.chunks)))  # the warm-up starts on the host
     assert ZeroDDP(copy.deepcopy(module), chunk_size=4000).auto_placement is None
     for kwargs, name in [(dict(placement="gemini"), "placement"),

@@ -178,15 +178,27 @@ def test_frozen_tensors_keep_their_dtype_single_process():
     come back bit for bit after AdamW steps and a load_state_dict; a bf16 frozen tensor costs 2 bytes
     per element in memory_report also under fp32 compute (no upcast)."""
     module = FrozenMix()
-    want = {n: p.detach().float().view(torch.int32).clone() for n, p in module.named_parameters() if not p.requires_grad}
+    want = {
+        n: p.detach().float().view(torch.int32).clone() for n, p in module.named_parameters() if not p.requires_grad
+    }
     ref = copy.deepcopy(module).to(torch.bfloat16)
     model = ZeroDDP(module, chunk_size=100, mixed_precision="bf16", keep_gathered=["ln.weight", "ln.bias"])
     dtypes = {t.name: model.layout.chunks[t.chunk].dtype for t in model.layout.tensors}
-    assert dtypes == {"fp32.weight": "float32", "fp32.bias": "float32", "bf16.weight": "bfloat16", "bf16.bias": "bfloat16",
-                      "ln.weight": "float32", "ln.bias": "float32", "head.weight": "bfloat16", "head.bias": "bfloat16"}
+    assert dtypes == {
+        "fp32.weight": "float32",
+        "fp32.bias": "float32",
+        "bf16.weight": "bfloat16",
+        "bf16.bias": "bfloat16",
+        "ln.weight": "float32",
+        "ln.bias": "float32",
+        "head.weight": "bfloat16",
+        "head.bias": "bfloat16",
+    }
     assert len({model.layout.tensor(n).chunk for n in ("fp32.weight", "bf16.weight", "ln.weight")}) == 3
     report = model.memory_report()
-    assert report.frozen_parameters == {"cpu": {"float32": 72 * 4 + 16 * 4, "bfloat16": 72 * 2 + 16 * 2}}, report.frozen_parameters
+    assert report.frozen_parameters == {"cpu": {"float32": 72 * 4 + 16 * 4, "bfloat16": 72 * 2 + 16 * 2}}, (
+        report.frozen_parameters
+    )
     x = torch.randn(4, 8)
     torch.testing.assert_close(model(x), ref(x.to(torch.bfloat16)))  # the gathers cast the stored values
 

@@ -111,9 +111,16 @@ def batches(kind: str, steps: int, global_batch: int, seed: int = 1):
         if kind == "gpt2":
             out.append(torch.randint(0, 64, (global_batch, 8), generator=g))
         elif kind == "bert":
-            out.append((torch.randint(0, 64, (global_batch, 8), generator=g), torch.randint(0, 3, (global_batch,), generator=g)))
+            out.append(
+                (
+                    torch.randint(0, 64, (global_batch, 8), generator=g),
+                    torch.randint(0, 3, (global_batch,), generator=g),
+                )
+            )
         else:
-            out.append((torch.randint(0, 10, (global_batch, 5), generator=g), torch.randn(global_batch, 5, generator=g)))
+            out.append(
+                (torch.randint(0, 10, (global_batch, 5), generator=g), torch.randn(global_batch, 5, generator=g))
+            )
     return out
 
 
@@ -440,7 +447,9 @@ def worker_mixed_precision(rank: int, world: int):
         for i in (1, 2):
             masters = [model.master_shard(c.index).clone() for c in model.chunks]
             lows = [model.low_precision_shard(c.index).clone() for c in model.chunks]
-            states = [{k: v.clone() for k, v in optim.shard_state(c.index).items()} for c in model.chunks if c.requires_grad]
+            states = [
+                {k: v.clone() for k, v in optim.shard_state(c.index).items()} for c in model.chunks if c.requires_grad
+            ]
             loss = loss_fn(model, micro(data[i], rank, world))
             if rank == world - 1:
                 loss = loss * float("inf")  # overflow on one rank only: every rank must skip

@@ -65,8 +65,10 @@ def load(optimizer, meta: CheckpointMeta, shards: dict[int, np.ndarray] | None, 
         return
     if shards is None:
         if _is_rank0(optimizer):
-            logger.warning("checkpoint %s holds no EMA: the optimizer's EMA restarts at the loaded weights (update count 0)",
-                           step_dir)
+            logger.warning(
+                "checkpoint %s holds no EMA: the optimizer's EMA restarts at the loaded weights (update count 0)",
+                step_dir,
+            )
         for i in ema.shards:
             ema.load_shard(i, ema.model.master_shard(i))
         ema.update_count = 0

@@ -37,8 +37,20 @@ MODES = ("resume", "finetune", "inference")
 SAT_MODES = {"pretrain": "resume", "finetune": "finetune", "inference": "inference"}
 """SwissArmyTransformer's mode name → chunkzero's."""
 
-__all__ = ["MODES", "SAT_MODES", "WeightsLoad", "check_complete", "check_matched", "check_missing", "finish", "keep_own_init",
-           "renamed", "report", "require_zero_ddp", "resolve_mode"]
+__all__ = [
+    "MODES",
+    "SAT_MODES",
+    "WeightsLoad",
+    "check_complete",
+    "check_matched",
+    "check_missing",
+    "finish",
+    "keep_own_init",
+    "renamed",
+    "report",
+    "require_zero_ddp",
+    "resolve_mode",
+]
 
 
 @dataclass(repr=False)
@@ -134,7 +146,9 @@ def _prefix_hint(model_names: list[str], saved_names: list[str]) -> str:
     for m in model_names:
         for c in saved_names:
             if m.endswith("." + c):
-                return f" (the model's names carry {m[: len(m) - len(c)]!r} before the checkpoint's: pass model_prefix=)"
+                return (
+                    f" (the model's names carry {m[: len(m) - len(c)]!r} before the checkpoint's: pass model_prefix=)"
+                )
             if c.endswith("." + m):
                 return f" (the checkpoint's names carry {c[: len(c) - len(m)]!r} before the model's: pass prefix=)"
     return " (if the names differ by a prefix, pass prefix= or model_prefix=)"

@@ -75,7 +75,8 @@ def optimizer_shards(model, optimizer) -> tuple[OptimizerMeta, dict[str, dict[in
             elif key != "step":
                 raise CheckpointError(
                     f"optimizer state {key!r} of chunk {c.index} (shape {tuple(value.shape)}) is neither a per-element "
-                    f"shard of {layout.shard_numel(c.index)} elements nor the step count; the chunkzero format cannot hold it"
+                    f"shard of {layout.shard_numel(c.index)} elements nor the step count; the chunkzero format cannot "
+                    "hold it"
                 )
     # a rank whose pieces never had a gradient holds no state, yet saves the same arrays as the others
     keys = list(dict.fromkeys(k for part in all_gather_json(keys, model.process_group) for k in part))
@@ -94,8 +95,10 @@ def optimizer_shards(model, optimizer) -> tuple[OptimizerMeta, dict[str, dict[in
         hyperparameters={k: jsonable(v) for k, v in optimizer.hyperparameters().items()},
         state_keys=keys,
         step=int(step),
-        param_groups=[{**{k: jsonable(v) for k, v in g.items() if k not in ("params", "param_names")}, "params": list(names)}
-                      for g, names in zip(optimizer.param_groups, optimizer.group_names)],
+        param_groups=[
+            {**{k: jsonable(v) for k, v in g.items() if k not in ("params", "param_names")}, "params": list(names)}
+            for g, names in zip(optimizer.param_groups, optimizer.group_names)
+        ],
         tensor_steps=differing or None,
     )
     return meta, optim
@@ -130,7 +133,9 @@ def live_buffers(model, optimizer, optim_keys: list[str]) -> dict[ArrayPath, np.
     return into
 
 
-def load_optimizer_state(model, optimizer, meta_optimizer: OptimizerMeta, optim: Mapping[str, Mapping[int, np.ndarray]]) -> None:
+def load_optimizer_state(
+    model, optimizer, meta_optimizer: OptimizerMeta, optim: Mapping[str, Mapping[int, np.ndarray]]
+) -> None:
     """Hand each trainable chunk's read state to the optimizer (state read in place into its live
     buffers is not copied again), with the saved step and the per-tensor steps that differ from it."""
     keys = list(meta_optimizer.state_keys)

@@ -73,7 +73,9 @@ class ProcessMesh:
 
         mesh = self.mesh
         if replicas > 1:
-            mesh = Mesh(np.array(self.mesh.devices).reshape(replicas, self.world_size // replicas), (REPLICA_AXIS, SHARD_AXIS))
+            mesh = Mesh(
+                np.array(self.mesh.devices).reshape(replicas, self.world_size // replicas), (REPLICA_AXIS, SHARD_AXIS)
+            )
         sharding = NamedSharding(mesh, P() if replicated else P(SHARD_AXIS))
         # An explicit copy: on CPU, device_put may alias an aligned numpy buffer instead of copying it,
         # and ``local`` is a view of a live shard that training changes while an async save writes.
@@ -221,4 +223,6 @@ def write_shards(
             arrays[path] = runtime.global_array(local, c.size, c.keep_gathered, meta.replicas)
         return state_tree(arrays)
 
-    return orbax_store.save_step(directory, meta, tree, async_save=async_save, max_to_keep=max_to_keep, timeout_s=timeout_s)
+    return orbax_store.save_step(
+        directory, meta, tree, async_save=async_save, max_to_keep=max_to_keep, timeout_s=timeout_s
+    )

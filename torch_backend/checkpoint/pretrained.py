@@ -145,13 +145,17 @@ def _open_source(source) -> _Source:
         for name in ("pytorch_model.bin", "model.pt"):
             if (path / name).is_file():
                 return _open_source(path / name)
-        raise CheckpointError(f"{str(path)!r} holds no {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME} or pytorch_model.bin")
+        raise CheckpointError(
+            f"{str(path)!r} holds no {SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME} or pytorch_model.bin"
+        )
     if path.suffix == ".safetensors":
         return _SafetensorsSource([path])
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - UnpicklingError for anything beyond plain tensors: never unpickled
-        raise CheckpointError(f"cannot load {str(path)!r} as a weights-only torch state dict: {str(e).splitlines()[0]}") from None
+        raise CheckpointError(
+            f"cannot load {str(path)!r} as a weights-only torch state dict: {str(e).splitlines()[0]}"
+        ) from None
     if not isinstance(sd, Mapping):
         raise CheckpointError(f"{str(path)!r} does not hold a state dict (got {type(sd).__name__})")
     if "state_dict" in sd and isinstance(sd["state_dict"], Mapping):

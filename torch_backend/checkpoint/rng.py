@@ -27,7 +27,13 @@ def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "python": {"version": version, "state": list(internal), "gauss_next": gauss},
-        "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -45,14 +51,32 @@ def set_rng_state(state: Mapping[str, Any], *, source: str = "rng state") -> Non
         py = state["python"]
         random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
         n = state["numpy"]
-        np.random.set_state((str(n["kind"]), np.asarray(n["keys"], dtype=np.uint32), int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"])))
-        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"], validate=True)), dtype=torch.uint8))
+        np.random.set_state(
+            (
+                str(n["kind"]),
+                np.asarray(n["keys"], dtype=np.uint32),
+                int(n["pos"]),
+                int(n["has_gauss"]),
+                float(n["cached_gaussian"]),
+            )
+        )
+        torch.set_rng_state(
+            torch.frombuffer(bytearray(base64.b64decode(state["torch"], validate=True)), dtype=torch.uint8)
+        )
         if "cuda" in state and torch.cuda.is_available():
-            cuda = [torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8) for s in state["cuda"]]
+            cuda = [
+                torch.frombuffer(bytearray(base64.b64decode(s, validate=True)), dtype=torch.uint8)
+                for s in state["cuda"]
+            ]
             if len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)
             else:
-                logger.warning("%s: CUDA RNG states for %d devices, this process sees %d; CUDA RNG not restored", source, len(cuda), torch.cuda.device_count())
+                logger.warning(
+                    "%s: CUDA RNG states for %d devices, this process sees %d; CUDA RNG not restored",
+                    source,
+                    len(cuda),
+                    torch.cuda.device_count(),
+                )
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointFormatError(f"{source}: malformed RNG state ({type(e).__name__}: {e})") from None
 

@@ -193,7 +193,11 @@ def save_checkpoint(
     # directories or steps fail here, together, instead of waiting for each other inside Orbax), its
     # RNG state and the checksums of its own shards.
     target = save_target(directory, step, layout, max_to_keep=max_to_keep)
-    own = {"target": target, "rng": own_rng, "sums": meta.shard_checksums(shard_rank, shard_arrays(meta, params, optim, ema))}
+    own = {
+        "target": target,
+        "rng": own_rng,
+        "sums": meta.shard_checksums(shard_rank, shard_arrays(meta, params, optim, ema)),
+    }
     try:
         everyone = all_gather_json(own, group)
     except RuntimeError as e:  # a peer died, or did not call the save within the process group's timeout
@@ -203,8 +207,18 @@ def save_checkpoint(
     # each shard once: from replica 0's ranks (hybrid sharding; the group's first S ranks)
     meta.checksums = meta.checksums_from_ranks([e["sums"] for e in everyone][: layout.world_size])
     try:
-        return write_shards(directory, meta, rank, params, optim, ema=ema, async_save=async_save, max_to_keep=max_to_keep,
-                            process_group=group, timeout_s=timeout_s)
+        return write_shards(
+            directory,
+            meta,
+            rank,
+            params,
+            optim,
+            ema=ema,
+            async_save=async_save,
+            max_to_keep=max_to_keep,
+            process_group=group,
+            timeout_s=timeout_s,
+        )
     finally:
         # Orbax and JAX draw from Python's and numpy's global RNGs (temporary names, ids): a save must
         # leave the training RNG streams exactly where they were, or runs with and without saves diverge.
@@ -333,12 +347,18 @@ def load_checkpoint(
         if not staged and reader is not None and reader.reads_started and isinstance(e, CheckpointError):
             error = type(e)(f"{e} (this rank's shards are now partly overwritten: load a good checkpoint, or load "
                             "staged, the default, to keep the model intact on failure)")
-    model_state = "no rank's model was changed" if staged else "this rank's shards were loaded; the ranks now disagree: load again"
+    model_state = (
+        "no rank's model was changed"
+        if staged
+        else "this rank's shards were loaded; the ranks now disagree: load again"
+    )
     try:
         outcomes = all_gather_json(load_outcome(step_dir, error), group)
     except RuntimeError as e:  # a peer died, or did not call the load within the process group's timeout
         here = "this rank's model is unchanged" if staged else "this rank's shards may be partly overwritten"
-        raise CheckpointError(f"the ranks could not agree on the load of {str(directory)!r} ({here}): {e}") from (error or e)
+        raise CheckpointError(f"the ranks could not agree on the load of {str(directory)!r} ({here}): {e}") from (
+            error or e
+        )
     if error is not None:
         raise error
     failed = failed_ranks(outcomes)

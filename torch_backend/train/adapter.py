@@ -46,9 +46,15 @@ class Engine:
                 raise ConfigError(f"--engine zero: torch_backend.ZeroDDP is not available ({e})") from None
             self.model = ZeroDDP(module.to(device), mixed_precision=cfg.mixed_precision, chunk_size=cfg.chunk_size,
                                  shard_group_size=getattr(cfg, "shard_group_size", None))
-            self.optim = ZeroOptimizer(self.model, torch.optim.AdamW, param_groups=decay_groups(module, cfg.weight_decay),
-                                       lr=cfg.lr, max_norm=cfg.max_norm or None, betas=betas,
-                                       max_skipped_at_min_scale=cfg.max_skipped_steps or None)
+            self.optim = ZeroOptimizer(
+                self.model,
+                torch.optim.AdamW,
+                param_groups=decay_groups(module, cfg.weight_decay),
+                lr=cfg.lr,
+                max_norm=cfg.max_norm or None,
+                betas=betas,
+                max_skipped_at_min_scale=cfg.max_skipped_steps or None,
+            )
             if cfg.ema_decay is not None:
                 from torch_backend import ZeroEMA
 

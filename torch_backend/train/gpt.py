@@ -147,8 +147,16 @@ class GPT(nn.Module):
 
 
 @torch.no_grad()
-def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, *, block_size: int | None = None,
-             temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    block_size: int | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Autoregressive sampling with any callable returning logits ``[B, T, V]`` (a GPT or a ZeroDDP-wrapped GPT)
     or a Hugging Face ``ModelOutput`` with ``.logits`` (then pass ``block_size``).
 

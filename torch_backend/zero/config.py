@@ -61,7 +61,9 @@ class MixedPrecision:
     compute: str = "fp32"
 
     def __post_init__(self):
-        compute = _TORCH_NAMES.get(self.compute, self.compute) if isinstance(self.compute, torch.dtype) else self.compute
+        compute = (
+            _TORCH_NAMES.get(self.compute, self.compute) if isinstance(self.compute, torch.dtype) else self.compute
+        )
         if not isinstance(compute, str) or compute not in MIXED_PRECISION_DTYPES:
             raise ConfigError(f"MixedPrecision.compute must be one of {sorted(MIXED_PRECISION_DTYPES)} or their torch "
                               f"dtypes (the mixed_precision= keyword), got {self.compute!r}")
@@ -97,7 +99,9 @@ class PrefetchPolicy:
             raise ConfigError(f"PrefetchPolicy.chunks must be a non-negative int (chunks; the prefetch= keyword), "
                               f"got {self.chunks!r}")
         if not isinstance(self.reshard_after_forward, bool):
-            raise ConfigError(f"PrefetchPolicy.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
+            raise ConfigError(
+                f"PrefetchPolicy.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}"
+            )
         object.__setattr__(self, "chunks", int(self.chunks))
 
 
@@ -153,7 +157,9 @@ class AutoPlacementPolicy:
     def __post_init__(self):
         n = self.device_memory_bytes
         if n is not None and (not _is_int(n) or n <= 0):
-            raise ConfigError(f"AutoPlacementPolicy.device_memory_bytes must be a positive int (bytes) or None, got {n!r}")
+            raise ConfigError(
+                f"AutoPlacementPolicy.device_memory_bytes must be a positive int (bytes) or None, got {n!r}"
+            )
         r = self.steady_device_cap_ratio
         if not _is_real(r) or not 0.0 < r <= 1.0:
             raise ConfigError(f"AutoPlacementPolicy.steady_device_cap_ratio must be a number in (0, 1], got {r!r}")
@@ -225,4 +231,6 @@ def resolve_placement(placement: PlacementPolicy | str, *, offload_optim_frac: f
             raise ConfigError("offload_optim_frac and offload_param_frac are for placement='static'; placement='auto' "
                               f"decides from the budget (got {', '.join(f'{k}={v!r}' for k, v in static.items())})")
         return AutoPlacementPolicy(**auto)
-    raise ConfigError(f"placement must be 'static', 'auto', a StaticPlacement or an AutoPlacementPolicy, got {placement!r}")
+    raise ConfigError(
+        f"placement must be 'static', 'auto', a StaticPlacement or an AutoPlacementPolicy, got {placement!r}"
+    )

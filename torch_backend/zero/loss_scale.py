@@ -20,8 +20,17 @@ class DynamicLossScaler:
     multiplied by ``growth_factor`` (not above ``max_scale``) and the hysteresis counter is refilled.
     """
 
-    def __init__(self, initial_scale: float = 2.0**16, *, growth_interval: int = 1000, hysteresis: int = 2,
-                 min_scale: float = 1.0, max_scale: float = 2.0**32, growth_factor: float = 2.0, backoff_factor: float = 0.5):
+    def __init__(
+        self,
+        initial_scale: float = 2.0**16,
+        *,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**32,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+    ):
         if not initial_scale > 0:
             raise ConfigError(f"initial_scale must be > 0, got {initial_scale!r}")
         if not isinstance(growth_interval, int) or growth_interval < 1:
@@ -31,7 +40,9 @@ class DynamicLossScaler:
         if not 0 < min_scale <= initial_scale:
             raise ConfigError(f"min_scale must be in (0, initial_scale], got {min_scale!r}")
         if not growth_factor > 1 or not 0 < backoff_factor < 1:
-            raise ConfigError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor!r}, {backoff_factor!r}")
+            raise ConfigError(
+                f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor!r}, {backoff_factor!r}"
+            )
         self.scale = float(initial_scale)
         self.growth_interval = growth_interval
         self.hysteresis = hysteresis

@@ -119,8 +119,10 @@ def _check_size(shard_group_size, world_size: int) -> int:
     if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1:
         raise ConfigError(f"shard_group_size must be a positive int (ranks) or None, got {shard_group_size!r}")
     if world_size % shard_group_size:
-        raise ConfigError(f"shard_group_size={shard_group_size} does not divide the data-parallel world size "
-                          f"{world_size} (W = S x R: pick S among {[s for s in range(1, world_size + 1) if world_size % s == 0]})")
+        raise ConfigError(
+            f"shard_group_size={shard_group_size} does not divide the data-parallel world size "
+            f"{world_size} (W = S x R: pick S among {[s for s in range(1, world_size + 1) if world_size % s == 0]})"
+        )
     return shard_group_size
 
 
