@@ -194,7 +194,10 @@ def main() -> int:
     base = GPT(
         GPTConfig(block_size=args.seq, vocab_size=256, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     )
-    shape = f"{args.n_layer}x{args.n_embd}, {base.num_params() / 1e6:.1f}M params, batch {args.batch}x{args.seq}, {device.type}"
+    shape = (
+        f"{args.n_layer}x{args.n_embd}, {base.num_params() / 1e6:.1f}M params, batch {args.batch}x{args.seq}, "
+        f"{device.type}"
+    )
     print(f"# streams: {shape}", file=sys.stderr, flush=True)
     deadline = t_start + args.budget_s
 

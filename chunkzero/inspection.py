@@ -26,11 +26,11 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
     Returns:
         A JSON-ready dict: ``path``, ``steps`` (all committed steps of the root), ``step``,
         ``world_size`` (the layout's: under hybrid sharding the shard group size ``S``), ``replicas``
-        (hybrid sharding's ``R``, the saving run having ``W = S · R`` ranks; 1 for flat ZeRO-3), ``mixed_precision``, ``format_version``, ``optimizer``, ``loss_scaler``,
-        ``data_position``, ``model_config``, ``ema`` (decay, update count, warm-up; ``None`` without an
-        EMA), ``bytes_on_disk``, ``chunks`` (per chunk: index, dtype, size,
-        utilized, padding, keep_gathered, requires_grad, tensors, bytes) and ``tensors`` (per tensor: name,
-        aliases, shape, dtype, numel, chunk, offset, bytes).
+        (hybrid sharding's ``R``, the saving run having ``W = S · R`` ranks; 1 for flat ZeRO-3),
+        ``mixed_precision``, ``format_version``, ``optimizer``, ``loss_scaler``, ``data_position``,
+        ``model_config``, ``ema`` (decay, update count, warm-up; ``None`` without an EMA), ``bytes_on_disk``,
+        ``chunks`` (per chunk: index, dtype, size, utilized, padding, keep_gathered, requires_grad, tensors,
+        bytes) and ``tensors`` (per tensor: name, aliases, shape, dtype, numel, chunk, offset, bytes).
 
     Raises:
         CheckpointError / CheckpointFormatError: no such checkpoint or step, malformed metadata.

@@ -10,8 +10,8 @@ chunk: a chunk is gathered with ``all_gather(tiled=True)`` before the first stag
 its tensors (keep-gathered chunks are already whole) and its tensors sliced out at their offsets; in
 backward their gradients are written into one zero-padded full-size chunk buffer, reduced after the
 last stage that reads the chunk with ``psum_scatter(tiled=True)`` (the transpose of the tiled
-all-gather, through :func:`jax_backend.collectives.reduce_scatter_sum`) to the device's gradient shard, or ``psum`` for a keep-gathered chunk. AdamW then
-updates the fp32 master shards locally.
+all-gather, through :func:`jax_backend.collectives.reduce_scatter_sum`) to the device's gradient shard, or
+``psum`` for a keep-gathered chunk. AdamW then updates the fp32 master shards locally.
 
 Per step and per sharded chunk: one all-gather in forward, one in backward, one reduce-scatter
 (trainable chunks) — the counts of :func:`chunkzero.chunk_zero3_cost` (XLA drops a backward gather
@@ -226,9 +226,10 @@ class ZeroTrainer(ShardedTrainer):
 
         Writes the fp32 master chunks and the AdamW state (:meth:`opt_state_chunks`) at this trainer's
         layout, and the complete optimizer metadata: the class and hyper-parameters of
-        ``optimizer_meta`` (every param group's, as restored) with this trainer's ``max_norm``, the step (optax's ``count``), and
-        the loss scaler — :attr:`source`'s with ``step_count`` advanced by the steps taken here (the
-        JAX step never skips one), or ``{"step_count": count, "skipped_steps": 0}`` without a source.
+        ``optimizer_meta`` (every param group's, as restored) with this trainer's ``max_norm``, the step
+        (optax's ``count``), and the loss scaler — :attr:`source`'s with ``step_count`` advanced by the steps
+        taken here (the JAX step never skips one), or ``{"step_count": count, "skipped_steps": 0}`` without a
+        source.
         ``model_config`` defaults to the source's; the compute precision is the trainer's. ``options``:
         ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep`` …).
 

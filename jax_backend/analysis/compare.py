@@ -242,7 +242,8 @@ def compare_layouts(model: str | Program, world_size: int, *, chunk_size: int | 
 
     Args:
         model: a :mod:`chunkzero.configs` name (``"hf-gpt2"``, ``"hf-gpt2-medium"``, ``"llama-1b"``, or
-            ``chunkzero train``'s byte-level ``"gpt-tiny"`` … ``"gpt2-medium"``) or a :class:`jax_backend.blocks.Program`.
+            ``chunkzero train``'s byte-level ``"gpt-tiny"`` … ``"gpt2-medium"``) or a
+            :class:`jax_backend.blocks.Program`.
         chunk_size: chunk capacity in elements (default: :func:`chunkzero.search_chunk_size`).
         precision: ``"fp32"`` or ``"bf16"`` (fp32 masters and AdamW states either way).
         measure: compile each strategy's step for abstract inputs and measure it (needs ``world_size``

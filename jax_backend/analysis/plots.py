@@ -155,8 +155,8 @@ GROUPED_MAP_ABOVE_CHUNKS = 24
 
 def plot_memory_bars(cmp: Any, ax=None):
     """Per-device memory per strategy of ``cmp`` (a :class:`jax_backend.analysis.compare.LayoutComparison`; not
-    imported here, as :mod:`.compare` imports this module to plot): predicted (parameters, gradients, master, optimizer states,
-    peak gathered) next to measured (arguments, temp) when measured. MiB. Returns the axes."""
+    imported here, as :mod:`.compare` imports this module to plot): predicted (parameters, gradients, master,
+    optimizer states, peak gathered) next to measured (arguments, temp) when measured. MiB. Returns the axes."""
     import matplotlib.pyplot as plt
 
     if ax is None:

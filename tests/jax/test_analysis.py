@@ -39,7 +39,7 @@ HloModule jit_step, num_partitions=4
   ROOT %ags = ((f32[8]{0}), f32[32]{0}) all-gather-start(%p), channel_id=4, replica_groups={{0,1,2,3}}, dimensions={0}
   %agd = f32[32]{0} all-gather-done(%ags)
   %not_a_collective = f32[8]{0} add(%x, %y), metadata={op_name="all-gather"}
-"""
+"""  # noqa: E501 - HLO text as XLA prints it, one instruction per line
 
 
 def test_parse_collectives_of_hlo_text():

@@ -6,7 +6,8 @@ so that Lightning's own launcher starts the other ranks (it re-runs this script 
     python lightning_run.py ddp4 OUT           # W = 4: 5 steps under Lightning's own DDPStrategy
     python lightning_run.py hybrid4 OUT        # W = 4: the same under ZeroStrategy(shard_group_size=2); OUT/hybrid_ckpt
     python lightning_run.py hybrid_resume2 OUT # W = 2 (flat): fit(ckpt_path=OUT/hybrid_ckpt) to step 6
-    python lightning_run.py ema2 OUT           # W = 2: train's 3 steps with ZeroEMACallback, validation on the EMA; OUT/ema_ckpt
+    python lightning_run.py ema2 OUT           # W = 2: train's 3 steps with ZeroEMACallback, validation on the
+                                               # EMA; OUT/ema_ckpt
     python lightning_run.py ema_resume1 OUT    # W = 1: fit(ckpt_path=OUT/ema_ckpt) to step 5, then trainer.validate
     python lightning_run.py manual1 OUT        # W = 1: 4 steps with automatic, then manual optimization
 

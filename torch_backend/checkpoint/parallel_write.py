@@ -7,8 +7,8 @@ P('shard')), [shard])`` over a mesh of one CPU device per process, so each rank 
 shard and Orbax writes each shard from the process that holds it. A keep-gathered chunk is replicated
 (``P()``) and written once. Under hybrid sharding (``meta.replicas = R > 1``) the mesh is 2-D,
 ``('replica', 'shard')`` of shape ``(R, S)`` (rank ``g·S + q`` at ``[g, q]``), and a shard is replicated
-over ``'replica'``: Orbax writes each shard once, from its replica-0 copy (ranks ``0 … S-1``). The write itself — checks, commit, keep-last-N — is
-:func:`chunkzero.checkpoint.orbax_store.save_step`.
+over ``'replica'``: Orbax writes each shard once, from its replica-0 copy (ranks ``0 … S-1``). The write
+itself — checks, commit, keep-last-N — is :func:`chunkzero.checkpoint.orbax_store.save_step`.
 
 Every wait for the other processes is bounded by ``timeout_s``: the start of ``jax.distributed``, each
 Orbax barrier of a save, and the shutdown barrier at the process's exit. A rank that died therefore
