@@ -291,7 +291,7 @@ def _finish_at_exit() -> None:
         try:
             m.manager.wait_until_finished()
             m.manager.close()
-        except Exception as e:  # noqa: BLE001 - pragma: no cover - exit path
+        except Exception as e:  # pragma: no cover - exit path  # noqa: BLE001 - atexit: logs, must not raise
             logger.error("pending checkpoint save failed at exit: %s", e)
 
 

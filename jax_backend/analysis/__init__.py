@@ -18,7 +18,7 @@ One concern per module:
 """
 
 from .compare import (
-    MIB,  # noqa: F401  -- re-exported: MiB, the unit of the comparison tables
+    MIB,  # noqa: F401 - re-exported: MiB, the unit of the comparison tables
     LayoutComparison,
     LayoutRow,
     chunk_size_sweep,
