@@ -57,7 +57,7 @@ from .pinned import arena_bytes
 from .module_layout import ParamGroups, build_layout, collect_parameters
 from .runtime import ChunkRuntime, Entry
 from .topology import Topology, build_topology
-from .torch_internals import under_torch_compile
+from .torch_internals import compile_frame_callback
 from .schedule import Scheduler
 from .state_dict import full_state_dict, load_full_state_dict
 
@@ -161,6 +161,7 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
         self.mixed_precision_policy: MixedPrecision = resolve_mixed_precision(mixed_precision)
         """The dtype of chunks, compute and gradient reduction (see :attr:`mixed_precision`)."""
+        self._compute_dtype = TORCH_DTYPES[self.mixed_precision_policy.dtype_name]
         self.prefetch_policy: PrefetchPolicy = resolve_prefetch(prefetch, reshard_after_forward)
         """How far chunks are gathered ahead, and whether forward releases them."""
         self.placement_policy: PlacementPolicy = resolve_placement(
@@ -191,7 +192,7 @@ class ZeroDDP(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The torch dtype of the chunks, the computation and the gradient reduction."""
-        return TORCH_DTYPES[self.mixed_precision_policy.dtype_name]
+        return self._compute_dtype
 
     @property
     def prefetch(self) -> int:
@@ -311,10 +312,13 @@ class ZeroDDP(nn.Module):
         runtime = ChunkRuntime(self.module, self.layout, self.chunks, entries, scheduler,
                                find_unused_parameters=self.find_unused_parameters,
                                reshard_after_forward=self.reshard_after_forward)
+        self._scheduler = scheduler
         if budget_bytes is None:
             return runtime, None
-        return runtime, AutoPlacement(self.chunks, scheduler, runtime, placements=self._static_placements,
-                                      device=self.device, budget_bytes=budget_bytes, prefetch=self.prefetch)
+        placement = AutoPlacement(self.chunks, scheduler.orders, placements=self._static_placements,
+                                  device=self.device, budget_bytes=budget_bytes, prefetch=self.prefetch)
+        scheduler.set_policy(placement)
+        return runtime, placement
 
     # ================================================================== forward / backward
     def forward(self, *args, **kwargs):
@@ -329,7 +333,7 @@ class ZeroDDP(nn.Module):
             PlacementBudgetError: ``placement="auto"``: after the warm-up, the budget cannot hold some
                 chunk access (the chunk plus the non-model memory there; both numbers named).
         """
-        if under_torch_compile():
+        if torch.compiler.is_compiling() or compile_frame_callback() is not None:
             raise ConfigError("torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
                               "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)")
         self._runtime.finish_aborted_backward()
@@ -337,7 +341,11 @@ class ZeroDDP(nn.Module):
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         if self.auto_placement is not None:
             self._runtime.raise_pending_error()
-            self.auto_placement.before_forward(torch.is_grad_enabled())
+            grad_enabled = torch.is_grad_enabled()
+            if self.auto_placement.replans(grad_enabled):
+                self._scheduler.wait_all()
+            self.auto_placement.before_forward(grad_enabled)
+            self._runtime.count_saved_activations(self.auto_placement.saved_counter)
         return self._runtime.forward(args, kwargs)
 
     def _cast_input(self, x):
@@ -388,7 +396,7 @@ class ZeroDDP(nn.Module):
     def synchronize(self) -> None:
         """Wait for every collective in flight (prefetched gathers, gradient reductions) and, with
         ``placement="auto"`` on CUDA, every placement copy."""
-        self._runtime.sched.wait_all()
+        self._scheduler.wait_all()
         if self.auto_placement is not None:
             self.auto_placement.synchronize()
 
@@ -396,10 +404,7 @@ class ZeroDDP(nn.Module):
         """Complete every gradient reduction (collective): waits for those in flight, and reduces
         gradients still accumulated locally (backwards that ran under :meth:`no_sync`)."""
         self._runtime.finish_aborted_backward()
-        sched = self._runtime.sched
-        sched.wait_all()
-        sched.final_reduce()
-        sched.wait_all()
+        self._scheduler.finish_gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the shards are always dropped
         """Drop all accumulated gradients (buffers, reductions in flight and fp32 gradient shards)."""
@@ -425,8 +430,8 @@ class ZeroDDP(nn.Module):
         c = self.chunks[chunk]
         if c.master is None:
             return None
-        c.finish_reduces()
-        c.finish_host_gradients()
+        c.gradient.finish_reduces()
+        c.gradient.finish_host_gradients()
         return c.master.grad
 
     def load_master_shard(self, chunk: int, shard: torch.Tensor) -> None:
@@ -491,7 +496,7 @@ class ZeroDDP(nn.Module):
         """
         return MemoryReport.collect(self.chunks, self.device, optimizer, offload_optim_chunks=self.offload_optim_chunks,
                                     offload_param_chunks=self.offload_param_chunks,
-                                    peak_gathered_chunks=self._runtime.sched.peak_gathered, tracker=self.allocations,
+                                    peak_gathered_chunks=self._scheduler.peak_gathered, tracker=self.allocations,
                                     **arena_bytes(self.device))
 
     def reset_peak_memory(self) -> None:
@@ -513,10 +518,7 @@ class ZeroDDP(nn.Module):
         and the bytes of the chunk collectives per level (``intra``: the shard group, ``inter``: the replica
         group), ``*_payload_bytes`` (their full buffers) and ``*_sent_bytes`` (what this rank sends under the
         ring algorithm; :class:`~torch_backend.zero.topology.CollectiveBytes`)."""
-        s = self._runtime.sched
-        return {"rounds": s.rounds, "gathers": s.gathers, "misses": s.misses, "late_gathers": s.late_gathers,
-                "peak_gathered_chunks": s.peak_gathered, "order_recordings": sum(o.recordings for o in s.orders.values()),
-                **self.topology.bytes.as_stats()}
+        return {**self._scheduler.stats(), **self.topology.bytes.as_stats()}
 
     def extra_repr(self) -> str:
         return (
