@@ -33,6 +33,8 @@ class TensorState(enum.Enum):
     READY_FOR_REDUCE = 4
     """Gradient final for this backward; the chunk is reduced once all its tensors are here."""
 
+    __hash__ = object.__hash__  # members are singletons: identity, hashed in C (Enum's own hash is Python code)
+
 
 S = TensorState
 

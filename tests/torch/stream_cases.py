@@ -44,9 +44,10 @@ def finish_reduces_before_the_fix(self) -> None:
         return
     c = self._chunk
     for pending, out in self.reductions:
-        if pending is not None and self._streams and c.master_device.type == "cpu":
+        if self._streams and c.master_device.type == "cpu":
             with collectives.communication_stream(out):
-                pending.wait()
+                if pending is not None:
+                    pending.wait()
                 staging = host_empty(out.numel(), out.dtype, c.device)
                 staging.copy_(out, non_blocking=True)
                 done = collectives.record_event(collectives.compute_stream(out))

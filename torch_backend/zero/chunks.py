@@ -161,6 +161,8 @@ class Chunk:
         """The chunk's gradient on this rank (:class:`ChunkGradient`);
         ``None`` for a frozen chunk."""
         self._gather: collectives.Pending | None = None
+        self.gather_in_flight = False
+        """Whether a gather was issued and not yet waited for."""
 
         # the chunk's life between gathers (module docstring): first use, saved references, pin
         self._used_since_gather = self.resident
@@ -174,10 +176,11 @@ class Chunk:
         if self.resident:
             # a keep-gathered frozen chunk stored in another dtype: the compute-dtype copy lives beside it
             self.buffer = self.shard.to(self.dtype) if self.casts_frozen else self.shard
-            self._gathered = True
+            self.is_gathered = True
+            """Whether the full chunk is present and its gather complete (always for resident chunks)."""
         else:
             self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
-            self._gathered = False
+            self.is_gathered = False
         self.storage_key = storage_key(self.buffer)
         """Identity of the gathered buffer's storage (views of it found by the backward's pack hook)."""
         # Each parameter holds its view of the buffer while the chunk is gathered, and a placeholder
@@ -213,16 +216,6 @@ class Chunk:
                 self._persistent_keys[slot] = self.tracker.add(kind, t.device, t.numel() * t.element_size())
 
     # ------------------------------------------------------------------ gather / release
-    @property
-    def is_gathered(self) -> bool:
-        """Whether the full chunk is present and its gather complete (always for resident chunks)."""
-        return self._gathered
-
-    @property
-    def gather_in_flight(self) -> bool:
-        """Whether a gather was issued and not yet waited for."""
-        return self._gather is not None
-
     def _gather_source(self) -> torch.Tensor:
         if self.shard is None:
             return self.tracker.track(self.master.detach().to(self.device, self.dtype), "staging")
@@ -240,23 +233,25 @@ class Chunk:
             return
         if self._gather is not None:
             self.finish_gather()
-        if not self._gathered:
+        if not self.is_gathered:
             nbytes = self.size * self.buffer.element_size()
             self.buffer.untyped_storage().resize_(nbytes)
             self._gathered_key = self.tracker.add("gathered_buffers", self.buffer.device, nbytes)
             self._point_params(gathered=True)
         self.topology.count(INTRA, "all_gather", self.size * self.buffer.element_size())
+        self.gather_in_flight = True
         self._gather = collectives.all_gather_flat(self.buffer, self._gather_source(), self.group, async_op=async_op,
                                                    tracker=self.tracker)
 
     def finish_gather(self) -> None:
         """Wait for the issued gather; tensors move FREE → HOLD."""
         pending, self._gather = self._gather, None
+        self.gather_in_flight = False
         if pending is None:
             return
         pending.wait()
-        if not self._gathered:
-            self._gathered = True
+        if not self.is_gathered:
+            self.is_gathered = True
             self.states.transition_all(S.HOLD, only_from=S.FREE)
 
     def release(self) -> bool:
@@ -275,14 +270,14 @@ class Chunk:
             return False
         if self._gather is not None:
             self.finish_gather()
-        if not self._gathered:
+        if not self.is_gathered:
             return False
         self.states.transition_all(S.FREE, only_from=_IN_GATHERED)
         self._point_params(gathered=False)  # before the storage goes: no parameter ever points past it
         self.buffer.untyped_storage().resize_(0)
         self.tracker.free(self._gathered_key)
         self._gathered_key = None
-        self._gathered = False
+        self.is_gathered = False
         self._used_since_gather = False
         self._pin = None
         return True
@@ -360,7 +355,7 @@ class Chunk:
     @property
     def idle(self) -> bool:
         """Gathered, sharded, and no tensor in use: it may be released."""
-        return self._gathered and not self.resident and self.states.can_release
+        return self.is_gathered and not self.resident and self.states.can_release
 
     def release_if_idle(self) -> None:
         """Release the chunk if it is :attr:`idle` (a backward's release point)."""
@@ -378,7 +373,7 @@ class Chunk:
         with ``release``, release the chunk unless pinned (also a gather still in flight:
         prefetched, then not used)."""
         states = self.states
-        if self._gathered:
+        if self.is_gathered:
             states.transition_all(S.HOLD)
         else:
             states.transition_all(S.HOLD, only_from=S.COMPUTE)  # no longer used: COMPUTE → HOLD → FREE
@@ -596,19 +591,19 @@ class ChunkGradient:
         c = self._chunk
         to_host = self._streams and c.master_device.type == "cpu"
         for pending, out in self.reductions:
-            if pending is None:
-                self._accumulate(out.to(c.master_device, torch.float32))
-            elif to_host:
+            if to_host:
                 with collectives.communication_stream(out):
                     comm = collectives.compute_stream(out)  # the current stream: the communication one
-                    pending.free_after(comm)
-                    pending.wait()
+                    if pending is not None:  # None: one rank, nothing was exchanged
+                        pending.free_after(comm)
+                        pending.wait()
                     staging = c.tracker.track(host_empty(out.numel(), out.dtype, c.device), "staging")
                     staging.copy_(out, non_blocking=True)
                     done = collectives.record_event(comm)
                 self._to_host.append((staging, done, out))
             else:
-                pending.wait()
+                if pending is not None:
+                    pending.wait()
                 self._accumulate(out.to(c.master_device, torch.float32))
         self.reductions.clear()
         if not self._to_host:

@@ -101,18 +101,20 @@ class ParamAccessMode(TorchFunctionMode):
         if runtime.in_engine:  # the engine's own tensor work inside a hook: nothing to gather
             return func(*args, **kwargs)
         lookup = runtime.entries_by_id
-        by_storage = runtime.chunk_by_storage
         found = None
         views = None
-        for a in (*args, *kwargs.values()):
-            for b in a if type(a) in (list, tuple) else (a,):
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for b in a if type(a) is tuple or type(a) is list else (a,):
                 e = lookup.get(id(b))
-                if e is not None and e.param is b:
-                    found = [e] if found is None else found + [e]
-                elif by_storage and isinstance(b, torch.Tensor):
-                    c = by_storage.get(storage_key(b))
-                    if c is not None and not c.is_gathered:
-                        views = [c] if views is None else views + [c]
+                if e is not None:
+                    if e.param is b:
+                        found = [e] if found is None else found + [e]
+                elif isinstance(b, torch.Tensor):
+                    base = b._base  # a view of a parameter (``w.t()``) taken while its chunk was gathered
+                    if base is not None:
+                        e = lookup.get(id(base))
+                        if e is not None and e.param is base and not e.chunk.is_gathered:
+                            views = [e.chunk] if views is None else views + [e.chunk]
         if found is None and views is None:
             return func(*args, **kwargs)
         if _func_name(func) in _METADATA_ONLY:

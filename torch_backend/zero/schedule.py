@@ -54,6 +54,8 @@ class Phase(enum.Enum):
     OUTSIDE = "outside"
     """A submodule called directly under ``no_grad`` (``model.module.generate(...)``)."""
 
+    __hash__ = object.__hash__  # members are singletons: identity, hashed in C
+
 
 FORWARD, BACKWARD, OUTSIDE = Phase.FORWARD, Phase.BACKWARD, Phase.OUTSIDE
 
@@ -277,7 +279,7 @@ class Scheduler:
         return c.is_gathered or c.gather_in_flight
 
     def gathered_count(self) -> int:
-        return sum(1 for c in self.chunks if not c.resident and (c.is_gathered or c.gather_in_flight))
+        return len([c for c in self.chunks if not c.resident and (c.is_gathered or c.gather_in_flight)])
 
     # ------------------------------------------------------------------ reductions
     def mark_ready(self, chunk: Chunk) -> None:
