@@ -21,7 +21,7 @@ from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
 from . import collectives
 from .memory import AllocationTracker
 from .pinned import copied, host_empty
-from .topology import INTER, INTRA, Topology, build_topology
+from .sharding_groups import INTER, INTRA, ShardingGroups, build_sharding_groups
 from .torch_internals import storage_key
 
 S = TensorState
@@ -68,7 +68,7 @@ class Chunk:
         master_device: device of the fp32 master shard, its gradient and optimizer state (``cpu``
             when optimizer-offloaded); ignored for a frozen chunk.
         group: the shard group (the process group the chunk is sharded over) or ``None`` (one rank).
-        topology: the engine's :class:`~torch_backend.zero.topology.Topology` (hybrid sharding: the
+        sharding_groups: the engine's :class:`~torch_backend.zero.sharding_groups.ShardingGroups` (hybrid sharding: the
             replica group the reduced shard is all-reduced over; the collective bytes counted);
             default: flat over ``group``.
         divide_first: divide gradients by the world size before reducing (fp16).
@@ -101,11 +101,11 @@ class Chunk:
         movable: bool = False,
         compute_dtype: torch.dtype | None = None,
         tracker: AllocationTracker | None = None,
-        topology: Topology | None = None,
+        sharding_groups: ShardingGroups | None = None,
     ):
         info = layout.chunks[index]
-        self.topology = topology if topology is not None else build_topology(group, None)
-        """The shard group and replica group (:mod:`torch_backend.zero.topology`)."""
+        self.sharding_groups = sharding_groups if sharding_groups is not None else build_sharding_groups(group, None)
+        """The shard group and replica group (:mod:`torch_backend.zero.sharding_groups`)."""
         self.tracker = tracker if tracker is not None else AllocationTracker()
         """Where the chunk's allocations are counted (:class:`~torch_backend.zero.memory.AllocationTracker`)."""
         self._persistent_keys: dict[str, int] = {}
@@ -130,7 +130,8 @@ class Chunk:
         self.shard_start, self.shard_stop = layout.shard_range(index, rank)
         self.valid_numel = layout.valid_length(index, rank)
         self.keep_gathered = info.keep_gathered
-        self.placements: tuple[TensorPlacement, ...] = layout.chunk_tensors(index)
+        self.tensors: tuple[TensorPlacement, ...] = layout.chunk_tensors(index)
+        """The chunk's tensors: each one's name, shape and offset in the chunk."""
         self.params = params
         self.param_offloaded = bool(param_offloaded) and not self.keep_gathered
         self.movable = movable
@@ -186,7 +187,7 @@ class Chunk:
         # Each parameter holds its view of the buffer while the chunk is gathered, and a placeholder
         # of its full shape while it is released (module docstring): both made once, swapped by
         # ``.data`` assignments (a few per gather and release).
-        self._param_views = [(params[t.name], self.buffer[t.offset : t.end].view(t.shape)) for t in self.placements]
+        self._param_views = [(params[t.name], self.buffer[t.offset : t.end].view(t.shape)) for t in self.tensors]
         self._param_placeholders = [(p, _released_placeholder(v)) for p, v in self._param_views]
         self._point_params(gathered=self.resident)
         if not self.resident:
@@ -238,7 +239,7 @@ class Chunk:
             self.buffer.untyped_storage().resize_(nbytes)
             self._gathered_key = self.tracker.add("gathered_buffers", self.buffer.device, nbytes)
             self._point_params(gathered=True)
-        self.topology.count(INTRA, "all_gather", self.size * self.buffer.element_size())
+        self.sharding_groups.count(INTRA, "all_gather", self.size * self.buffer.element_size())
         self.gather_in_flight = True
         self._gather = collectives.all_gather_flat(self.buffer, self._gather_source(), self.group, async_op=async_op,
                                                    tracker=self.tracker)
@@ -255,13 +256,9 @@ class Chunk:
             self.states.transition_all(S.HOLD, only_from=S.FREE)
 
     def release(self) -> bool:
-        """Free the gathered buffer's storage (sharded chunks only), also of a gather still in flight
-        (waited for first: never free a buffer a collective is writing); tensors HOLD → FREE. A
-        tensor whose gradient is already final stays READY_FOR_REDUCE: readiness is about the
-        gradient, not the gathered data, and a chunk released in the middle of its backward (its
-        last saved weight freed before its last gradient arrived) must still become reducible when
-        its other tensors' gradients arrive — else its gradient buffer waits for the end of the
-        backward. Returns whether there was a buffer to free.
+        """Free the gathered buffer's storage (sharded chunks; a gather in flight is waited for first);
+        tensors HOLD → FREE, READY_FOR_REDUCE ones stay (their gradient is final whatever the data).
+        Returns whether there was a buffer to free.
 
         Raises:
             IllegalTransitionError: a tensor is still in use (COMPUTE).
@@ -498,8 +495,8 @@ class ChunkGradient:
         self.reductions: list[tuple[collectives.Pending | None, torch.Tensor]] = []
         """Reductions issued and not yet added into ``master.grad``: ``(pending, output shard)``."""
         self._to_host: list[tuple[torch.Tensor, object, torch.Tensor]] = []
-        self._spans = {t.name: (t.offset, t.offset + t.numel) for t in chunk.placements}
-        whole = [t.name for t in chunk.placements if t.offset == 0 and t.offset + t.numel == chunk.size]
+        self._spans = {t.name: (t.offset, t.offset + t.numel) for t in chunk.tensors}
+        whole = [t.name for t in chunk.tensors if t.offset == 0 and t.offset + t.numel == chunk.size]
         self._whole = whole[0] if whole else None
         """The tensor that is the whole chunk (no padding), whose gradient is adopted as the buffer."""
         self._streams = collectives.uses_streams(chunk.device)
@@ -551,7 +548,7 @@ class ChunkGradient:
             buf[c.size - c.padding_numel :].zero_()
         self.buffer = None
         self._written = set()
-        tracker, topo = c.tracker, c.topology
+        tracker, topo = c.tracker, c.sharding_groups
         tracker.track(buf, "reduce_inputs")
         if topo.world_size == 1:  # one rank: the average is the buffer itself
             self.reductions.append((None, buf))

@@ -113,7 +113,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.max_norm = None if max_norm is None else float(max_norm)
         self._chunks = [c for c in model.chunks if c.requires_grad]
         self._world_size = model.world_size
-        self._counts_norm = model.topology.replica_index == 0
+        self._counts_norm = model.sharding_groups.replica_index == 0
         if not self._chunks:
             raise ConfigError("the model has no trainable parameters")
         if params is not None and param_groups is not None:

@@ -64,12 +64,13 @@ def _tensors_in(out) -> list[torch.Tensor]:
 
 
 class Entry:
-    """A managed parameter: its object, primary name, tensor index, chunk and placement."""
+    """A managed parameter: its object, primary name, index in the layout, chunk and its place in the chunk
+    (``tensor``, the layout's :class:`chunkzero.TensorPlacement`)."""
 
-    __slots__ = ("chunk", "index", "name", "param", "placement")
+    __slots__ = ("chunk", "index", "name", "param", "tensor")
 
-    def __init__(self, param, name, index, chunk, placement):
-        self.param, self.name, self.index, self.chunk, self.placement = param, name, index, chunk, placement
+    def __init__(self, param, name, index, chunk, tensor):
+        self.param, self.name, self.index, self.chunk, self.tensor = param, name, index, chunk, tensor
 
 
 # Tensor attributes and methods that read only metadata (right on a released parameter): no gather.
@@ -340,7 +341,7 @@ class ChunkRuntime:
         c = e.chunk
         used = self._fwd_used.setdefault(c.index, set())
         used.add(e.name)
-        if self._release_in_forward and len(used) == len(c.placements) and c.idle:
+        if self._release_in_forward and len(used) == len(c.tensors) and c.idle:
             if self._keep_for_backward and c.index in self._keep_for_backward and self.sched.last_use(FORWARD, c.index):
                 return  # the backward starts with it (a tied output head): keep it rather than gather it again
             c.release()
@@ -561,7 +562,7 @@ class ChunkRuntime:
                     if unused and not self.find_unused_parameters:
                         error = UnusedParameterError(
                             f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: "
-                            + ", ".join(e.name + (f" (alias {', '.join(e.placement.aliases)})" if e.placement.aliases else "")
+                            + ", ".join(e.name + (f" (alias {', '.join(e.tensor.aliases)})" if e.tensor.aliases else "")
                                         for e in unused)
                             + ". Make every parameter take part in the loss, freeze it (requires_grad=False) before "
                             "wrapping, or pass find_unused_parameters=True to reduce a zero gradient for it.")

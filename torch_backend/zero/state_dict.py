@@ -26,7 +26,7 @@ def full_state_dict(model) -> OrderedDict[str, torch.Tensor]:
     params: dict[str, torch.Tensor] = {}
     for c in model.chunks:
         full = chunk_io.gather_master(c)
-        for t in c.placements:
+        for t in c.tensors:
             value = full[t.offset : t.end].view(t.shape).to("cpu", copy=True)
             for n in t.names:
                 params[n] = value
@@ -81,7 +81,7 @@ def load_full_state_dict(model, state_dict: dict[str, Any], strict: bool = True)
             + (f"unexpected keys: {unexpected}." if unexpected else "")
         )
     for c in model.chunks:
-        values = {t.name: chosen[t.name] for t in c.placements if t.name in chosen}
+        values = {t.name: chosen[t.name] for t in c.tensors if t.name in chosen}
         if values:
             c.load_master(chunk_io.shard_from_full(c, values, base=c.master_values()))
     with torch.no_grad():
