@@ -26,7 +26,9 @@ no chunk state of its own.
   agreement on unused parameters, the remaining reductions, releases, placeholders.
 
 Hook code runs with :attr:`ChunkRuntime.in_engine` set, so the torch calls it makes on chunk buffers
-bypass the access mode.
+bypass the access mode. After a backward each parameter that received a gradient holds a
+:class:`ShardedGradPlaceholder` in ``.grad``: the gradient lives in the chunk shards, so a plain torch
+optimizer or ``clip_grad_norm_`` over ``model.parameters()`` raises instead of doing nothing.
 """
 
 from __future__ import annotations
