@@ -10,7 +10,7 @@ STAMP := $(VENV)/.chunkzero-installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?= -n auto
 
-.PHONY: setup train test clean-venv
+.PHONY: setup train test test-fast lint clean-venv
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# ruff's rules are in pyproject.toml ([tool.ruff]).
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 clean-venv:
 	rm -rf $(VENV)

@@ -48,8 +48,8 @@ from .train.process_exit import exit_without_finalization
 __all__ = ["close_rank_pools", "enable_rank_pools", "run_distributed"]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple, env: dict, timeout: float,
-           backend: str = "gloo"):
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple, env: dict,
+           timeout: float, backend: str = "gloo"):
     os.environ.update(env)
     import torch
 
@@ -129,11 +129,13 @@ def _decode(obj: Any) -> Any:
 def _load_results(out_dir: str, world_size: int) -> list[Any]:
     import torch
 
-    return [_decode(torch.load(os.path.join(out_dir, f"{rank}.pt"), weights_only=True)) for rank in range(world_size)]
+    paths = [os.path.join(out_dir, f"{rank}.pt") for rank in range(world_size)]
+    return [_decode(torch.load(path, weights_only=True)) for path in paths]
 
 
 def _timeout_error(fn: Callable, world_size: int, timeout: float) -> TimeoutError:
-    return TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)} (world size {world_size}) exceeded {timeout}s")
+    name = getattr(fn, "__name__", fn)
+    return TimeoutError(f"distributed run of {name} (world size {world_size}) exceeded {timeout}s")
 
 
 # ------------------------------------------------------------------------------------------ rank pools
@@ -171,7 +173,7 @@ def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> Non
             result = _call(fn, rank, world_size, args, head["init_file"], head["timeout"], backend)
             _end_group()
             torch.save(_encode(result), os.path.join(head["out_dir"], f"{rank}.pt"))
-        except BaseException:
+        except BaseException:  # noqa: BLE001  (reported to the test process, which discards the pool)
             conn.send_bytes(json.dumps({"error": traceback.format_exc()}).encode())
             break  # the group may be broken: the pool is discarded
         del fn, args, result
