@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkzero-installed
 TORCH_VERSION ?= 2.13.0
-PYTEST_ARGS ?= -n auto
+PYTEST_ARGS ?= -n auto --dist loadgroup --no-loadscope-reorder
 
 .PHONY: setup train test test-fast lint clean-venv
 

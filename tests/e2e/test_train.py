@@ -17,15 +17,10 @@ from pathlib import Path
 import pytest
 
 from .exit_probe import clean_exits, markers
-from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, make_corpus, read_metrics, run_train
+from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, read_metrics, run_train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HOOKED_TRAIN = Path(__file__).with_name("hooked_train.py")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture

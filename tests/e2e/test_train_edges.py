@@ -19,7 +19,7 @@ import pytest
 
 from chunkzero.train_config import TrainConfig, lr_at
 
-from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
+from .helpers import SMALL, describe, read_metrics, run_train
 
 STEPS = 4
 WARMUP, LR = 2, 3e-3  # SMALL's
@@ -34,11 +34,6 @@ def tree_hash(root: Path) -> str:
         if p.is_file() and not p.is_symlink():
             h.update(p.read_bytes())
     return h.hexdigest()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

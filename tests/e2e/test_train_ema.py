@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from .helpers import SMALL, clean_env, describe, make_corpus, read_metrics, run_train
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+from .helpers import SMALL, clean_env, describe, read_metrics, run_train
 
 
 def test_train_with_ema_evaluates_both_and_resumes(corpus, tmp_path):

@@ -11,12 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+from .helpers import SMALL, describe, read_metrics, run_train
 
 
 @pytest.fixture(scope="module")
