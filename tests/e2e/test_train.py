@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_models import HF_GPT2_FOR_TRAIN, hf_gpt2_config
 
 from .exit_probe import clean_exits, markers
 from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, read_metrics, run_train
@@ -112,8 +113,7 @@ def test_hugging_face_model_directory(corpus, tmp_path):
     import torch
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                     bos_token_id=0, eos_token_id=0)
+    config = hf_gpt2_config(HF_GPT2_FOR_TRAIN)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf-model")
     assert (tmp_path / "hf-model" / "model.safetensors").is_file()
     out = tmp_path / "run"
@@ -172,8 +172,7 @@ def test_fp16_that_cannot_make_progress_stops_the_run(corpus, tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                     bos_token_id=0, eos_token_id=0)
+    config = hf_gpt2_config(HF_GPT2_FOR_TRAIN)
     model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():
         model.transformer.wte.weight.fill_(1e6)  # finite in fp32, inf once cast to fp16
