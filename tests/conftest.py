@@ -42,10 +42,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def rank_pools():
     """``run_distributed`` reuses its ranks across the tests of this process (one pool per world size;
-    under pytest-xdist, per worker): the processes' start (importing torch) is paid once, not per test."""
+    under pytest-xdist, per worker): the processes' start (importing torch) is paid once, not per test.
+    ``CHUNKZERO_RANK_POOLS=0`` spawns ranks for every call instead (to compare, or to rule pools out)."""
     from torch_backend._testing import close_rank_pools, enable_rank_pools
 
-    enable_rank_pools()
+    if os.environ.get("CHUNKZERO_RANK_POOLS", "1") != "0":
+        enable_rank_pools()
     yield
     close_rank_pools()
 
