@@ -207,6 +207,7 @@ def test_inspect(trained, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_save_interval_resume_and_export(tmp_path):
     """``chunkzero train --save-interval`` writes checkpoints; ``--resume`` continues bitwise from the
     latest (steps 5-6 after resuming at 4 equal the uninterrupted run's); ``chunkzero export`` reads them."""

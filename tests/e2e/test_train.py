@@ -51,6 +51,7 @@ def _check_run(out: Path, steps: int, world_size: int) -> tuple[list[dict], list
     return train, val
 
 
+@pytest.mark.slow
 def test_train_two_gloo_workers(corpus, tmp_path, held_run):
     """The main path; ``--out`` holds an earlier run, which ``--overwrite`` replaces."""
     out = held_run
@@ -64,6 +65,7 @@ def test_train_two_gloo_workers(corpus, tmp_path, held_run):
     assert "summary" in proc.stderr and "tokens/s" in proc.stderr
 
 
+@pytest.mark.slow
 def test_same_seed_same_world_size_same_losses(corpus, tmp_path):
     args = ["--data", str(corpus), *SMALL, "--steps", "8", "--eval-interval", "4", "--sample-tokens", "0",
             "--seed", "7"]
@@ -77,6 +79,7 @@ def test_same_seed_same_world_size_same_losses(corpus, tmp_path):
     assert len(set(losses[0][0])) > 1
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_on_a_bin_token_file(corpus, tmp_path):
     """Two torchrun "nodes" on this machine (static rendezvous on localhost), one worker each, reading a
     nanoGPT-format train.bin with its val.bin."""
@@ -108,6 +111,7 @@ def test_torchrun_two_nodes_on_a_bin_token_file(corpus, tmp_path):
     assert json.loads((out / "summary.json").read_text())["data"]["val_tokens"] == 20_000
 
 
+@pytest.mark.slow
 def test_hugging_face_model_directory(corpus, tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
@@ -129,6 +133,7 @@ def _chunks_logged(stderr: str) -> int:
     return int(m.group(1))
 
 
+@pytest.mark.slow
 def test_default_run_shows_chunked_zero3(tmp_path):
     """The default model at the searched chunk size spans at least 4 chunks on the default 2 workers; the
     summary gives the chunk count, each rank's shard (half of the parameters) and the peak gathered."""
@@ -148,6 +153,7 @@ def test_default_run_shows_chunked_zero3(tmp_path):
     assert "shard per rank" in table and "peak gathered" in table
 
 
+@pytest.mark.slow
 def test_more_workers_than_cores_run_oversubscribed(tmp_path):
     """``--nproc 3`` on 2 cores (the child is pinned to 2 of this machine's cores): a one-line warning,
     then 3 workers of 1 thread each train the default model."""
@@ -165,6 +171,7 @@ def test_more_workers_than_cores_run_oversubscribed(tmp_path):
     assert summary["world_size"] == 3 and len(summary["peak_memory"]) == 3
 
 
+@pytest.mark.slow
 def test_fp16_that_cannot_make_progress_stops_the_run(corpus, tmp_path):
     """A model whose fp16 forward overflows (embeddings of 1e6 > the fp16 maximum): every step is skipped,
     the loss scale halves from 2**16 to its minimum 1 by step 17, and the 10th skip at scale 1 (step 27)
@@ -190,6 +197,7 @@ def test_fp16_that_cannot_make_progress_stops_the_run(corpus, tmp_path):
     assert [r["loss_scale"] for r in train][15:18] == [2.0, 1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus, tmp_path):
     """Steps 1-2 on 2 workers, a resume from step 2 on 1 worker (steps 3-4), then from step 4 on 2 workers
     (steps 5-6): ``tokens`` adds each session's own tokens per step, ``time_s`` keeps growing."""
@@ -217,6 +225,7 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
                                      "world", "size)"], steps_row  # not 6 × 256: the sessions' sizes differed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["chunkzero", "torchrun"])
 def test_workers_end_without_interpreter_finalization(launcher, corpus, tmp_path):
     """Each worker runs its exit hooks (``threading``'s, ``atexit``'s) and then leaves without finalizing the
@@ -236,6 +245,7 @@ def test_workers_end_without_interpreter_finalization(launcher, corpus, tmp_path
 
 # ------------------------------------------------------------------------------------------ a dying worker
 
+@pytest.mark.slow
 def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
     out = tmp_path / "run"
     bound_s = 60.0
@@ -267,6 +277,7 @@ def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
     assert f"pid {pid}" in last
 
 
+@pytest.mark.slow
 def test_killed_worker_under_torchrun(corpus, tmp_path):
     """Under torchrun the same death ends the run (torchrun's agent reports the rank), within the bound.
     Rank 1 kills itself after step 3 through an ``on_step_end`` hook (``hooked_train.py``)."""

@@ -82,6 +82,7 @@ RESUME_REFUSALS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(RESUME_REFUSALS))
 def test_refused_resume_changes_nothing_and_starts_no_worker(case, corpus, checkpointed, monkeypatch, capsys):
     extra, expected = RESUME_REFUSALS[case]
@@ -114,6 +115,7 @@ def _lrs(out: Path) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in read_metrics(out)[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["keep", "stretch"])
 def test_resume_to_more_steps_keeps_or_stretches_the_schedule(schedule, corpus, checkpointed, tmp_path):
     """``--steps`` grown at ``--resume``: ``keep`` (the default) goes on with the saved schedule, which has
