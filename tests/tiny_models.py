@@ -26,13 +26,6 @@ def gpt_config(**overrides):
     return GPTConfig(**{**GPT_TINY, **overrides})
 
 
-def gpt(**overrides):
-    """A ``GPT`` of :func:`gpt_config` (``overrides``), initialized from torch's current RNG."""
-    from torch_backend.train.gpt import GPT
-
-    return GPT(gpt_config(**overrides))
-
-
 def hf_gpt2_config(base: dict = HF_GPT2_TINY, **overrides):
     """``transformers.GPT2Config`` of ``base`` (:data:`HF_GPT2_TINY`) with ``overrides``."""
     import transformers
