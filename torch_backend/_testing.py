@@ -162,6 +162,7 @@ def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> Non
         sys.path[:] = head["sys_path"]
         os.environ.clear()
         os.environ.update(head["environ"])
+        os.environ.update(env)  # run_distributed's env= wins over the caller's, as in a spawned rank
         os.chdir(head["cwd"])
         torch.seed()  # a spawned process starts from a nondeterministic seed too
         torch.set_default_dtype(fresh_dtype)

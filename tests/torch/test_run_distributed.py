@@ -47,6 +47,7 @@ def exit_probe_with_thread(rank: int, world: int, marker_dir: str) -> int:
 def state_rank(rank: int, world: int, mess: bool) -> dict:
     """What a rank sees of its process; with ``mess``, it changes all of it afterwards."""
     seen = {"pid": os.getpid(), "cwd": os.getcwd(), "probe": os.environ.get("POOL_PROBE"),
+            "given": os.environ.get("POOL_GIVEN"),
             "dtype": str(torch.get_default_dtype()), "grad": torch.is_grad_enabled(),
             "threads": torch.get_num_threads(), "world": dist.get_world_size(), "rank": dist.get_rank()}
     if mess:
@@ -68,20 +69,21 @@ def fail_on_rank_1(rank: int, world: int) -> int:
 
 def test_pooled_ranks_are_reused_and_look_fresh(tmp_path, monkeypatch):
     """Two calls run in the same processes; the second sees a spawned rank's state (the caller's
-    environment and directory, torch's default dtype, grad mode and thread count), not the
-    first's changes; a spawned run is the reference."""
+    environment with ``env=`` over it, the caller's directory, torch's default dtype, grad mode and
+    thread count), not the first's changes; a spawned run is the reference."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("POOL_PROBE", "caller's")
-    want = run_distributed(state_rank, 2, False, fresh=True)
-    first = run_distributed(state_rank, 2, True)
-    second = run_distributed(state_rank, 2, False)
+    given = {"POOL_GIVEN": "by env="}
+    want = run_distributed(state_rank, 2, False, fresh=True, env=given)
+    first = run_distributed(state_rank, 2, True, env=given)
+    second = run_distributed(state_rank, 2, False, env=given)
     assert [r["pid"] for r in first] == [r["pid"] for r in second] != [r["pid"] for r in want]
     for got in (first, second):
         for rank in range(2):
             g, w = dict(got[rank]), dict(want[rank])
             g.pop("pid"), w.pop("pid")
-            assert g == w == {"cwd": str(tmp_path), "probe": "caller's", "dtype": "torch.float32", "grad": True,
-                              "threads": 1, "world": 2, "rank": rank}
+            assert g == w == {"cwd": str(tmp_path), "probe": "caller's", "given": "by env=", "dtype": "torch.float32",
+                              "grad": True, "threads": 1, "world": 2, "rank": rank}
     assert os.environ["POOL_PROBE"] == "caller's" and os.getcwd() == str(tmp_path)
 
 
