@@ -1,4 +1,5 @@
 # The README's two commands: `make train` and `make test`. Each sets up .venv on first use.
+# `make test-fast` is the inner loop, `make lint` runs ruff.
 # `pip install torch==2.13.0` takes the CPU wheel where one is provided locally (this machine's
 # pip find-links) and PyPI's CUDA build on a GPU machine; nothing is reinstalled while the
 # stamp is newer than pyproject.toml.
@@ -8,9 +9,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkzero-installed
 TORCH_VERSION ?= 2.13.0
-PYTEST_ARGS ?= -n auto
+PYTEST_ARGS ?= -n auto --dist loadgroup --no-loadscope-reorder
 
-.PHONY: setup train test clean-venv
+.PHONY: setup train test test-fast lint clean-venv
 
 setup: $(STAMP)
 
@@ -26,6 +27,16 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The inner loop: the framework-free core's tests and the engines' single-process unit tests, none
+# marked slow (seconds, not minutes). `make test` stays the whole suite, and is what CI runs.
+FAST_TESTS ?= tests/core $(wildcard tests/*/test_*_unit.py)
+test-fast: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" $(FAST_TESTS)
+
+# ruff's rules are in pyproject.toml ([tool.ruff]).
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 clean-venv:
 	rm -rf $(VENV)

@@ -33,6 +33,8 @@ class TensorState(enum.Enum):
     READY_FOR_REDUCE = 4
     """Gradient final for this backward; the chunk is reduced once all its tensors are here."""
 
+    __hash__ = object.__hash__  # members are singletons: identity, hashed in C (Enum's own hash is Python code)
+
 
 S = TensorState
 
@@ -69,22 +71,26 @@ def check_transition(tensor: str, from_state: TensorState, to_state: TensorState
 class ChunkStates:
     """Per-tensor states of one chunk with per-state counters (Gemini's ``tensor_state_cnter``).
 
+    Every method is one call and one table lookup per state present: the engine calls it on every
+    tensor event of a step, so nothing here calls further (a host cost per tensor, not per call).
+
     Args:
-        tensor_names: names of the chunk's tensors, in chunk order. All start FREE.
+        tensor_names: names of the chunk's tensors, in chunk order.
+        initial: the state they all start in.
 
     Raises:
-        IllegalTransitionError: from :meth:`transition` on a move not in :data:`LEGAL_TRANSITIONS`.
+        IllegalTransitionError: from :meth:`transition` / :meth:`transition_all` on a move not in
+            :data:`LEGAL_TRANSITIONS`, naming the tensor (nothing changes then).
         KeyError: naming the tensor, if it does not belong to this chunk.
     """
+
+    __slots__ = ("_counts", "_states", "num_tensors")
 
     def __init__(self, tensor_names: Iterable[str], initial: TensorState = TensorState.FREE):
         self._states: dict[str, TensorState] = {name: initial for name in tensor_names}
         self._counts: dict[TensorState, int] = {s: 0 for s in TensorState}
         self._counts[initial] = len(self._states)
-
-    @property
-    def num_tensors(self) -> int:
-        return len(self._states)
+        self.num_tensors = len(self._states)
 
     @property
     def counts(self) -> Mapping[TensorState, int]:
@@ -96,21 +102,47 @@ class ChunkStates:
         except KeyError:
             raise KeyError(f"tensor {name!r} is not in this chunk") from None
 
-    def transition(self, name: str, to_state: TensorState) -> TensorState:
-        """Move tensor ``name`` to ``to_state``; returns the previous state."""
-        from_state = self.state(name)
-        check_transition(name, from_state, to_state)
+    def transition(self, name: str, to_state: TensorState,
+                   only_from: TensorState | frozenset[TensorState] | None = None) -> TensorState:
+        """Move tensor ``name`` to ``to_state`` — with ``only_from`` (a state or a set of states),
+        only if it is in one of them now, else it stays. Returns the state it was in."""
+        try:
+            from_state = self._states[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in this chunk") from None
+        if only_from is not None and from_state is not only_from and (
+                type(only_from) is TensorState or from_state not in only_from):
+            return from_state
+        if (from_state, to_state) not in LEGAL_TRANSITIONS:
+            raise IllegalTransitionError(name, from_state, to_state)
         self._states[name] = to_state
         self._counts[from_state] -= 1
         self._counts[to_state] += 1
         return from_state
 
-    def transition_all(self, to_state: TensorState, *, only_from: TensorState | None = None) -> None:
-        """Move every tensor (or every tensor currently in ``only_from``) to ``to_state``."""
-        for name, state in list(self._states.items()):
-            if only_from is None or state is only_from:
-                if state is not to_state:
-                    self.transition(name, to_state)
+    def transition_all(self, to_state: TensorState, *,
+                       only_from: TensorState | frozenset[TensorState] | None = None) -> None:
+        """Move every tensor (or every tensor now in a state of ``only_from``) to ``to_state``: one
+        table lookup per state present; an illegal move raises naming its first tensor."""
+        counts = self._counts
+        if only_from is None:
+            sources = [s for s, n in counts.items() if n and s is not to_state]
+        else:
+            wanted = (only_from,) if type(only_from) is TensorState else only_from
+            sources = [s for s in wanted if counts[s] and s is not to_state]
+        if not sources:
+            return
+        for s in sources:
+            if (s, to_state) not in LEGAL_TRANSITIONS:
+                name = next(n for n, st in self._states.items() if st is s)
+                raise IllegalTransitionError(name, s, to_state)
+        states = self._states
+        for name, st in states.items():
+            if st in sources:
+                states[name] = to_state
+        for s in sources:
+            counts[to_state] += counts[s]
+            counts[s] = 0
 
     def names_in(self, *states: TensorState) -> list[str]:
         """The tensors now in any of ``states``, in chunk order."""

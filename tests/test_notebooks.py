@@ -14,6 +14,7 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 MAX_COMMITTED_BYTES = 50_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["compare_layouts.ipynb"])
 def test_notebook_executes(name, tmp_path, monkeypatch):
     path = NOTEBOOKS / name

@@ -1,25 +1,43 @@
-"""Run a function on ``world_size`` spawned processes with a gloo process group (tests, benchmarks).
+"""Run a function on ``world_size`` processes with a gloo process group (tests, benchmarks).
 
-``run_distributed(fn, world_size, *args)`` spawns one process per rank, initializes
-``torch.distributed`` with gloo through a file store (no port to pick, no race), calls
-``fn(rank, world_size, *args)`` and returns every rank's return value in rank order. Return values
+``run_distributed(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on ``world_size``
+ranks, each in a process of its own with ``torch.distributed`` initialized (gloo, through a file
+store: no port to pick, no race), and returns every rank's return value in rank order. Return values
 travel through ``torch.save`` / ``torch.load(weights_only=True)`` (never unpickled): they may nest
-dicts, lists and tuples of tensors, numpy arrays, numbers, strings and ``None``. A failing rank's traceback is re-raised in the caller; a run that takes longer than
-``timeout`` seconds is killed and raises :class:`TimeoutError`, so a hung collective never hangs
-the test suite.
+dicts, lists and tuples of tensors, numpy arrays, numbers, strings and ``None``. A failing rank's
+traceback is re-raised in the caller; a run that takes longer than ``timeout`` seconds is killed and
+raises :class:`TimeoutError`, so a hung collective never hangs the test suite.
 
-A rank that succeeded ends without interpreter finalization
+By default each call spawns its ranks. After :func:`enable_rank_pools` (the test suite's
+``conftest.py``), a call reuses the idle ranks of an earlier call at the same world size, backend and
+``env`` (a *rank pool*) and so skips the processes' start (importing torch costs seconds per rank):
+each call gets a new default process group, the caller's ``os.environ``, working directory and
+``sys.path``, and a fresh process's torch default dtype, grad mode, thread count and (random) seed. A
+pool is discarded, its processes ended, when a call fails or times out, and its processes exit (as a
+spawned rank would, running their exit hooks) before the call returns when the call left state behind
+that the next one could trip on: JAX imported (``jax.distributed`` starts once per process) or a
+thread still running (an asynchronous checkpoint save). ``fresh=True`` always spawns.
+
+A rank that ends does so without interpreter finalization
 (:func:`torch_backend.train.process_exit.exit_without_finalization`): gloo's worker threads outlive
 ``destroy_process_group()`` and abort a process that finalizes under them.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import json
 import os
+import pickle
+import sys
 import tempfile
+import threading
 import time
+import traceback
+from collections import OrderedDict
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 import numpy as np
@@ -27,18 +45,35 @@ import torch.multiprocessing as mp
 
 from .train.process_exit import exit_without_finalization
 
-__all__ = ["run_distributed"]
+__all__ = ["close_rank_pools", "enable_rank_pools", "run_distributed"]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple, env: dict, timeout: float,
-           backend: str = "gloo"):
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple, env: dict,
+           timeout: float, backend: str = "gloo"):
     os.environ.update(env)
     import torch
-    import torch.distributed as dist
+
+    _start_rank(rank, env, backend)
+    try:
+        result = _call(fn, rank, world_size, args, init_file, timeout, backend)
+    finally:
+        _end_group()
+    torch.save(_encode(result), os.path.join(out_dir, f"{rank}.pt"))
+    exit_without_finalization(0)
+
+
+def _start_rank(rank: int, env: dict, backend: str) -> None:
+    import torch
 
     torch.set_num_threads(int(env.get("CHUNKZERO_TEST_THREADS", "1")))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+
+
+def _call(fn: Callable, rank: int, world_size: int, args: tuple, init_file: str, timeout: float, backend: str) -> Any:
+    """``fn``'s result on a new default process group, after a barrier of every rank."""
+    import torch.distributed as dist
+
     dist.init_process_group(
         backend,
         init_method=f"file://{init_file}",
@@ -48,13 +83,16 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
     )
     from torch_backend.zero import collectives
 
-    try:
-        result = fn(rank, world_size, *args)
-        collectives.barrier(collectives.world_group())
-    finally:
+    result = fn(rank, world_size, *args)
+    collectives.barrier(collectives.world_group())
+    return result
+
+
+def _end_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
         dist.destroy_process_group()
-    torch.save(_encode(result), os.path.join(out_dir, f"{rank}.pt"))
-    exit_without_finalization(0)
 
 
 def _encode(obj: Any) -> Any:
@@ -88,21 +126,207 @@ def _decode(obj: Any) -> Any:
     return obj
 
 
+def _load_results(out_dir: str, world_size: int) -> list[Any]:
+    import torch
+
+    paths = [os.path.join(out_dir, f"{rank}.pt") for rank in range(world_size)]
+    return [_decode(torch.load(path, weights_only=True)) for path in paths]
+
+
+def _timeout_error(fn: Callable, world_size: int, timeout: float) -> TimeoutError:
+    name = getattr(fn, "__name__", fn)
+    return TimeoutError(f"distributed run of {name} (world size {world_size}) exceeded {timeout}s")
+
+
+# ------------------------------------------------------------------------------------------ rank pools
+
+def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> None:
+    """A pooled rank: runs the calls its pool sends, one at a time, until told to exit.
+
+    Each call: a JSON head (``sys.path``, environment, working directory, store and output paths), then
+    the pickled ``(fn, args)`` of the test process that started this one. The reply is JSON only.
+    """
+    os.environ.update(env)
+    import torch
+
+    _start_rank(rank, env, backend)
+    fresh_dtype = torch.get_default_dtype()
+    threads = torch.get_num_threads()
+    while True:
+        try:
+            head = json.loads(conn.recv_bytes())
+        except EOFError:  # the test process is gone
+            break
+        if head["op"] == "exit":
+            break
+        sys.path[:] = head["sys_path"]
+        os.environ.clear()
+        os.environ.update(head["environ"])
+        os.environ.update(env)  # run_distributed's env= wins over the caller's, as in a spawned rank
+        os.chdir(head["cwd"])
+        torch.seed()  # a spawned process starts from a nondeterministic seed too
+        torch.set_default_dtype(fresh_dtype)
+        torch.set_grad_enabled(True)
+        torch.set_num_threads(threads)
+        threads_before = set(threading.enumerate())
+        try:
+            fn, args = pickle.loads(conn.recv_bytes())  # written by the test process that spawned this rank
+            result = _call(fn, rank, world_size, args, head["init_file"], head["timeout"], backend)
+            _end_group()
+            torch.save(_encode(result), os.path.join(head["out_dir"], f"{rank}.pt"))
+        except BaseException:  # noqa: BLE001  (reported to the test process, which discards the pool)
+            conn.send_bytes(json.dumps({"error": traceback.format_exc()}).encode())
+            break  # the group may be broken: the pool is discarded
+        del fn, args, result
+        lingering = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        conn.send_bytes(json.dumps({"error": None, "retire": "jax" in sys.modules or bool(lingering)}).encode())
+    exit_without_finalization(0)
+
+
+class _RankPool:
+    """``world_size`` spawned ranks that run :func:`run_distributed`'s calls one after another."""
+
+    def __init__(self, world_size: int, env: dict, backend: str):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.conns, self.procs = [], []
+        try:
+            for rank in range(world_size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_pool_rank, args=(rank, world_size, theirs, env, backend),
+                                   name=f"chunkzero-rank-pool-{world_size}-{rank}")
+                proc.start()
+                theirs.close()
+                self.conns.append(ours)
+                self.procs.append(proc)
+        except BaseException:
+            self.kill()
+            raise
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> tuple[list[Any], bool]:
+        """``(results by rank, whether the ranks asked to retire)``; on any failure the pool is killed."""
+        payload = pickle.dumps((fn, args))
+        with tempfile.TemporaryDirectory(prefix="chunkzero-dist-") as tmp:
+            head = json.dumps({"op": "run", "sys_path": list(sys.path), "environ": dict(os.environ),
+                               "cwd": os.getcwd(), "init_file": os.path.join(tmp, "store"), "out_dir": tmp,
+                               "timeout": timeout}).encode()
+            deadline = time.monotonic() + timeout
+            replies: dict[int, dict] = {}
+            try:
+                for conn in self.conns:
+                    conn.send_bytes(head)
+                    conn.send_bytes(payload)
+                while len(replies) < self.world_size:
+                    waiting = {c: r for r, c in enumerate(self.conns) if r not in replies}
+                    sentinels = {self.procs[r].sentinel: r for r in waiting.values()}
+                    ready = wait([*waiting, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
+                    if not ready:
+                        raise _timeout_error(fn, self.world_size, timeout)
+                    for obj in ready:
+                        if obj in waiting:
+                            rank = waiting[obj]
+                            try:
+                                replies[rank] = json.loads(obj.recv_bytes())
+                            except EOFError:
+                                replies[rank] = {"error": f"rank {rank} ended without a reply"}
+                        elif sentinels[obj] not in replies and not self.conns[sentinels[obj]].poll():
+                            rank = sentinels[obj]
+                            replies[rank] = {"error": f"rank {rank} exited with code {self.procs[rank].exitcode}"}
+                        failed = [(r, rep["error"]) for r, rep in replies.items() if rep["error"]]
+                        if failed:
+                            rank, error = failed[0]
+                            raise mp.ProcessRaisedException(
+                                f"\n\n-- Process {rank} terminated with the following error:\n{error}", rank,
+                                self.procs[rank].pid)
+                results = _load_results(tmp, self.world_size)
+            except BaseException:
+                self.kill()
+                raise
+            retire = any(rep["retire"] for rep in replies.values())
+            if retire:
+                self.close(timeout=max(5.0, deadline - time.monotonic()))
+        return results, retire
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask every rank to exit (they run their exit hooks together), then kill what is left."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(json.dumps({"op": "exit"}).encode())
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(5)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+
+_POOLS: OrderedDict[tuple, _RankPool] | None = None
+"""The live pools, least recently used first; ``None``: pools are off and every call spawns."""
+_POOL_MAX_RANKS = 0
+
+
+def enable_rank_pools(max_ranks: int = 9) -> None:
+    """From now on, :func:`run_distributed` reuses ranks (at most ``max_ranks`` idle processes kept).
+
+    Pools are per process: under pytest-xdist each worker has its own.
+    """
+    global _POOLS, _POOL_MAX_RANKS
+    if _POOLS is None:
+        _POOLS = OrderedDict()
+        atexit.register(close_rank_pools)
+    _POOL_MAX_RANKS = max_ranks
+
+
+def close_rank_pools() -> None:
+    """End every pooled rank; later calls spawn again until :func:`enable_rank_pools`."""
+    global _POOLS
+    pools, _POOLS = _POOLS, None
+    for pool in (pools or {}).values():
+        pool.close()
+
+
+def _pooled_run(fn: Callable, world_size: int, args: tuple, timeout: float, env: dict, backend: str) -> list[Any]:
+    key = (world_size, backend, tuple(sorted(env.items())))
+    pool = _POOLS.pop(key, None)
+    if pool is None:
+        while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > _POOL_MAX_RANKS:
+            _POOLS.popitem(last=False)[1].close()
+        pool = _RankPool(world_size, env, backend)
+    results, retired = pool.run(fn, args, timeout)  # a pool that failed is killed, not put back
+    if not retired:
+        _POOLS[key] = pool
+    return results
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, env: dict | None = None,
-                    backend: str = "gloo") -> list[Any]:
+                    backend: str = "gloo", fresh: bool = False) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank.
 
     Args:
-        fn: a module-level function (spawn imports it by name).
+        fn: a module-level function (the ranks import it by name).
         timeout: seconds for the whole run; the processes are killed past it.
-        env: extra environment variables for the children (``HF_HUB_OFFLINE=1`` is always set).
+        env: extra environment variables for the children (``HF_HUB_OFFLINE=1`` is always set); a
+            pooled rank gets them at its start, so pools are kept per ``env``.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank ``r`` uses GPU ``r % device_count``).
+        fresh: spawn new processes even when rank pools are enabled (a test of a process's start or end).
 
     Raises:
         TimeoutError: the run exceeded ``timeout``.
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback in the message).
     """
     child_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    if _POOLS is not None and not fresh:
+        return _pooled_run(fn, world_size, args, timeout, child_env, backend)
     with tempfile.TemporaryDirectory(prefix="chunkzero-dist-") as tmp:
         init_file = os.path.join(tmp, "store")
         ctx = mp.start_processes(
@@ -120,7 +344,5 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                         p.kill()
                 for p in ctx.processes:
                     p.join(5)
-                raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)} (world size {world_size}) exceeded {timeout}s")
-        import torch
-
-        return [_decode(torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=True)) for rank in range(world_size)]
+                raise _timeout_error(fn, world_size, timeout)
+        return _load_results(tmp, world_size)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_memory.py"
 TINY = ["--ladder-shape", "32:2:64:128"]  # 1 layer: 18,528 parameters; 64 layers: 667,680
@@ -23,6 +25,7 @@ def _ladder(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, li
     return res, rows
 
 
+@pytest.mark.slow
 def test_ladder_gives_a_row_per_system_and_skips_rungs_above_the_cap(tmp_path):
     res, rows = _ladder(tmp_path, "--ladder-layers", "1", "64", "--ladder-max-params", "1e5")
     assert res.returncode == 0, res.stderr[-3000:]

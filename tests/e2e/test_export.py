@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from tiny_models import hf_gpt2_config
 
 from chunkzero.cli import main as cli
 from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
@@ -17,16 +18,11 @@ from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
 transformers = pytest.importorskip("transformers")
 
 
-def _hf_config():
-    return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32,
-                                   bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
-
-
 def _zero(seed, chunk_size=3000):
     from torch_backend import ZeroDDP, ZeroOptimizer
 
     torch.manual_seed(seed)
-    model = ZeroDDP(transformers.GPT2LMHeadModel(_hf_config()), chunk_size=chunk_size)
+    model = ZeroDDP(transformers.GPT2LMHeadModel(hf_gpt2_config()), chunk_size=chunk_size)
     return model, ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2)
 
 
@@ -67,7 +63,7 @@ def test_safetensors_export_loads_with_from_pretrained(trained, tmp_path, capsys
     hf = transformers.GPT2LMHeadModel.from_pretrained(out)
     _assert_hf_equal(hf, want)
     x = torch.randint(0, 96, (1, 8))
-    ref = transformers.GPT2LMHeadModel(_hf_config())
+    ref = transformers.GPT2LMHeadModel(hf_gpt2_config())
     ref.load_state_dict(want)
     hf.eval(), ref.eval()
     # bitwise: the same weights through the same attention kernel on both sides
@@ -211,6 +207,7 @@ def test_inspect(trained, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_save_interval_resume_and_export(tmp_path):
     """``chunkzero train --save-interval`` writes checkpoints; ``--resume`` continues bitwise from the
     latest (steps 5-6 after resuming at 4 equal the uninterrupted run's); ``chunkzero export`` reads them."""

@@ -7,15 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import hf_gpt2_config
 
 from chunkzero.cli import main as cli
 
 transformers = pytest.importorskip("transformers")
-
-
-def _hf_config():
-    return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32,
-                                   bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +20,7 @@ def trained(tmp_path_factory):
     from torch_backend import ZeroDDP, ZeroEMA, ZeroOptimizer, save_checkpoint
 
     torch.manual_seed(0)
-    module = transformers.GPT2LMHeadModel(_hf_config())
+    module = transformers.GPT2LMHeadModel(hf_gpt2_config())
     module.transformer.wpe.weight.requires_grad_(False)
     model = ZeroDDP(module, chunk_size=3000)
     optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)

@@ -15,17 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_models import HF_GPT2_FOR_TRAIN, hf_gpt2_config
 
 from .exit_probe import clean_exits, markers
-from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, make_corpus, read_metrics, run_train
+from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, read_metrics, run_train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HOOKED_TRAIN = Path(__file__).with_name("hooked_train.py")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture
@@ -55,6 +51,7 @@ def _check_run(out: Path, steps: int, world_size: int) -> tuple[list[dict], list
     return train, val
 
 
+@pytest.mark.slow
 def test_train_two_gloo_workers(corpus, tmp_path, held_run):
     """The main path; ``--out`` holds an earlier run, which ``--overwrite`` replaces."""
     out = held_run
@@ -68,6 +65,7 @@ def test_train_two_gloo_workers(corpus, tmp_path, held_run):
     assert "summary" in proc.stderr and "tokens/s" in proc.stderr
 
 
+@pytest.mark.slow
 def test_same_seed_same_world_size_same_losses(corpus, tmp_path):
     args = ["--data", str(corpus), *SMALL, "--steps", "8", "--eval-interval", "4", "--sample-tokens", "0",
             "--seed", "7"]
@@ -81,6 +79,7 @@ def test_same_seed_same_world_size_same_losses(corpus, tmp_path):
     assert len(set(losses[0][0])) > 1
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_on_a_bin_token_file(corpus, tmp_path):
     """Two torchrun "nodes" on this machine (static rendezvous on localhost), one worker each, reading a
     nanoGPT-format train.bin with its val.bin."""
@@ -112,13 +111,13 @@ def test_torchrun_two_nodes_on_a_bin_token_file(corpus, tmp_path):
     assert json.loads((out / "summary.json").read_text())["data"]["val_tokens"] == 20_000
 
 
+@pytest.mark.slow
 def test_hugging_face_model_directory(corpus, tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                     bos_token_id=0, eos_token_id=0)
+    config = hf_gpt2_config(HF_GPT2_FOR_TRAIN)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf-model")
     assert (tmp_path / "hf-model" / "model.safetensors").is_file()
     out = tmp_path / "run"
@@ -134,6 +133,7 @@ def _chunks_logged(stderr: str) -> int:
     return int(m.group(1))
 
 
+@pytest.mark.slow
 def test_default_run_shows_chunked_zero3(tmp_path):
     """The default model at the searched chunk size spans at least 4 chunks on the default 2 workers; the
     summary gives the chunk count, each rank's shard (half of the parameters) and the peak gathered."""
@@ -153,6 +153,7 @@ def test_default_run_shows_chunked_zero3(tmp_path):
     assert "shard per rank" in table and "peak gathered" in table
 
 
+@pytest.mark.slow
 def test_more_workers_than_cores_run_oversubscribed(tmp_path):
     """``--nproc 3`` on 2 cores (the child is pinned to 2 of this machine's cores): a one-line warning,
     then 3 workers of 1 thread each train the default model."""
@@ -170,6 +171,7 @@ def test_more_workers_than_cores_run_oversubscribed(tmp_path):
     assert summary["world_size"] == 3 and len(summary["peak_memory"]) == 3
 
 
+@pytest.mark.slow
 def test_fp16_that_cannot_make_progress_stops_the_run(corpus, tmp_path):
     """A model whose fp16 forward overflows (embeddings of 1e6 > the fp16 maximum): every step is skipped,
     the loss scale halves from 2**16 to its minimum 1 by step 17, and the 10th skip at scale 1 (step 27)
@@ -177,8 +179,7 @@ def test_fp16_that_cannot_make_progress_stops_the_run(corpus, tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                     bos_token_id=0, eos_token_id=0)
+    config = hf_gpt2_config(HF_GPT2_FOR_TRAIN)
     model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():
         model.transformer.wte.weight.fill_(1e6)  # finite in fp32, inf once cast to fp16
@@ -196,6 +197,7 @@ def test_fp16_that_cannot_make_progress_stops_the_run(corpus, tmp_path):
     assert [r["loss_scale"] for r in train][15:18] == [2.0, 1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus, tmp_path):
     """Steps 1-2 on 2 workers, a resume from step 2 on 1 worker (steps 3-4), then from step 4 on 2 workers
     (steps 5-6): ``tokens`` adds each session's own tokens per step, ``time_s`` keeps growing."""
@@ -223,6 +225,7 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
                                      "world", "size)"], steps_row  # not 6 × 256: the sessions' sizes differed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["chunkzero", "torchrun"])
 def test_workers_end_without_interpreter_finalization(launcher, corpus, tmp_path):
     """Each worker runs its exit hooks (``threading``'s, ``atexit``'s) and then leaves without finalizing the
@@ -242,6 +245,7 @@ def test_workers_end_without_interpreter_finalization(launcher, corpus, tmp_path
 
 # ------------------------------------------------------------------------------------------ a dying worker
 
+@pytest.mark.slow
 def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
     out = tmp_path / "run"
     bound_s = 60.0
@@ -273,6 +277,7 @@ def test_killed_worker_stops_the_run_naming_the_rank(corpus, tmp_path):
     assert f"pid {pid}" in last
 
 
+@pytest.mark.slow
 def test_killed_worker_under_torchrun(corpus, tmp_path):
     """Under torchrun the same death ends the run (torchrun's agent reports the rank), within the bound.
     Rank 1 kills itself after step 3 through an ``on_step_end`` hook (``hooked_train.py``)."""

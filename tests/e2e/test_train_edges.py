@@ -19,7 +19,7 @@ import pytest
 
 from chunkzero.train_config import TrainConfig, lr_at
 
-from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
+from .helpers import SMALL, describe, read_metrics, run_train
 
 STEPS = 4
 WARMUP, LR = 2, 3e-3  # SMALL's
@@ -34,11 +34,6 @@ def tree_hash(root: Path) -> str:
         if p.is_file() and not p.is_symlink():
             h.update(p.read_bytes())
     return h.hexdigest()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +82,7 @@ RESUME_REFUSALS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(RESUME_REFUSALS))
 def test_refused_resume_changes_nothing_and_starts_no_worker(case, corpus, checkpointed, monkeypatch, capsys):
     extra, expected = RESUME_REFUSALS[case]
@@ -119,6 +115,7 @@ def _lrs(out: Path) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in read_metrics(out)[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["keep", "stretch"])
 def test_resume_to_more_steps_keeps_or_stretches_the_schedule(schedule, corpus, checkpointed, tmp_path):
     """``--steps`` grown at ``--resume``: ``keep`` (the default) goes on with the saved schedule, which has

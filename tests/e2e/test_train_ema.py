@@ -7,14 +7,10 @@ import json
 
 import pytest
 
-from .helpers import SMALL, clean_env, describe, make_corpus, read_metrics, run_train
+from .helpers import SMALL, clean_env, describe, read_metrics, run_train
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
-
-
+@pytest.mark.slow
 def test_train_with_ema_evaluates_both_and_resumes(corpus, tmp_path):
     """Two gloo workers, 4 steps, then a resume to 6 on one worker: every evaluation logs the EMA's
     loss; at step 0 it is the live loss exactly (the EMA starts at the initial weights), later it

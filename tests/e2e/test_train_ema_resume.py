@@ -11,12 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
+from .helpers import SMALL, describe, read_metrics, run_train
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +25,7 @@ def ema_run(corpus, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_resume_with_another_ema_decay_uses_this_runs(corpus, ema_run, tmp_path):
     from chunkzero.checkpoint import read_meta
 
@@ -55,6 +51,7 @@ def test_resume_with_another_ema_decay_uses_this_runs(corpus, ema_run, tmp_path)
     assert "saves no checkpoint" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_resume_without_ema_decay_drops_the_ema_once_and_reports_no_stale_ema_loss(corpus, ema_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(ema_run, out)

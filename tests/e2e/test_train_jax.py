@@ -47,6 +47,7 @@ def runs(tmp_path_factory):
     return tmp, common, torch_out, jax_out
 
 
+@pytest.mark.slow
 def test_jax_run_matches_torch(runs):
     _, _, torch_out, jax_out = runs
     (t_train, t_val), (j_train, j_val) = _losses(torch_out), _losses(jax_out)
@@ -66,6 +67,7 @@ def test_jax_run_matches_torch(runs):
     assert sorted(p.name for p in (jax_out / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "6"]
 
 
+@pytest.mark.slow
 def test_switch_torch_jax_torch(runs):
     """torch (W = 2) steps 1-2 → JAX (2 processes × 2 devices) steps 3-4 → torch (W = 3) steps 5-6, the
     same 12 sequences per step throughout: the losses of the uninterrupted torch run (W = 2)."""

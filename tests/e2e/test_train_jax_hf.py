@@ -81,6 +81,7 @@ def runs(tmp_path_factory):
     return tmp, common, outs
 
 
+@pytest.mark.slow
 def test_jax_trains_hf_gpt2_as_torch_does(runs):
     _, _, outs = runs
     (t_train, t_val), (j_train, j_val) = _losses(outs["torch"]), _losses(outs["jax"])
@@ -92,6 +93,7 @@ def test_jax_trains_hf_gpt2_as_torch_does(runs):
     assert (outs["jax"] / "sample.txt").is_file()
 
 
+@pytest.mark.slow
 def test_zero_trainer_restores_hf_checkpoints(runs):
     """The library path: ``ZeroTrainer.from_checkpoint`` of either run's HF checkpoint builds the HF program
     from its saved config (``Conv1D`` ``(in, out)`` shapes), and the two engines' weights after 3 steps agree."""
@@ -113,6 +115,7 @@ def test_zero_trainer_restores_hf_checkpoints(runs):
         assert np.linalg.norm(weights["jax"][name] - w) <= WEIGHT_RTOL * np.linalg.norm(w), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source,backend", [("torch", "jax"), ("jax", "torch")])
 def test_hf_checkpoint_resumes_in_the_other_engine(runs, source, backend):
     """Step 3 resumed by the other engine from step 2's checkpoint: the uninterrupted run's loss."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tiny_models import GPT_TINY
 
-TINY = dict(block_size=16, vocab_size=256, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+TINY = dict(GPT_TINY, dropout=0.1)
 """A GPT of 34,176 parameters; dropout makes the loss depend on the torch RNG."""
 
 

@@ -176,7 +176,7 @@ def worker_memory_discipline(rank: int, world: int):
         assert stats["max_gathered"] <= 4, stats
         frozen_chunks = [c for c in model.chunks if not c.requires_grad]
         assert bool(frozen) == bool(frozen_chunks)
-        assert all(c.master is None and c.grad_buffer is None for c in frozen_chunks)
+        assert all(c.master is None and c.gradient is None for c in frozen_chunks)
         report = optim.memory_report()
         assert report.total("fp32_master") == 0  # fp32: the master is the parameter shard; frozen: none
         out[name] = stats

@@ -15,6 +15,7 @@ import copy
 import torch
 
 from chunkzero.dtypes import itemsize_bytes
+from torch_backend.zero.chunk_io import bytes_by_kind
 from optim_cases import nanogpt_groups, zero_steps
 from zero_cases import ADAMW, FP32, assert_state_close, batches, gpt2_loss, hf_gpt2, mean_over_ranks, micro
 
@@ -70,8 +71,8 @@ def check_chunks(model, optim) -> None:
         assert c.requires_grad == all(adapters), (c.index, names)
         n = layout.shard_numel(c.index)
         if not c.requires_grad:
-            assert c.master is None and model.grad_shard(c.index) is None and c.grad_buffer is None, c.index
-            assert [(k, b) for _, k, b in c.bytes_by_kind()] == [("parameters", n * c.storage_dtype.itemsize)], c.bytes_by_kind()
+            assert c.master is None and model.grad_shard(c.index) is None and c.gradient is None, c.index
+            assert [(k, b) for _, k, b in bytes_by_kind(c)] == [("parameters", n * c.storage_dtype.itemsize)], bytes_by_kind(c)
             try:
                 optim.shard_state(c.index)
             except ConfigError:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from torch_backend.zero import collectives
-from torch_backend.zero.chunk_io import host_empty
+from torch_backend.zero.pinned import host_empty
 
 ADAMW = dict(lr=1e-2, eps=1e-6)
 STEPS = 3
@@ -37,22 +37,26 @@ def _train(rank: int, placement: dict) -> list[torch.Tensor]:
 
 
 def finish_reduces_before_the_fix(self) -> None:
-    """``Chunk.finish_reduces`` as it was: the optimizer-offloaded branch waits for the reduce-scatter on
-    the communication stream and lets its buffers go straight back to the compute stream's pool."""
-    if not self._reduces:
+    """``ChunkGradient.finish_reduces`` as it was: the optimizer-offloaded branch waits for the
+    reduce-scatter on the communication stream and lets its buffers go straight back to the compute
+    stream's pool."""
+    if not self.reductions:
         return
-    for pending, out in self._reduces:
-        if self._reduces_to_host(out):
+    c = self._chunk
+    for pending, out in self.reductions:
+        if self._streams and c.master_device.type == "cpu":
             with collectives.communication_stream(out):
-                pending.wait()
-                staging = host_empty(out.numel(), out.dtype, self.device)
+                if pending is not None:
+                    pending.wait()
+                staging = host_empty(out.numel(), out.dtype, c.device)
                 staging.copy_(out, non_blocking=True)
                 done = collectives.record_event(collectives.compute_stream(out))
             self._to_host.append((staging, done, out))
             continue
-        pending.wait()
-        self._accumulate(out.to(self.master_device, torch.float32))
-    self._reduces.clear()
+        if pending is not None:
+            pending.wait()
+        self._accumulate(out.to(c.master_device, torch.float32))
+    self.reductions.clear()
     if not self._to_host:
         self._update_norm()
 
@@ -62,20 +66,20 @@ def worker_recorded_step(rank: int, world: int, placement: dict, mutant: bool = 
     Returns the violations, how many cross-stream buffers were freed (checked), and the largest
     difference of the parameters to the reference run."""
     from stream_recorder import StreamRecorder
-    from torch_backend.zero.chunks import Chunk
+    from torch_backend.zero.chunks import ChunkGradient
 
     reference = _train(rank, placement)
     recorder = StreamRecorder()
     previous = collectives.set_stream_layer(recorder)
-    original = Chunk.finish_reduces
+    original = ChunkGradient.finish_reduces
     if mutant:
-        Chunk.finish_reduces = finish_reduces_before_the_fix
+        ChunkGradient.finish_reduces = finish_reduces_before_the_fix
     try:
         with recorder:
             recorded = _train(rank, placement)
         violations = recorder.check()
     finally:
-        Chunk.finish_reduces = original
+        ChunkGradient.finish_reduces = original
         collectives.set_stream_layer(previous)
     diff = max(float((a - b).abs().max()) for a, b in zip(recorded, reference))
     return {"violations": violations, "freed_cross_stream": recorder.freed_cross_stream,

@@ -118,6 +118,7 @@ def _expected(root, step):
     return meta, params
 
 
+@pytest.mark.slow
 def test_kill9_of_one_rank_mid_save_keeps_previous_step(tmp_path):
     root = tmp_path / "ckpt"
     numel = 4_000_000  # 4 arrays x 2 ranks x 8 MB: the write outlives the kill
@@ -152,6 +153,7 @@ def test_kill9_of_one_rank_mid_save_keeps_previous_step(tmp_path):
     assert checkpoint_steps(root) == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_comes_to_the_save_ends_it_with_an_error(tmp_path):
     """Rank 1 joins JAX's group but never saves: rank 0 waits in Orbax's first barrier (the manager's,
     on the main thread, which Orbax bounds by a module constant of 300 s) only ``timeout_s``, then

@@ -117,6 +117,7 @@ def _phase_c(rank, world, root, root3, want5, exported):
     return {"step": meta.step, "loss": loss, "warnings": records, "state": state if rank == 0 else None}
 
 
+@pytest.mark.slow
 def test_resume_bitwise_and_reshard(tmp_path, caplog):
     root, root1, root3 = tmp_path / "w2", tmp_path / "w1", tmp_path / "w3"
 

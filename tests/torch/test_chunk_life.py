@@ -76,18 +76,27 @@ def _loss(model, idx):
 
 
 def _record(monkeypatch) -> dict:
-    """Patch ChunkStates.transition to record ``(from, to) -> {calling Chunk method}``."""
+    """Patch ChunkStates' two moves to record each ``(from, to)`` taken -> {calling Chunk method}."""
     taken: dict = collections.defaultdict(set)
-    original = ChunkStates.transition
+    original, original_all = ChunkStates.transition, ChunkStates.transition_all
 
-    def transition(self, name, to_state):
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.endswith("states.py"):
-            frame = frame.f_back  # through transition_all
-        taken[(self.state(name), to_state)].add(frame.f_code.co_name)
-        return original(self, name, to_state)
+    def transition(self, name, to_state, only_from=None):
+        before = self.state(name)
+        original(self, name, to_state, only_from)
+        if self.state(name) is to_state and (only_from is None or before is only_from
+                                             or (not isinstance(only_from, TensorState) and before in only_from)):
+            taken[(before, to_state)].add(sys._getframe(1).f_code.co_name)
+
+    def transition_all(self, to_state, *, only_from=None):
+        before = self.counts
+        original_all(self, to_state, only_from=only_from)
+        wanted = set(TensorState) if only_from is None else {only_from} if isinstance(only_from, TensorState) else only_from
+        for s, n in before.items():
+            if n and s is not to_state and s in wanted:
+                taken[(s, to_state)].add(sys._getframe(1).f_code.co_name)
 
     monkeypatch.setattr(ChunkStates, "transition", transition)
+    monkeypatch.setattr(ChunkStates, "transition_all", transition_all)
     return taken
 
 

@@ -26,6 +26,7 @@ def test_ema_after_five_adamw_steps_equals_torch(world):
         assert r["ema_bytes"] == r["ema_bytes_expected"] > 0
 
 
+@pytest.mark.slow
 def test_ema_resumes_from_two_ranks_on_three(tmp_path):
     """Saved at W = 2 after 3 steps, loaded at W = 3 into another chunk size and another decay: the
     saved decay and update count come back, and 2 more steps give the EMA of the uninterrupted W = 2

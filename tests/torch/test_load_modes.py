@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tiny_models import gpt_config
 
 from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
 from torch_backend import ZeroDDP, ZeroOptimizer
@@ -25,7 +26,6 @@ from torch_backend.checkpoint.load_modes import WeightsLoad
 from torch_backend.checkpoint.sharded import load_checkpoint, save_checkpoint
 from torch_backend.train.gpt import GPT, GPTConfig
 
-CFG = dict(block_size=16, vocab_size=256, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 HEAD = ["cls_head.weight", "cls_head.bias"]
 
 
@@ -52,7 +52,7 @@ def _values(model) -> dict[str, np.ndarray]:
 def _trained_checkpoint(root, seed=0, module_cls=GPT):
     """A GPT trained 2 AdamW steps and saved as step 2 at world size 1; its weights."""
     torch.manual_seed(seed)
-    model = _wrap(module_cls(GPTConfig(**CFG)))
+    model = _wrap(module_cls(gpt_config()))
     optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
     for s in range(2):
         x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(s))
@@ -72,7 +72,7 @@ def saved(tmp_path_factory):
 
 def _fresh_with_head(seed=7):
     torch.manual_seed(seed)
-    model = _wrap(GPTWithHead(GPTConfig(**CFG)), chunk_size=2000)  # another chunk size than the save's
+    model = _wrap(GPTWithHead(gpt_config()), chunk_size=2000)  # another chunk size than the save's
     return model, _values(model)
 
 
@@ -101,13 +101,13 @@ def test_finetune_reports_unexpected_tensors(tmp_path):
     root = tmp_path / "ckpt"
     want = _trained_checkpoint(root, seed=3, module_cls=GPTWithHead)
     torch.manual_seed(1)
-    model = _wrap(GPT(GPTConfig(**CFG)))
+    model = _wrap(GPT(gpt_config()))
     res = load_checkpoint(root, model, mode="finetune")
     assert res.missing_keys == [] and res.unexpected_keys == HEAD
     got = _values(model)
     assert all(np.array_equal(got[k], want[k]) for k in got)
     with pytest.raises(CheckpointError, match="cls_head"):  # the strict resume refuses the same checkpoint
-        load_checkpoint(root, _wrap(GPT(GPTConfig(**CFG))))
+        load_checkpoint(root, _wrap(GPT(gpt_config())))
 
 
 def test_inference_refuses_missing_tensors_unless_forced(saved):
@@ -127,7 +127,7 @@ def test_inference_refuses_missing_tensors_unless_forced(saved):
 def test_inference_of_a_complete_model_is_eval_and_exact(saved):
     root, want = saved
     torch.manual_seed(5)
-    model = _wrap(GPT(GPTConfig(**CFG)))
+    model = _wrap(GPT(gpt_config()))
     res = load_checkpoint(root, model, mode="inference")
     assert res.missing_keys == [] and res.unexpected_keys == [] and not model.training
     got = _values(model)
@@ -138,7 +138,7 @@ def test_pretrain_is_resume_and_restores_the_optimizer(saved):
     root, want = saved
     for mode in ("pretrain", "resume"):
         torch.manual_seed(9)
-        model = _wrap(GPT(GPTConfig(**CFG)))
+        model = _wrap(GPT(gpt_config()))
         optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
         meta = load_checkpoint(root, model, optim, mode=mode)
         assert meta.step == 2 and optim.step_count == 2  # the meta, as before; the optimizer restored
@@ -148,13 +148,13 @@ def test_pretrain_is_resume_and_restores_the_optimizer(saved):
 
 def test_bad_modes_and_shapes(saved):
     root, _ = saved
-    model = _wrap(GPT(GPTConfig(**CFG)))
+    model = _wrap(GPT(gpt_config()))
     with pytest.raises(ConfigError, match="'resume', 'finetune', 'inference'"):
         load_checkpoint(root, model, mode="train")
     optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2)
     with pytest.raises(ConfigError, match="optimizer=None"):  # a weights-only load never ignores an optimizer
         load_checkpoint(root, model, optim, mode="finetune")
-    wider = _wrap(GPT(GPTConfig(**{**CFG, "block_size": 32})))
+    wider = _wrap(GPT(gpt_config(block_size=32)))
     with pytest.raises(ShapeMismatchError, match="wpe"):
         load_checkpoint(root, wider, mode="finetune")
 

@@ -87,7 +87,7 @@ def test_recorder_flags_a_free_before_the_using_stream_is_waited_for():
 
 # ---------------------------------------------------------------------------- pinned memory sizes
 def test_pinned_block_bytes_is_the_host_allocators_power_of_two():
-    from torch_backend.zero.chunk_io import pinned_block_bytes
+    from torch_backend.zero.pinned import pinned_block_bytes
 
     assert [pinned_block_bytes(n) for n in (0, 1, 2, 3, 4, 5, 1000, 1024, 1025)] == [0, 1, 2, 4, 4, 8, 1024, 1024, 2048]
     # an 8M-element fp32 master plus one element takes a 64 MiB block: the waste the report must show

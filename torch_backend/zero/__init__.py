@@ -1,10 +1,10 @@
 """The ZeRO engine: chunk-based ZeRO-3 data parallelism for any ``nn.Module``.
 
-One step's data goes through four files, in this order: :mod:`.runtime` (torch's events become
-chunk calls), :mod:`.schedule` (which collective runs when, the same on every rank), :mod:`.chunks`
-(one chunk's storage and life on a rank) and :mod:`.collectives` (every torch collective); the
-optimizer step is :mod:`.optim`'s, on the chunks' fp32 master shards. :mod:`.ddp` is the public face
-and builds the rest; ``docs/ARCHITECTURE.md`` walks through a step.
+A step's Python runs through :mod:`.ddp` (the public face) → :mod:`.runtime` (torch's events become
+calls) → :mod:`.schedule` (the step's owner: which collective runs when, the same on every rank) →
+:mod:`.chunks` (one chunk's storage, life and gradient on a rank) → :mod:`.collectives` (every torch
+collective; one rank runs none) → :mod:`.optim` (the step on the fp32 master shards).
+``docs/ARCHITECTURE.md`` walks through a step.
 """
 
 from .config import AutoPlacementPolicy, MixedPrecision, PrefetchPolicy, StaticPlacement

@@ -1,59 +1,13 @@
-"""Chunk storage for the torch backend: one :class:`Chunk` per chunk of the core ``ChunkLayout``.
+"""One chunk of the core ``ChunkLayout`` on a rank: :class:`Chunk` (storage, gather, release, the
+tensor states) and the :class:`ChunkGradient` it owns (accumulate, reduce, add into the master's ``.grad``).
 
-A chunk owns, on this rank (the design of ColossalAI Gemini's ``Chunk``, itself from PatrickStar):
-
-- ``shard`` — this rank's slice ``[r·size/W, (r+1)·size/W)`` of the chunk in the compute dtype
-  (the *low-precision shard* in bf16/fp16; in fp32 it is the master shard itself). A keep-gathered
-  chunk's "shard" is the whole chunk and doubles as its gathered buffer. In bf16/fp16, for a
-  sharded chunk whose master sits on the compute device, no persistent low-precision copy is kept
-  (``shard is None``): the gather casts the master shard on the fly (as FSDP2's mixed precision
-  does), which saves 2 bytes per element of model state; :meth:`Chunk.low_precision_shard` then
-  returns a fresh cast.
-  A parameter-offloaded chunk keeps its shard on the host (pinned on CUDA); each gather first
-  copies it to the device, so no device copy is kept between uses.
-- ``master`` — the fp32 master shard, an ``nn.Parameter`` leaf the optimizer updates (its ``.grad``
-  is the reduced, averaged gradient shard, fp32), on the master device (the host when
-  optimizer-offloaded). A **frozen** chunk (``requires_grad=False``) has no master, no gradient
-  and no optimizer state: only its shard, kept in the **storage dtype** its tensors came in (the
-  layout chunk's dtype, :attr:`Chunk.storage_dtype`; FSDP2 keeps a sharded parameter in its own
-  dtype too), so its values survive bf16/fp16 compute bit for bit. A gather casts the shard to the
-  compute dtype, then all-gathers. Where the two dtypes differ, a frozen chunk at world size 1 is
-  gathered (a cast copy) per use instead of staying resident, and a keep-gathered one keeps its
-  whole storage-dtype chunk plus the compute-dtype buffer, refreshed from it on load.
-- ``buffer`` — the full chunk in the compute dtype. Released, its storage is resized to zero bytes;
-  gathered, it is resized back and filled by an all-gather (FSDP2's trick), so views autograd saved
-  in forward (``weight.t()`` saved by ``F.linear``) see the re-gathered data in backward. The
-  module's parameter objects are kept (FSDP2 swaps in sharded DTensors instead): while the chunk is
-  gathered each one's ``.data`` is its view into the buffer; released, a placeholder of the same
-  shape, dtype and device that reads as NaN and holds no memory (a stride-0 expand of one element),
-  so a read outside the engine (``module.weight.sum()``, the inner module's ``state_dict()``) shows
-  NaN instead of touching a zero-byte storage; the full values are ``ZeroDDP.state_dict()``'s.
-- ``grad_buffer`` — the full-chunk gradient (compute dtype) accumulated in backward until reduced.
-
-**Its life.** The chunk owns the state of its tensors (the core :class:`chunkzero.ChunkStates`:
-FREE, HOLD, COMPUTE, READY_FOR_REDUCE, with the core's table of legal transitions) and what keeps it
-gathered between uses; nothing else changes them. The runtime (:mod:`torch_backend.zero.runtime`) calls:
-
-- :meth:`Chunk.use` / :meth:`Chunk.done_using` around a computation (HOLD → COMPUTE → HOLD);
-- :meth:`Chunk.add_saved_ref` / :meth:`Chunk.drop_saved_ref` as autograd saves and frees tensors that
-  need the gathered data (a tensor unpacked in backward stays COMPUTE until its last one goes);
-- :meth:`Chunk.pin` when a recomputation or a ``create_graph`` backward needs it kept (:class:`Pin`);
-- :meth:`Chunk.grad_ready` when a tensor's final gradient arrived (→ READY_FOR_REDUCE; ``True``
-  once the whole chunk can be reduced);
-- :meth:`Chunk.rest` at the end of a forward or backward, :meth:`Chunk.release_if_idle` at a
-  backward's release points, :meth:`Chunk.end_backward` when a backward is over;
-
-and the scheduler calls :meth:`Chunk.record_use` / :meth:`Chunk.forget_uses` (the first use since a
-gather is recorded in the access order), :meth:`Chunk.begin_gather` (gathered: FREE → HOLD) and
-:meth:`Chunk.begin_reduce`. :meth:`Chunk.release` (HOLD/READY_FOR_REDUCE → FREE) raises while a
-tensor is in use.
-
-Gathers and reductions are split in two: :meth:`Chunk.begin_gather` / :meth:`Chunk.begin_reduce`
-issue the collective (asynchronously when asked), :meth:`Chunk.finish_gather` /
-:meth:`Chunk.finish_reduces` wait for it. Which chunk is gathered or reduced when is decided by
-:mod:`torch_backend.zero.schedule`, identically on every rank.
-
-All sizes are in elements; ``*_bytes`` are bytes.
+A chunk holds ``shard`` (this rank's slice in the compute dtype; ``None`` when it is cast from the
+master at each gather), ``master`` (the fp32 master shard, an ``nn.Parameter``; ``None`` when frozen),
+``buffer`` (the full chunk, its storage resized to zero while released; the module's parameters are
+views of it while gathered, NaN placeholders of their shape while released) and ``gradient``. Only
+its life methods change its tensors' states (the core table, :mod:`chunkzero.states`); the step's
+owner (:class:`torch_backend.zero.schedule.Scheduler`) and the runtime call them. ``docs/ARCHITECTURE.md``
+("A chunk on a rank") says why each piece is kept as it is. Sizes are in elements; ``*_bytes`` are bytes.
 """
 
 from __future__ import annotations
@@ -65,13 +19,14 @@ import torch
 from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
 
 from . import collectives
-from .chunk_grads import ChunkGradients
-from .chunk_io import ChunkShardIO, copied
 from .memory import AllocationTracker
-from .topology import INTRA, Topology, build_topology
+from .pinned import copied, host_empty
+from .sharding_groups import INTER, INTRA, ShardingGroups, build_sharding_groups
 from .torch_internals import storage_key
 
 S = TensorState
+_NOT_READY = frozenset({S.FREE, S.HOLD, S.COMPUTE})
+_IN_GATHERED = frozenset({S.HOLD, S.COMPUTE})
 
 class Pin(enum.Enum):
     """Why a chunk stays gathered in backward regardless of its saved references."""
@@ -97,7 +52,7 @@ def _released_placeholder(view: torch.Tensor) -> torch.Tensor:
     return torch.full((), float("nan"), dtype=view.dtype, device=view.device).expand(view.shape)
 
 
-class Chunk(ChunkShardIO, ChunkGradients):
+class Chunk:
     """One chunk's storage and state on this rank.
 
     Args:
@@ -113,7 +68,7 @@ class Chunk(ChunkShardIO, ChunkGradients):
         master_device: device of the fp32 master shard, its gradient and optimizer state (``cpu``
             when optimizer-offloaded); ignored for a frozen chunk.
         group: the shard group (the process group the chunk is sharded over) or ``None`` (one rank).
-        topology: the engine's :class:`~torch_backend.zero.topology.Topology` (hybrid sharding: the
+        sharding_groups: the engine's :class:`~torch_backend.zero.sharding_groups.ShardingGroups` (hybrid sharding: the
             replica group the reduced shard is all-reduced over; the collective bytes counted);
             default: flat over ``group``.
         divide_first: divide gradients by the world size before reducing (fp16).
@@ -146,11 +101,11 @@ class Chunk(ChunkShardIO, ChunkGradients):
         movable: bool = False,
         compute_dtype: torch.dtype | None = None,
         tracker: AllocationTracker | None = None,
-        topology: Topology | None = None,
+        sharding_groups: ShardingGroups | None = None,
     ):
         info = layout.chunks[index]
-        self.topology = topology if topology is not None else build_topology(group, None)
-        """The shard group and replica group (:mod:`torch_backend.zero.topology`)."""
+        self.sharding_groups = sharding_groups if sharding_groups is not None else build_sharding_groups(group, None)
+        """The shard group and replica group (:mod:`torch_backend.zero.sharding_groups`)."""
         self.tracker = tracker if tracker is not None else AllocationTracker()
         """Where the chunk's allocations are counted (:class:`~torch_backend.zero.memory.AllocationTracker`)."""
         self._persistent_keys: dict[str, int] = {}
@@ -175,7 +130,8 @@ class Chunk(ChunkShardIO, ChunkGradients):
         self.shard_start, self.shard_stop = layout.shard_range(index, rank)
         self.valid_numel = layout.valid_length(index, rank)
         self.keep_gathered = info.keep_gathered
-        self.placements: tuple[TensorPlacement, ...] = layout.chunk_tensors(index)
+        self.tensors: tuple[TensorPlacement, ...] = layout.chunk_tensors(index)
+        """The chunk's tensors: each one's name, shape and offset in the chunk."""
         self.params = params
         self.param_offloaded = bool(param_offloaded) and not self.keep_gathered
         self.movable = movable
@@ -201,13 +157,13 @@ class Chunk(ChunkShardIO, ChunkGradients):
                 self.shard = copied(mine, shard_device, self.device, self.dtype)
             else:
                 self.shard = None  # cast from the master at gather time
-        self.grad_buffer: torch.Tensor | None = None
-        self._grad_written: set[str] = set()
-        self.grad_sq_norm: torch.Tensor | None = None
-        """fp32 0-d: squared L2 norm of the accumulated gradient shard over valid elements (set at reduce)."""
-        self._reduces: list[tuple[collectives.Pending, torch.Tensor]] = []
-        self._to_host: list[tuple[torch.Tensor, object, torch.Tensor]] = []
+        self.padding_numel = info.padding
+        self.gradient = ChunkGradient(self) if self.requires_grad else None
+        """The chunk's gradient on this rank (:class:`ChunkGradient`);
+        ``None`` for a frozen chunk."""
         self._gather: collectives.Pending | None = None
+        self.gather_in_flight = False
+        """Whether a gather was issued and not yet waited for."""
 
         # the chunk's life between gathers (module docstring): first use, saved references, pin
         self._used_since_gather = self.resident
@@ -221,16 +177,17 @@ class Chunk(ChunkShardIO, ChunkGradients):
         if self.resident:
             # a keep-gathered frozen chunk stored in another dtype: the compute-dtype copy lives beside it
             self.buffer = self.shard.to(self.dtype) if self.casts_frozen else self.shard
-            self._gathered = True
+            self.is_gathered = True
+            """Whether the full chunk is present and its gather complete (always for resident chunks)."""
         else:
             self.buffer = torch.empty(self.size, dtype=self.dtype, device=self.device)
-            self._gathered = False
+            self.is_gathered = False
         self.storage_key = storage_key(self.buffer)
         """Identity of the gathered buffer's storage (views of it found by the backward's pack hook)."""
         # Each parameter holds its view of the buffer while the chunk is gathered, and a placeholder
         # of its full shape while it is released (module docstring): both made once, swapped by
         # ``.data`` assignments (a few per gather and release).
-        self._param_views = [(params[t.name], self.buffer[t.offset : t.end].view(t.shape)) for t in self.placements]
+        self._param_views = [(params[t.name], self.buffer[t.offset : t.end].view(t.shape)) for t in self.tensors]
         self._param_placeholders = [(p, _released_placeholder(v)) for p, v in self._param_views]
         self._point_params(gathered=self.resident)
         if not self.resident:
@@ -260,16 +217,6 @@ class Chunk(ChunkShardIO, ChunkGradients):
                 self._persistent_keys[slot] = self.tracker.add(kind, t.device, t.numel() * t.element_size())
 
     # ------------------------------------------------------------------ gather / release
-    @property
-    def is_gathered(self) -> bool:
-        """Whether the full chunk is present and its gather complete (always for resident chunks)."""
-        return self._gathered
-
-    @property
-    def gather_in_flight(self) -> bool:
-        """Whether a gather was issued and not yet waited for."""
-        return self._gather is not None
-
     def _gather_source(self) -> torch.Tensor:
         if self.shard is None:
             return self.tracker.track(self.master.detach().to(self.device, self.dtype), "staging")
@@ -287,33 +234,31 @@ class Chunk(ChunkShardIO, ChunkGradients):
             return
         if self._gather is not None:
             self.finish_gather()
-        if not self._gathered:
+        if not self.is_gathered:
             nbytes = self.size * self.buffer.element_size()
             self.buffer.untyped_storage().resize_(nbytes)
             self._gathered_key = self.tracker.add("gathered_buffers", self.buffer.device, nbytes)
             self._point_params(gathered=True)
-        self.topology.count(INTRA, "all_gather", self.size * self.buffer.element_size())
+        self.sharding_groups.count(INTRA, "all_gather", self.size * self.buffer.element_size())
+        self.gather_in_flight = True
         self._gather = collectives.all_gather_flat(self.buffer, self._gather_source(), self.group, async_op=async_op,
                                                    tracker=self.tracker)
 
     def finish_gather(self) -> None:
         """Wait for the issued gather; tensors move FREE → HOLD."""
         pending, self._gather = self._gather, None
+        self.gather_in_flight = False
         if pending is None:
             return
         pending.wait()
-        if not self._gathered:
-            self._gathered = True
+        if not self.is_gathered:
+            self.is_gathered = True
             self.states.transition_all(S.HOLD, only_from=S.FREE)
 
     def release(self) -> bool:
-        """Free the gathered buffer's storage (sharded chunks only), also of a gather still in flight
-        (waited for first: never free a buffer a collective is writing); tensors HOLD → FREE. A
-        tensor whose gradient is already final stays READY_FOR_REDUCE: readiness is about the
-        gradient, not the gathered data, and a chunk released in the middle of its backward (its
-        last saved weight freed before its last gradient arrived) must still become reducible when
-        its other tensors' gradients arrive — else its gradient buffer waits for the end of the
-        backward. Returns whether there was a buffer to free.
+        """Free the gathered buffer's storage (sharded chunks; a gather in flight is waited for first);
+        tensors HOLD → FREE, READY_FOR_REDUCE ones stay (their gradient is final whatever the data).
+        Returns whether there was a buffer to free.
 
         Raises:
             IllegalTransitionError: a tensor is still in use (COMPUTE).
@@ -322,15 +267,14 @@ class Chunk(ChunkShardIO, ChunkGradients):
             return False
         if self._gather is not None:
             self.finish_gather()
-        if not self._gathered:
+        if not self.is_gathered:
             return False
-        for name in self.states.names_in(S.HOLD, S.COMPUTE):
-            self.states.transition(name, S.FREE)
+        self.states.transition_all(S.FREE, only_from=_IN_GATHERED)
         self._point_params(gathered=False)  # before the storage goes: no parameter ever points past it
         self.buffer.untyped_storage().resize_(0)
         self.tracker.free(self._gathered_key)
         self._gathered_key = None
-        self._gathered = False
+        self.is_gathered = False
         self._used_since_gather = False
         self._pin = None
         return True
@@ -358,13 +302,11 @@ class Chunk(ChunkShardIO, ChunkGradients):
         Raises:
             IllegalTransitionError: the chunk is not gathered (FREE → COMPUTE: nothing to compute with).
         """
-        if self.states.state(name) is not S.READY_FOR_REDUCE:
-            self.states.transition(name, S.COMPUTE)
+        self.states.transition(name, S.COMPUTE, _NOT_READY)
 
     def done_using(self, name: str) -> None:
         """The computation that used ``name`` is over (COMPUTE → HOLD; any other state stays)."""
-        if self.states.state(name) is S.COMPUTE:
-            self.states.transition(name, S.HOLD)
+        self.states.transition(name, S.HOLD, S.COMPUTE)
 
     def add_saved_ref(self, name: str | None = None) -> None:
         """Autograd saved a reference that needs the gathered data (``name``: the tensor itself was
@@ -404,15 +346,13 @@ class Chunk(ChunkShardIO, ChunkGradients):
         """The final gradient of ``name`` for this backward arrived (→ READY_FOR_REDUCE). Returns
         whether this made every tensor of the chunk ready (the chunk can be reduced); ``False``
         for a tensor already ready (a second backward accumulates into the same buffer)."""
-        if self.states.state(name) is S.READY_FOR_REDUCE:
-            return False
-        self.states.transition(name, S.READY_FOR_REDUCE)
-        return self.states.can_reduce
+        states = self.states
+        return states.transition(name, S.READY_FOR_REDUCE, _NOT_READY) is not S.READY_FOR_REDUCE and states.can_reduce
 
     @property
     def idle(self) -> bool:
         """Gathered, sharded, and no tensor in use: it may be released."""
-        return self._gathered and not self.resident and self.states.can_release
+        return self.is_gathered and not self.resident and self.states.can_release
 
     def release_if_idle(self) -> None:
         """Release the chunk if it is :attr:`idle` (a backward's release point)."""
@@ -429,14 +369,12 @@ class Chunk(ChunkShardIO, ChunkGradients):
         READY_FOR_REDUCE was handed to the scheduler, a tensor still COMPUTE is no longer used) and,
         with ``release``, release the chunk unless pinned (also a gather still in flight:
         prefetched, then not used)."""
-        target = S.HOLD if self._gathered else S.FREE
-        for t in self.placements:
-            state = self.states.state(t.name)
-            if state is S.COMPUTE and target is S.FREE:
-                self.states.transition(t.name, S.HOLD)
-                state = S.HOLD
-            if state is not target:
-                self.states.transition(t.name, target)
+        states = self.states
+        if self.is_gathered:
+            states.transition_all(S.HOLD)
+        else:
+            states.transition_all(S.HOLD, only_from=S.COMPUTE)  # no longer used: COMPUTE → HOLD → FREE
+            states.transition_all(S.FREE)
         if release and self._pin is None:
             self.release()
 
@@ -461,3 +399,257 @@ class Chunk(ChunkShardIO, ChunkGradients):
                 # host → device: move first (async from pinned memory) and cast on the device: a copy
                 # that also casts would go through a pageable host buffer
                 self.shard.copy_(master.to(self.shard.device, non_blocking=True))
+
+    # ------------------------------------------------------------------ values and placement moves
+    def master_values(self) -> torch.Tensor:
+        """The fp32 values of this rank's shard: the live master, or a frozen chunk's storage-dtype
+        shard as fp32 (exact for fp32, bf16 and fp16 storage; the shard itself when it is fp32)."""
+        return self.master.detach() if self.master is not None else self.shard.float()
+
+    def load_master(self, values: torch.Tensor) -> None:
+        """Copy a 1-D shard of ``shard_numel`` elements (any floating dtype) into the fp32 master (a
+        frozen chunk: into its storage-dtype shard, and a resident compute-dtype copy from it) and
+        release the stale gathered copy.
+
+        Raises:
+            IllegalTransitionError: a tensor of the chunk is in use (its gathered data is needed).
+        """
+        with torch.no_grad():
+            if self.master is not None:
+                self.master.copy_(values.to(self.master_device, torch.float32))
+                if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
+                    self.shard.copy_(self.master.detach())
+            else:
+                self.shard.copy_(values.to(self.shard.device, self.storage_dtype))
+                if self.resident and self.casts_frozen:
+                    self.buffer.copy_(self.shard)
+        self.release()
+
+    def low_precision_shard(self) -> torch.Tensor:
+        """The compute-dtype shard: the live persistent tensor, or a fresh cast of the master when
+        none is kept (bf16/fp16 without offload), or of a frozen shard kept in another storage dtype."""
+        if self.shard is None:
+            return self.master.detach().to(self.device, self.dtype)
+        if self.shard.dtype != self.dtype:
+            return self.shard.to(self.device, self.dtype)
+        return self.shard
+
+    def move_shard(self, device: torch.device, *, offloaded: bool) -> int:
+        """Move the persistent parameter shard to ``device`` (host: pinned when computing on CUDA); the
+        copy is asynchronous on CUDA, and always a copy (also where host and device are one memory).
+        ``offloaded``: the shard is now off the device. Returns the bytes copied.
+
+        Raises:
+            ValueError: the chunk is not movable, or resident (its shard is the gathered buffer).
+        """
+        if not self.movable or self.resident:
+            raise ValueError(f"chunk {self.index}'s parameter shard cannot move (movable={self.movable}, resident={self.resident})")
+        self.shard = copied(self.shard, device, self.device, non_blocking=True)
+        self.param_device = torch.device(device)
+        self.param_offloaded = bool(offloaded)
+        self.account_persistent()
+        return self.shard.numel() * self.shard.element_size()
+
+    def move_master(self, device: torch.device) -> int:
+        """Move the fp32 master shard and its gradient to ``device`` (a copy, as :meth:`move_shard`);
+        reductions in flight are completed first. The optimizer state follows the master at the next
+        ``ZeroOptimizer.step`` (it sees the master replaced). Returns the bytes copied (0 when frozen).
+
+        Raises:
+            ValueError: the chunk is not movable.
+        """
+        if not self.movable:
+            raise ValueError(f"chunk {self.index}'s master cannot move (not movable)")
+        if self.master is None:
+            return 0
+        self.gradient.finish_reduces()
+        self.gradient.finish_host_gradients()
+        grad, self.master.grad = self.master.grad, None
+        self.master.data = copied(self.master.detach(), device, self.device, non_blocking=True)
+        moved = self.master.numel() * 4
+        if grad is not None:
+            self.master.grad = self.tracker.track(copied(grad, device, self.device, non_blocking=True), "fp32_gradients")
+            moved += grad.numel() * 4
+        self.master_device = torch.device(device)
+        self.account_persistent()
+        return moved
+
+
+class ChunkGradient:
+    """The gradient of one trainable chunk on this rank.
+
+    Attributes:
+        buffer: the full-chunk gradient (compute dtype, ``chunk.size`` elements) accumulated in this
+            backward and not yet handed to a reduction, or ``None``.
+        sq_norm: fp32 0-d squared L2 norm of ``chunk.master.grad`` over the valid elements (set when
+            the reductions are finished), or ``None``.
+    """
+
+    __slots__ = ("_chunk", "_spans", "_streams", "_to_host", "_whole", "_written", "buffer", "reductions", "sq_norm")
+
+    def __init__(self, chunk):
+        self._chunk = chunk
+        self.buffer: torch.Tensor | None = None
+        self._written: set[str] = set()
+        self.sq_norm: torch.Tensor | None = None
+        self.reductions: list[tuple[collectives.Pending | None, torch.Tensor]] = []
+        """Reductions issued and not yet added into ``master.grad``: ``(pending, output shard)``."""
+        self._to_host: list[tuple[torch.Tensor, object, torch.Tensor]] = []
+        self._spans = {t.name: (t.offset, t.offset + t.numel) for t in chunk.tensors}
+        whole = [t.name for t in chunk.tensors if t.offset == 0 and t.offset + t.numel == chunk.size]
+        self._whole = whole[0] if whole else None
+        """The tensor that is the whole chunk (no padding), whose gradient is adopted as the buffer."""
+        self._streams = collectives.uses_streams(chunk.device)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a gradient is accumulated here and not yet handed to a reduction."""
+        return self.buffer is not None
+
+    def _new_buffer(self) -> torch.Tensor:
+        c = self._chunk
+        self.buffer = c.tracker.track(torch.empty(c.size, dtype=c.dtype, device=c.device), "gradient_buffers")
+        self._written = set()
+        return self.buffer
+
+    def add(self, name: str, grad: torch.Tensor) -> None:
+        """Accumulate ``grad`` (the full shape of tensor ``name``) into the buffer. A chunk that is exactly
+        one tensor adopts ``grad`` as its buffer, without a copy (the caller hands it over: autograd's
+        ``param.grad``, cleared by the engine)."""
+        c = self._chunk
+        buf = self.buffer
+        if (buf is None and name == self._whole and grad.dtype == c.dtype and grad.device == c.device
+                and grad.is_contiguous()):
+            self.buffer = c.tracker.track(grad.detach().view(-1), "gradient_buffers")
+            self._written = {name}
+            return
+        if buf is None:
+            buf = self._new_buffer()
+        start, end = self._spans[name]
+        c.tracker.transient("autograd_grads", grad.device, grad.numel() * grad.element_size())  # handed, then dropped
+        if name in self._written:
+            buf[start:end].add_(grad.reshape(-1))
+        else:
+            buf[start:end].copy_(grad.reshape(-1))
+            self._written.add(name)
+
+    def begin_reduce(self, *, async_op: bool) -> None:
+        """Issue the averaging of the buffer over the ranks (zeros where nothing was accumulated).
+        Sharded chunks are reduce-scattered, keep-gathered chunks all-reduced; one rank alone has
+        nothing to exchange. Regions of tensors that received no gradient, and the padding, are zeroed
+        first. :meth:`finish_reduces` adds the result into ``master.grad``."""
+        c = self._chunk
+        buf = self.buffer if self.buffer is not None else self._new_buffer()
+        if len(self._written) != len(self._spans):
+            for name, (start, end) in self._spans.items():
+                if name not in self._written:
+                    buf[start:end].zero_()
+        if c.padding_numel:
+            buf[c.size - c.padding_numel :].zero_()
+        self.buffer = None
+        self._written = set()
+        tracker, topo = c.tracker, c.sharding_groups
+        tracker.track(buf, "reduce_inputs")
+        if topo.world_size == 1:  # one rank: the average is the buffer itself
+            self.reductions.append((None, buf))
+            return
+        nbytes = buf.numel() * buf.element_size()
+        if c.keep_gathered or c.world_size == 1:
+            out = buf
+        else:
+            out = tracker.track(torch.empty(c.shard_numel, dtype=c.dtype, device=c.device), "reduce_outputs")
+        if topo.hybrid:  # two levels: the shard group, then the replica group
+            topo.count(INTRA, "all_reduce" if out is buf else "reduce_scatter", nbytes)
+            topo.count(INTER, "all_reduce", out.numel() * out.element_size())
+            pending = collectives.reduce_hybrid(out, buf, c.group, topo.replica_group, world_size=topo.world_size,
+                                                divide_first=c.divide_first, async_op=async_op, tracker=tracker)
+        elif out is buf:  # keep-gathered, or one rank per shard group (S = 1): all-reduced over every rank
+            topo.count(INTRA if topo.replicas == 1 else INTER, "all_reduce", nbytes)
+            pending = collectives.all_reduce_avg(buf, topo.group, divide_first=c.divide_first, async_op=async_op)
+        else:
+            topo.count(INTRA, "reduce_scatter", nbytes)
+            pending = collectives.reduce_scatter_avg(out, buf, c.group, divide_first=c.divide_first,
+                                                     async_op=async_op, tracker=tracker)
+        self.reductions.append((pending, out))
+
+    def finish_reduces(self) -> None:
+        """Wait for the issued reductions and add each result into ``master.grad`` (fp32, master device);
+        :attr:`sq_norm` is recomputed over the valid elements.
+
+        An optimizer-offloaded chunk on a device with streams waits on the communication stream and
+        copies the gradient shard there into pinned host memory, so the compute stream does not wait
+        (:meth:`finish_host_gradients` does, at the step). The reduction's buffers were allocated on the
+        compute stream, which then has not waited for it: they are freed only after the communication
+        stream's work (:meth:`collectives.Pending.free_after`), else the next chunk's gradient buffer
+        could get their memory while the reduction still reads it.
+        """
+        if not self.reductions:
+            return
+        c = self._chunk
+        to_host = self._streams and c.master_device.type == "cpu"
+        for pending, out in self.reductions:
+            if to_host:
+                with collectives.communication_stream(out):
+                    comm = collectives.compute_stream(out)  # the current stream: the communication one
+                    if pending is not None:  # None: one rank, nothing was exchanged
+                        pending.free_after(comm)
+                        pending.wait()
+                    staging = c.tracker.track(host_empty(out.numel(), out.dtype, c.device), "staging")
+                    staging.copy_(out, non_blocking=True)
+                    done = collectives.record_event(comm)
+                self._to_host.append((staging, done, out))
+            else:
+                if pending is not None:
+                    pending.wait()
+                self._accumulate(out.to(c.master_device, torch.float32))
+        self.reductions.clear()
+        if not self._to_host:
+            self._update_norm()
+
+    def finish_host_gradients(self) -> None:
+        """Complete the device→host gradient copies of an optimizer-offloaded chunk (a device with
+        streams): the host waits for each copy's event, then adds the staged shard into ``master.grad``."""
+        if not self._to_host:
+            return
+        for staging, done, _ in self._to_host:
+            collectives.synchronize_event(done)
+            self._accumulate(staging.float())
+        self._to_host.clear()
+        self._update_norm()
+
+    def _accumulate(self, g: torch.Tensor) -> None:
+        master = self._chunk.master
+        if master.grad is None:
+            master.grad = self._chunk.tracker.track(g, "fp32_gradients")
+        else:
+            master.grad.add_(g)
+
+    def _update_norm(self) -> None:
+        grad = self._chunk.master.grad
+        if grad is not None:
+            self.sq_norm = grad[: self._chunk.valid_numel].float().square().sum()
+
+    def held(self) -> list[torch.Tensor]:
+        """The gradient tensors held now besides ``master.grad``: the buffer, the reductions' outputs,
+        the device shards and staging buffers of host copies in flight."""
+        out = [] if self.buffer is None else [self.buffer]
+        out += [t for _, t in self.reductions]
+        for staging, _, t in self._to_host:
+            out += [t, staging]
+        return out
+
+    def discard_buffer(self) -> None:
+        """Drop the buffer not yet reduced (reductions in flight and ``master.grad`` stay)."""
+        self.buffer = None
+        self._written = set()
+
+    def zero(self) -> None:
+        """Drop every gradient: buffer, reductions in flight and the master's."""
+        for pending, _ in self.reductions:
+            if pending is not None:
+                pending.wait()
+        self.reductions.clear()
+        self.finish_host_gradients()
+        self.discard_buffer()
+        self._chunk.master.grad = None
+        self.sq_norm = None

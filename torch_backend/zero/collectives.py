@@ -8,7 +8,7 @@ Chunks are flat 1-D buffers, so the only collectives needed are the flat ones:
   (``reduce_scatter_single`` / ``reduce_scatter_tensor``; on gloo an all-to-all and a local sum),
   averaged over the world size.
 - :func:`all_reduce_avg` — the same for keep-gathered chunks (plain data parallelism).
-- :func:`reduce_hybrid` — hybrid sharding's two levels (:mod:`torch_backend.zero.topology`): the
+- :func:`reduce_hybrid` — hybrid sharding's two levels (:mod:`torch_backend.zero.sharding_groups`): the
   reduce-scatter (or all-reduce) over the shard group, then the all-reduce of the result over the
   replica group, the mean over both taken once.
 - :func:`agree` — the engine's small vote all-reduce that keeps every rank's collectives in the same
@@ -359,7 +359,7 @@ def reduce_hybrid(output: torch.Tensor, full: torch.Tensor, shard_group, replica
     Args:
         output: 1-D, ``full.numel() // S`` elements (or ``full`` itself); holds the mean after ``wait()``.
         full: 1-D gradient chunk.
-        shard_group, replica_group: process groups (:class:`~torch_backend.zero.topology.Topology`).
+        shard_group, replica_group: process groups (:class:`~torch_backend.zero.sharding_groups.ShardingGroups`).
     """
     if divide_first:
         full.div_(world_size)

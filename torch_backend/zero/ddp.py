@@ -54,10 +54,10 @@ from .config import (AutoPlacementPolicy, MixedPrecision, PlacementPolicy, Prefe
 from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
 from .memory import AllocationTracker, MemoryReport
 from .pinned import arena_bytes
-from .module_layout import ParamGroups, build_layout, collect_parameters
+from .module_layout import ParamGroups, build_module_layout, collect_parameters
 from .runtime import ChunkRuntime, Entry
-from .topology import Topology, build_topology
-from .torch_internals import under_torch_compile
+from .sharding_groups import ShardingGroups, build_sharding_groups
+from .torch_internals import compile_frame_callback
 from .schedule import Scheduler
 from .state_dict import full_state_dict, load_full_state_dict
 
@@ -66,68 +66,45 @@ __all__ = ["MemoryReport", "ZeroDDP"]
 class ZeroDDP(nn.Module):
     """Wrap ``module`` for chunk-based ZeRO-3 data parallelism (ColossalAI Gemini's ``ZeroDDP``).
 
-    The options come in three groups, each a frozen dataclass of :mod:`torch_backend.zero.config` or its
-    shortcut spelling (flat keywords); giving a dataclass together with its flat keywords raises.
+    Options are frozen dataclasses of :mod:`torch_backend.zero.config` or their flat keywords (not both).
 
     Args:
-        module: any ``nn.Module`` whose floating-point parameters all sit on one device (CUDA → NCCL
-            group expected, CPU → gloo). Its parameter objects are kept (tied weights stay tied); their
-            ``.data`` becomes a view into the chunk's buffer (the compute dtype, full shape), which holds
-            data only while the chunk is gathered — inside ``forward``/backward; read values outside
-            with :meth:`state_dict`.
-            Every rank must pass the same architecture; initial values are taken from group rank 0.
-        process_group: the data-parallel group; ``None`` → the default group if ``torch.distributed``
-            is initialized, else a single process.
-        shard_group_size: hybrid sharding (FSDP2's HSDP): each chunk is sharded over ``S`` consecutive
-            ranks of the group (a shard group: a node's GPUs under torchrun's rank order) and replicated
-            over the ``R = W / S`` shard groups; a gradient is reduce-scattered within the shard group,
-            then its shard all-reduced across the ``R`` replicas (:mod:`torch_backend.zero.topology`).
-            The layout is the core's for world size ``S``. ``None`` or ``W``: flat ZeRO-3; ``1``: DDP
-            with chunked buckets.
-        chunk_size: chunk capacity in elements; ``None`` → :func:`default_chunk_size` (the core search).
-        mixed_precision: a :class:`~torch_backend.zero.config.MixedPrecision`, or its ``compute``: ``"fp32"``,
-            ``"bf16"`` or ``"fp16"`` — dtype of chunks, compute and gradient reduction; the optimizer
-            always updates fp32 master shards. fp32 tensor inputs are cast to it. Frozen parameters
-            (``requires_grad=False``) keep the dtype they came in (float32, bfloat16 or float16;
-            float64 as float32): their chunks are stored sharded in it, without a master, and cast
-            to the compute dtype when gathered, so :meth:`state_dict` and checkpoints return them
-            exactly.
-        prefetch: a :class:`~torch_backend.zero.config.PrefetchPolicy`, or its ``chunks``: chunks gathered
-            ahead of use, in the order recorded during the previous step (Gemini's ``max_prefetch``);
-            with ``prefetch > 0`` all-gathers and reduce-scatters are asynchronous and overlap the
-            computation. ``0``: gather on first use, blocking collectives.
-        reshard_after_forward: with an int ``prefetch``: release sharded chunks after their use in
-            forward (ZeRO-3, the default); ``False`` keeps them gathered from forward until the
-            backward reduces them (fewer gathers, more memory).
-        find_unused_parameters: reduce a zero gradient for parameters that got none on any rank,
-            instead of raising (the optimizer then skips them, as torch skips ``grad is None``).
-        placement: where each chunk's tensors live. ``"static"`` or a
-            :class:`~torch_backend.zero.config.StaticPlacement` (Gemini's static policy): the two offload
-            fractions decide, once (:func:`chunkzero.static_placement`; :attr:`placements`).
-            ``"auto"`` or an :class:`~torch_backend.zero.config.AutoPlacementPolicy` (Gemini's auto policy,
-            :mod:`torch_backend.zero.placement`): a warm-up step with every chunk on the host records the
-            non-model memory at each chunk access; from the next step the parameter shards move
-            between host and device by Belady's farthest-next-use rule within the budget, and the
-            optimizer state of the chunks the margin cannot hold stays on the host (:attr:`auto_placement`).
-        device_memory_bytes, steady_device_cap_ratio: with ``placement="auto"``, the fields of its
-            :class:`~torch_backend.zero.config.AutoPlacementPolicy` (the device memory to plan within, and
-            the share in ``(0, 1]`` of it the chunks plus the non-model memory may use).
-        offload_optim_frac, offload_param_frac: with ``placement="static"``, the fields of its
-            :class:`~torch_backend.zero.config.StaticPlacement` (fractions of trainable chunks whose master,
-            gradient and optimizer state, and of sharded chunks whose parameter shard, live on the host).
-        keep_gathered: parameters to pack into keep-gathered (never sharded, all-reduced) chunks: an
-            iterable of names (any alias matches) or a predicate ``name -> bool``.
-        device: where a module built on the meta device is materialized (default: the current CUDA
-            device, else the CPU); for other modules it must be ``None`` or their device.
-        param_init_fn: for a module built under ``torch.device("meta")``: ``fn(submodule)`` initializes a
-            submodule's own parameters and buffers in place; it is called per submodule, in module
-            order, while the chunks are built (FSDP1's convention), so no rank holds the whole model.
-            ``None``: each submodule's ``reset_parameters()`` (under the same seed, the values equal
-            eager init's). ``lambda m: None`` leaves them uninitialized, for ``load_pretrained``.
+        module: an ``nn.Module`` whose floating-point parameters share one device (CUDA → NCCL, CPU →
+            gloo), the same architecture on every rank; values are taken from group rank 0. Its
+            parameter objects are kept; their ``.data`` holds data only inside forward and backward
+            (read values with :meth:`state_dict`).
+        process_group: the data-parallel group; ``None``: the default group if initialized, else one process.
+        shard_group_size: ``S``, ranks each chunk is sharded over (hybrid sharding, FSDP2's HSDP;
+            :mod:`torch_backend.zero.sharding_groups`); ``None`` or ``W``: flat ZeRO-3; ``1``: DDP.
+        chunk_size: chunk capacity in elements; ``None``: searched (:func:`default_chunk_size`).
+        mixed_precision: a :class:`~torch_backend.zero.config.MixedPrecision` or ``"fp32"``/``"bf16"``/
+            ``"fp16"``: the dtype of chunks, compute and gradient reduction (fp32 tensor inputs are cast to
+            it); masters are fp32; frozen parameters keep their own dtype (float64 as float32).
+        prefetch: a :class:`~torch_backend.zero.config.PrefetchPolicy` or its ``chunks``: chunks gathered
+            ahead of use in the last step's order; ``> 0`` makes the collectives asynchronous, ``0``
+            blocking.
+        reshard_after_forward: release sharded chunks after their use in forward (default ``True``).
+        find_unused_parameters: reduce a zero gradient for a parameter no rank gave one, instead of raising.
+        placement: ``"static"`` / :class:`~torch_backend.zero.config.StaticPlacement` (the offload
+            fractions decide once: :attr:`placements`) or ``"auto"`` /
+            :class:`~torch_backend.zero.config.AutoPlacementPolicy` (planned from a traced step:
+            :mod:`torch_backend.zero.placement`, ``docs/placement.md``).
+        device_memory_bytes, steady_device_cap_ratio: ``placement="auto"``'s policy fields (bytes; a
+            share in ``(0, 1]``).
+        offload_optim_frac, offload_param_frac: ``placement="static"``'s fields (fractions in ``[0, 1]``
+            of trainable chunks whose master, gradient and optimizer state, and of sharded chunks whose
+            parameter shard, live on the host).
+        keep_gathered: names (any alias) or a predicate ``name -> bool`` of parameters packed into
+            never-sharded, all-reduced chunks.
+        device: where a meta-device module is materialized (default: the current CUDA device, else the
+            CPU); ``None`` or the module's device otherwise.
+        param_init_fn: for a meta-device module, ``fn(submodule)`` initializes the submodule's own
+            tensors in place, called per submodule in module order while the chunks are built;
+            ``None``: ``reset_parameters()``; ``lambda m: None`` leaves them uninitialized.
 
-    Shard-level API (for checkpoints): :attr:`layout`, :attr:`rank`, :attr:`world_size`,
-    :attr:`process_group`, :attr:`shard_rank`, :attr:`shard_group_size`, :attr:`replicas`, :attr:`chunks`, :meth:`master_shard`, :meth:`low_precision_shard`,
-    :meth:`grad_shard`, :meth:`load_master_shard`, :meth:`synchronize`.
+    Shard-level API (checkpoints): :attr:`layout`, :attr:`rank`, :attr:`world_size`, :attr:`process_group`,
+    :attr:`shard_rank`, :attr:`shard_group_size`, :attr:`replicas`, :attr:`chunks`, :meth:`master_shard`,
+    :meth:`low_precision_shard`, :meth:`grad_shard`, :meth:`load_master_shard`, :meth:`synchronize`.
 
     Raises:
         ConfigError: a bad argument (named), a dataclass given with its flat keywords (both named), a
@@ -161,6 +138,7 @@ class ZeroDDP(nn.Module):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
         self.mixed_precision_policy: MixedPrecision = resolve_mixed_precision(mixed_precision)
         """The dtype of chunks, compute and gradient reduction (see :attr:`mixed_precision`)."""
+        self._compute_dtype = TORCH_DTYPES[self.mixed_precision_policy.dtype_name]
         self.prefetch_policy: PrefetchPolicy = resolve_prefetch(prefetch, reshard_after_forward)
         """How far chunks are gathered ahead, and whether forward releases them."""
         self.placement_policy: PlacementPolicy = resolve_placement(
@@ -191,7 +169,7 @@ class ZeroDDP(nn.Module):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The torch dtype of the chunks, the computation and the gradient reduction."""
-        return TORCH_DTYPES[self.mixed_precision_policy.dtype_name]
+        return self._compute_dtype
 
     @property
     def prefetch(self) -> int:
@@ -240,26 +218,26 @@ class ZeroDDP(nn.Module):
         """The data-parallel process group (``None``: single process)."""
         self.world_size: int = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank: int = dist.get_rank(process_group) if process_group is not None else 0
-        self.topology: Topology = build_topology(process_group, shard_group_size)
+        self.sharding_groups: ShardingGroups = build_sharding_groups(process_group, shard_group_size)
         """The shard group and the replica group (flat ZeRO-3: the group itself, no replicas)."""
 
     @property
     def shard_group_size(self) -> int:
         """``S``: ranks each chunk is sharded over (the layout's world size; :attr:`world_size` when flat)."""
-        return self.topology.shard_group_size
+        return self.sharding_groups.shard_group_size
 
     @property
     def replicas(self) -> int:
         """``R = world_size / shard_group_size``: copies of each shard (1 when flat)."""
-        return self.topology.replicas
+        return self.sharding_groups.replicas
 
     @property
     def shard_rank(self) -> int:
         """This rank in its shard group: the layout's rank of its shards (:attr:`rank` when flat)."""
-        return self.topology.shard_rank
+        return self.sharding_groups.shard_rank
 
     def _build_layout(self, groups: ParamGroups, chunk_size: int | None, keep_gathered) -> ChunkLayout:
-        return build_layout(groups, self.mixed_precision_policy.dtype_name, self.shard_group_size, chunk_size,
+        return build_module_layout(groups, self.mixed_precision_policy.dtype_name, self.shard_group_size, chunk_size,
                             keep_gathered)
 
     def _plan_placement(self) -> tuple[tuple[ChunkPlacement, ...], int | None]:
@@ -296,9 +274,9 @@ class ZeroDDP(nn.Module):
             start = self._static_placements[info.index]
             chunk = Chunk(self.layout, info.index, self.shard_rank, {t.name: by_name[t.name] for t in tensors},
                           device=self.device, param_device=where[start.param], master_device=where[start.master],
-                          param_offloaded=start.param_offloaded, group=self.topology.shard_group,
+                          param_offloaded=start.param_offloaded, group=self.sharding_groups.shard_group,
                           divide_first=self.mixed_precision == "fp16", initial=initial, movable=auto,
-                          compute_dtype=self.compute_dtype, tracker=self.allocations, topology=self.topology)
+                          compute_dtype=self.compute_dtype, tracker=self.allocations, sharding_groups=self.sharding_groups)
             del initial
             chunks.append(chunk)
             entries += [Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t) for t in tensors]
@@ -311,10 +289,13 @@ class ZeroDDP(nn.Module):
         runtime = ChunkRuntime(self.module, self.layout, self.chunks, entries, scheduler,
                                find_unused_parameters=self.find_unused_parameters,
                                reshard_after_forward=self.reshard_after_forward)
+        self._scheduler = scheduler
         if budget_bytes is None:
             return runtime, None
-        return runtime, AutoPlacement(self.chunks, scheduler, runtime, placements=self._static_placements,
-                                      device=self.device, budget_bytes=budget_bytes, prefetch=self.prefetch)
+        placement = AutoPlacement(self.chunks, scheduler.orders, placements=self._static_placements,
+                                  device=self.device, budget_bytes=budget_bytes, prefetch=self.prefetch)
+        scheduler.set_policy(placement)
+        return runtime, placement
 
     # ================================================================== forward / backward
     def forward(self, *args, **kwargs):
@@ -329,7 +310,7 @@ class ZeroDDP(nn.Module):
             PlacementBudgetError: ``placement="auto"``: after the warm-up, the budget cannot hold some
                 chunk access (the chunk plus the non-model memory there; both numbers named).
         """
-        if under_torch_compile():
+        if torch.compiler.is_compiling() or compile_frame_callback() is not None:
             raise ConfigError("torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
                               "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)")
         self._runtime.finish_aborted_backward()
@@ -337,7 +318,11 @@ class ZeroDDP(nn.Module):
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         if self.auto_placement is not None:
             self._runtime.raise_pending_error()
-            self.auto_placement.before_forward(torch.is_grad_enabled())
+            grad_enabled = torch.is_grad_enabled()
+            if self.auto_placement.replans(grad_enabled):
+                self._scheduler.wait_all()
+            self.auto_placement.before_forward(grad_enabled)
+            self._runtime.count_saved_activations(self.auto_placement.saved_counter)
         return self._runtime.forward(args, kwargs)
 
     def _cast_input(self, x):
@@ -388,7 +373,7 @@ class ZeroDDP(nn.Module):
     def synchronize(self) -> None:
         """Wait for every collective in flight (prefetched gathers, gradient reductions) and, with
         ``placement="auto"`` on CUDA, every placement copy."""
-        self._runtime.sched.wait_all()
+        self._scheduler.wait_all()
         if self.auto_placement is not None:
             self.auto_placement.synchronize()
 
@@ -396,10 +381,7 @@ class ZeroDDP(nn.Module):
         """Complete every gradient reduction (collective): waits for those in flight, and reduces
         gradients still accumulated locally (backwards that ran under :meth:`no_sync`)."""
         self._runtime.finish_aborted_backward()
-        sched = self._runtime.sched
-        sched.wait_all()
-        sched.final_reduce()
-        sched.wait_all()
+        self._scheduler.finish_gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - the shards are always dropped
         """Drop all accumulated gradients (buffers, reductions in flight and fp32 gradient shards)."""
@@ -425,8 +407,8 @@ class ZeroDDP(nn.Module):
         c = self.chunks[chunk]
         if c.master is None:
             return None
-        c.finish_reduces()
-        c.finish_host_gradients()
+        c.gradient.finish_reduces()
+        c.gradient.finish_host_gradients()
         return c.master.grad
 
     def load_master_shard(self, chunk: int, shard: torch.Tensor) -> None:
@@ -491,7 +473,7 @@ class ZeroDDP(nn.Module):
         """
         return MemoryReport.collect(self.chunks, self.device, optimizer, offload_optim_chunks=self.offload_optim_chunks,
                                     offload_param_chunks=self.offload_param_chunks,
-                                    peak_gathered_chunks=self._runtime.sched.peak_gathered, tracker=self.allocations,
+                                    peak_gathered_chunks=self._scheduler.peak_gathered, tracker=self.allocations,
                                     **arena_bytes(self.device))
 
     def reset_peak_memory(self) -> None:
@@ -512,11 +494,8 @@ class ZeroDDP(nn.Module):
         ``peak_gathered_chunks`` and ``order_recordings`` (how often the prefetch order was recorded) so far;
         and the bytes of the chunk collectives per level (``intra``: the shard group, ``inter``: the replica
         group), ``*_payload_bytes`` (their full buffers) and ``*_sent_bytes`` (what this rank sends under the
-        ring algorithm; :class:`~torch_backend.zero.topology.CollectiveBytes`)."""
-        s = self._runtime.sched
-        return {"rounds": s.rounds, "gathers": s.gathers, "misses": s.misses, "late_gathers": s.late_gathers,
-                "peak_gathered_chunks": s.peak_gathered, "order_recordings": sum(o.recordings for o in s.orders.values()),
-                **self.topology.bytes.as_stats()}
+        ring algorithm; :class:`~torch_backend.zero.sharding_groups.CollectiveBytes`)."""
+        return {**self._scheduler.stats(), **self.sharding_groups.bytes.as_stats()}
 
     def extra_repr(self) -> str:
         return (

@@ -33,7 +33,8 @@ import torch
 from chunkzero.errors import ConfigError, ShapeMismatchError
 
 from . import collectives
-from .chunk_io import copied
+from .optim import ZeroOptimizer
+from .pinned import copied
 
 __all__ = ["ZeroEMA"]
 
@@ -65,11 +66,9 @@ class ZeroEMA:
     """
 
     def __init__(self, optimizer, decay: float = 0.999, *, warmup: bool = False):
-        from .optim import ZeroOptimizer
-
         if not isinstance(optimizer, ZeroOptimizer):
             raise ConfigError(f"ZeroEMA needs a ZeroOptimizer, got {type(optimizer).__name__}")
-        if getattr(optimizer, "ema", None) is not None:
+        if optimizer.ema is not None:
             raise ConfigError("this ZeroOptimizer has an EMA already (optimizer.ema); build one ZeroEMA per optimizer")
         self.decay = _check_decay(decay)
         self.warmup = bool(warmup)
@@ -85,7 +84,7 @@ class ZeroEMA:
         self._count_before_step = optimizer.step_count
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step)]
-        optimizer.ema = self
+        optimizer.attach_ema(self)
 
     # ------------------------------------------------------------------ the update
     def current_decay(self) -> float:
@@ -203,5 +202,4 @@ class ZeroEMA:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if getattr(self.optimizer, "ema", None) is self:
-            self.optimizer.ema = None
+        self.optimizer.detach_ema(self)

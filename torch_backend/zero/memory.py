@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import chunk_io
+
 __all__ = ["ALLOCATION_KINDS", "MEMORY_KINDS", "AllocationTracker", "MemoryReport"]
 
 MEMORY_KINDS = ("parameters", "gathered_buffers", "gradients", "fp32_master", "optimizer_states", "ema")
@@ -80,6 +82,18 @@ class AllocationTracker:
         self._by_tensor[id(tensor)] = key
         weakref.finalize(tensor, self._collected, id(tensor), key)
         return tensor
+
+    def transient(self, kind: str, device, nbytes: int) -> None:
+        """Count ``nbytes`` of ``kind`` on ``device`` as allocated for a moment (a tensor handed over and
+        dropped at once): the peaks see it, the current bytes do not. One call, no ledger entry."""
+        dev, n = str(device), int(nbytes)
+        peak = self.peak.setdefault(dev, {})
+        now = self.current.get(dev, {}).get(kind, 0) + n
+        if now > peak.get(kind, 0):
+            peak[kind] = now
+        total = self._total.get(dev, 0) + n
+        if total > self.peak_total.get(dev, 0):
+            self.peak_total[dev] = total
 
     def _collected(self, tensor_id: int, key: int) -> None:
         if self._by_tensor.get(tensor_id) == key:
@@ -170,9 +184,9 @@ class MemoryReport:
         add(device, "parameters", 0)
         frozen: dict[str, dict[str, int]] = {}
         for c in chunks:
-            for where, kind, n in c.bytes_by_kind():
+            for where, kind, n in chunk_io.bytes_by_kind(c):
                 add(where, kind, n)
-            for where, dtype, n in c.frozen_bytes_by_dtype():
+            for where, dtype, n in chunk_io.frozen_bytes_by_dtype(c):
                 per = frozen.setdefault(str(where), {})
                 per[dtype] = per.get(dtype, 0) + int(n)
         if optimizer is not None:

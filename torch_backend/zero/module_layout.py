@@ -14,7 +14,7 @@ from chunkzero.errors import ConfigError
 
 from .chunks import TORCH_DTYPES
 
-__all__ = ["ParamGroups", "build_layout", "collect_parameters", "default_chunk_size"]
+__all__ = ["ParamGroups", "build_module_layout", "collect_parameters", "default_chunk_size"]
 
 
 def default_chunk_size(specs: list[TensorSpec], world_size: int) -> tuple[int, int]:
@@ -73,7 +73,7 @@ def _keep_gathered_predicate(keep_gathered) -> Callable[[str], bool]:
     return lambda name: name in names
 
 
-def build_layout(groups: ParamGroups, dtype_name: str, world_size: int, chunk_size: int | None,
+def build_module_layout(groups: ParamGroups, dtype_name: str, world_size: int, chunk_size: int | None,
                  keep_gathered) -> ChunkLayout:
     """The core layout over ``groups`` (one spec per parameter object, its other names as aliases).
 

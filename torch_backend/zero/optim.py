@@ -112,6 +112,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.model = model
         self.max_norm = None if max_norm is None else float(max_norm)
         self._chunks = [c for c in model.chunks if c.requires_grad]
+        self._world_size = model.world_size
+        self._counts_norm = model.sharding_groups.replica_index == 0
         if not self._chunks:
             raise ConfigError("the model has no trainable parameters")
         if params is not None and param_groups is not None:
@@ -163,6 +165,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.ema = None
         """The :class:`~torch_backend.zero.ema.ZeroEMA` of this optimizer's masters, once one is built
         (checkpoints and :meth:`memory_report` include it)."""
+
+    def attach_ema(self, ema) -> None:
+        """Make ``ema`` (a :class:`~torch_backend.zero.ema.ZeroEMA` building itself) this optimizer's
+        :attr:`ema`.
+
+        Raises:
+            ConfigError: the optimizer has an EMA already.
+        """
+        if self.ema is not None:
+            raise ConfigError("this ZeroOptimizer has an EMA already (optimizer.ema); build one ZeroEMA per optimizer")
+        self.ema = ema
+
+    def detach_ema(self, ema) -> None:
+        """Forget ``ema`` if it is this optimizer's :attr:`ema` (``ZeroEMA.close``)."""
+        if self.ema is ema:
+            self.ema = None
 
     def _params_of(self, names: list[str]) -> list[torch.nn.Parameter]:
         return [self._piece_of[n].param for n in names if n in self._piece_of]
@@ -276,15 +294,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _global_sq_norm(self) -> float:
         device = self.model.device
         total = torch.zeros((), dtype=torch.float32, device=device)
-        for c in self._chunks:
-            if c.grad_sq_norm is None:
-                continue
-            if c.keep_gathered and self.model.rank != 0:
-                continue  # every rank holds the same full gradient: count it once
-            if self.model.topology.replica_index != 0:
-                continue  # hybrid sharding: the shard group's replicas hold the same shards
-            total = total + c.grad_sq_norm.to(device)
-        collectives.all_reduce_sum(total, self.model.process_group)
+        if self._counts_norm:  # hybrid sharding: only replica 0 counts (the replicas hold the same shards)
+            first_rank = self.model.rank == 0
+            for c in self._chunks:
+                sq = c.gradient.sq_norm
+                if sq is not None and (first_rank or not c.keep_gathered):  # a full gradient: counted once
+                    total = total + sq.to(device)
+        if self._world_size > 1:
+            collectives.all_reduce_sum(total, self.model.process_group)
         return float(total.item())
 
     @torch.no_grad()
@@ -333,8 +350,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for p in ps:
                     p.follow_master()
                 self._states.follow_master(ci)
-            for p in ps:
-                p.param.grad = p.grad_view() if flags[p.tensor_index] else None
+            g = master.grad
+            for p in ps:  # each piece's view of the reduced shard (zeros where the chunk received none)
+                if not flags[p.tensor_index]:
+                    p.param.grad = None
+                elif g is None:
+                    p.param.grad = torch.zeros_like(p.param)
+                else:
+                    p.param.grad = g[p.offset : p.end]
         try:
             self.optimizer.step()
         finally:

@@ -34,11 +34,13 @@ class Piece:
     """One inner-optimizer parameter: elements ``[start, stop)`` of tensor ``name`` at ``offset`` in
     chunk ``chunk``'s master shard on this rank."""
 
-    __slots__ = ("chunk", "name", "offset", "param", "start", "stop", "tensor_index", "views")
+    __slots__ = ("chunk", "end", "name", "offset", "param", "start", "stop", "tensor_index", "views")
 
     def __init__(self, name: str, tensor_index: int, chunk, start: int, stop: int, offset: int):
         self.name, self.tensor_index, self.chunk = name, tensor_index, chunk
         self.start, self.stop, self.offset = start, stop, offset
+        self.end = offset + stop - start
+        """Where the piece ends in the master shard."""
         self.param = nn.Parameter(self.master_view())
         self.views: dict[str, torch.Tensor] = {}
         """The state entries that are views into the chunk's flat buffers (by key)."""
@@ -49,11 +51,6 @@ class Piece:
 
     def master_view(self) -> torch.Tensor:
         return self.chunk.master.detach()[self.offset : self.offset + self.numel]
-
-    def grad_view(self) -> torch.Tensor:
-        """The piece of the chunk's reduced gradient shard (zeros when the chunk received none)."""
-        g = self.chunk.master.grad
-        return torch.zeros_like(self.param) if g is None else g[self.offset : self.offset + self.numel]
 
     def follow_master(self) -> None:
         """Point the parameter at the chunk's current master storage (after the master was replaced)."""

@@ -18,6 +18,7 @@ import torch
 
 from chunkzero.errors import CheckpointError, ShapeMismatchError
 
+from . import chunk_io
 from .collectives import all_gather_json
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
@@ -68,7 +69,7 @@ def full_state_dict(zopt) -> dict[str, Any]:
             mine = flat.get(key)
             if mine is None:  # no state here: zeros, so that this rank still takes part in the gather
                 mine = torch.zeros(c.shard_numel, dtype=dtype, device=c.master.device)
-            full = c.gather_shard_tensor(mine)
+            full = chunk_io.gather_shard_tensor(c, mine)
             for t in model.layout.chunk_tensors(c.index):
                 if steps.get(t.name, 0) > 0:
                     per[t.name][key] = full[t.offset : t.end].view(t.shape).to("cpu", torch.float32, copy=True)
@@ -150,7 +151,7 @@ def load_full_state_dict(zopt, state_dict: dict[str, Any]) -> None:
                     scalars.setdefault(t.name, {})[key] = torch.as_tensor(v)
         flat = states.flat.setdefault(c.index, {})
         for key in dict.fromkeys([*flat, *fulls]):
-            shard = c.shard_from_full(fulls.get(key, {}))  # zeros where a tensor has no state
+            shard = chunk_io.shard_from_full(c, fulls.get(key, {}))  # zeros where a tensor has no state
             if key in flat:
                 flat[key].copy_(shard)
             else:

@@ -32,7 +32,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["ALIGNMENT_BYTES", "PinnedArena", "SLAB_BYTES", "arena_bytes", "host_arena", "pinned_block_bytes", "pinned_slab"]
+from . import streams
+
+__all__ = ["ALIGNMENT_BYTES", "PinnedArena", "SLAB_BYTES", "arena_bytes", "copied", "host_arena", "host_empty",
+           "pinned_block_bytes", "pinned_slab"]
 
 ALIGNMENT_BYTES = 512
 """Every slice starts at a multiple of this many bytes of its slab (DMA- and vector-friendly)."""
@@ -221,7 +224,7 @@ def pinned_block_bytes(nbytes: int) -> int:
 
 def _unregister(cudart, ptr: int) -> None:
     try:
-        torch.cuda.synchronize()  # no copy may still read the slab
+        streams.host_wait()  # no copy may still read the slab
         cudart.cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver reclaims it with the process
         pass
@@ -235,14 +238,12 @@ def host_arena(device: torch.device, layer) -> PinnedArena:
     torch's host allocator is one per process), its slabs from ``layer`` (the stream layer in use,
     :func:`torch_backend.zero.collectives.stream_layer`): its ``host_empty`` for a stand-in, pinned
     slabs for CUDA. A freed slice waits for the device's compute and communication streams."""
-    from . import collectives
-
     device = torch.device(device)
     per_layer = _ARENAS.setdefault(layer, {})
     arena = per_layer.get(str(device))
     if arena is None:
         ref = weakref.ref(layer)  # the arena must not keep its layer alive (the map's weak key)
-        if isinstance(layer, collectives.CudaStreams):
+        if isinstance(layer, streams.CudaStreams):
             allocate = pinned_slab
         else:
             def allocate(nbytes):
@@ -265,9 +266,29 @@ def host_arena(device: torch.device, layer) -> PinnedArena:
 def arena_bytes(device: torch.device) -> dict[str, int]:
     """``{"pinned_held_bytes", "pinned_used_bytes"}`` of the arena of compute device ``device`` under
     the stream layer in use (zeros where the device has no streams, so nothing is pinned)."""
-    from . import collectives
-
-    if not collectives.uses_streams(torch.device(device)):
+    if not streams.uses_streams(torch.device(device)):
         return {"pinned_held_bytes": 0, "pinned_used_bytes": 0}
-    arena = host_arena(device, collectives.stream_layer())
+    arena = host_arena(device, streams.stream_layer())
     return {"pinned_held_bytes": arena.held_bytes, "pinned_used_bytes": arena.used_bytes}
+
+
+def host_empty(numel: int, dtype: torch.dtype, like_device: torch.device) -> torch.Tensor:
+    """An empty 1-D host tensor, pinned when the compute device ``like_device`` has streams (CUDA; so
+    copies can be async): a slice of the process's arena for that device (no power-of-two rounding
+    per buffer), whose ranges are reused only after the device's streams are done with them."""
+    if streams.uses_streams(like_device):
+        return host_arena(torch.device(like_device), streams.stream_layer()).empty(numel, dtype)
+    return torch.empty(numel, dtype=dtype)
+
+
+def copied(t: torch.Tensor, device: torch.device, compute_device: torch.device, dtype: torch.dtype | None = None,
+           *, non_blocking: bool = False) -> torch.Tensor:
+    """A fresh 1-D copy of ``t`` on ``device``, in ``dtype`` (default: ``t``'s); host copies are pinned
+    when computing on CUDA (:func:`host_empty`), so that ``non_blocking`` copies are asynchronous."""
+    device, dtype = torch.device(device), dtype or t.dtype
+    if device.type == "cpu":
+        out = host_empty(t.numel(), dtype, compute_device)
+    else:
+        out = torch.empty(t.numel(), dtype=dtype, device=device)
+    out.copy_(t.reshape(-1), non_blocking=non_blocking)
+    return out

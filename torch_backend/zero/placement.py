@@ -52,6 +52,7 @@ import torch
 from chunkzero import ChunkPlacement, Location, PlacementPlan, chunk_placements, plan_placement
 from chunkzero.errors import ConfigError
 
+from . import chunk_io, streams
 from .torch_internals import storage_key
 from .chunks import Chunk
 from .config import DEFAULT_STEADY_DEVICE_CAP_RATIO, AutoPlacementPolicy
@@ -130,6 +131,8 @@ class SavedBytes:
 
     def __init__(self, excluded: set[int] = frozenset()):
         self.excluded = excluded
+        self.active = True
+        """Whether the traced step is still running (the runtime stops holding tensors through it after)."""
         self.bytes = 0
         """Bytes alive now."""
         self._live: dict[int, list[int]] = {}
@@ -190,9 +193,7 @@ class AutoPlacement:
 
     Args:
         chunks: the model's chunks (built ``movable``), by index.
-        scheduler: the model's scheduler; this object becomes its ``listener``.
-        runtime: the model's :class:`~torch_backend.zero.runtime.ChunkRuntime` (its saved-tensor hooks count
-            activations while a step is traced on CPU).
+        orders: the scheduler's recorded access orders by phase (read when a traced step ends).
         placements: the starting placement (:func:`warmup_placements`).
         device: the compute device.
         budget_bytes: the device budget (:func:`placement_budget_bytes`).
@@ -203,11 +204,10 @@ class AutoPlacement:
     :attr:`h2d_bytes`, :attr:`d2h_bytes`, :attr:`step_bytes_moved`, :attr:`traces`.
     """
 
-    def __init__(self, chunks: list[Chunk], scheduler, runtime, *, placements, device: torch.device,
+    def __init__(self, chunks: list[Chunk], orders, *, placements, device: torch.device,
                  budget_bytes: int, prefetch: int):
         self.chunks = chunks
-        self.scheduler = scheduler
-        self.runtime = runtime
+        self._orders = orders
         self.placements: list[ChunkPlacement] = list(placements)
         """One :class:`chunkzero.ChunkPlacement` per chunk, as things are now."""
         self.device = torch.device(device)
@@ -220,7 +220,7 @@ class AutoPlacement:
             0 if c.resident else c.shard_numel * c.shard.element_size() for c in chunks)
         """Bytes of each chunk's parameter shard (a frozen one's in its storage dtype), what the plan
         moves (0 for keep-gathered chunks)."""
-        self.resident_bytes = sum(n for c in chunks if c.resident for _, kind, n in c.bytes_by_kind() if kind == "parameters")
+        self.resident_bytes = sum(n for c in chunks if c.resident for _, kind, n in chunk_io.bytes_by_kind(c) if kind == "parameters")
         """Bytes of the keep-gathered chunks, always on the device."""
         self.trace: PlacementTrace | None = None
         """The latest trace (``None`` before the first traced step ended); the next training step plans
@@ -241,8 +241,9 @@ class AutoPlacement:
         self._optimizer = None
         self._where = {Location.DEVICE: self.device, Location.HOST: torch.device("cpu")}
         self._count_saved = self.device.type != "cuda"
-        self._saved: SavedBytes | None = None
-        """The counter of the step being traced on CPU (``_count_saved``)."""
+        self.saved_counter: SavedBytes | None = None
+        """The counter of the saved activations of the step being traced on CPU (``None`` otherwise): the
+        model hands it to its runtime after :meth:`before_forward`."""
         self._resident_storages = {c.storage_key for c in chunks if c.resident}
         # per step
         self._in_step = False
@@ -259,7 +260,6 @@ class AutoPlacement:
         self._pos = 0
         self._early: dict[int, int] = {}
         self._moved_in_step = 0
-        scheduler.listener = self
 
     # ------------------------------------------------------------------ public
     @property
@@ -325,12 +325,19 @@ class AutoPlacement:
     def synchronize(self) -> None:
         """Wait for the copies in flight (CUDA), so the host may read the shards and masters."""
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            streams.host_wait(self.device)
 
     # ------------------------------------------------------------------ steps (ZeroDDP.forward)
+    def replans(self, grad_enabled: bool) -> bool:
+        """Whether :meth:`before_forward` will adopt a new plan (moving masters: every collective in
+        flight must be complete first)."""
+        return grad_enabled and self.trace is not None and (self._new_trace or self._replan)
+
     def before_forward(self, grad_enabled: bool) -> None:
         """A forward begins: with gradients it starts a training step (adopt a new plan, enter the
         step's start set, maybe trace); without, the plan is not followed (chunks stay where they are).
+
+        The caller has completed every collective in flight first when :meth:`replans` said so.
 
         Raises:
             PlacementBudgetError: the budget cannot hold some access of the trace (from the plan).
@@ -348,8 +355,7 @@ class AutoPlacement:
         if self._tracing:
             self._records, self._forward_records = [], 0
             if self._count_saved:
-                self._saved = SavedBytes(self._resident_storages)
-                self.runtime.count_saved_activations(self._saved)
+                self.saved_counter = SavedBytes(self._resident_storages)
         if self.plan is not None:
             self._enter(set(self.plan.step(self._k).resident_at_start))
             self._on_plan = True
@@ -360,7 +366,6 @@ class AutoPlacement:
                               optim_state_bytes=self.optim_state_bytes())
         self.plan, self._new_trace, self._replan, self._k = plan, False, False, 0
         optim_host = set(plan.optim_host)
-        self.scheduler.wait_all()
         moved_to_host = False
         for i, p in enumerate(self.placements):
             if p.trainable:
@@ -381,7 +386,7 @@ class AutoPlacement:
     def _set_param(self, i: int, where: Location) -> None:
         self.apply(i, dataclasses.replace(self.placements[i], param=where))
 
-    # ------------------------------------------------------------------ scheduler listener
+    # ------------------------------------------------------------------ the step owner's named points
     def phase_started(self, phase: str) -> None:
         if phase is BACKWARD and self._in_step:
             self._forward_records = len(self._records)
@@ -433,11 +438,13 @@ class AutoPlacement:
         self._in_step = False
         self._step_done = self._on_plan and self.plan is not None and self._pos == len(self.trace.access_order)
         self.step_bytes_moved.append(self._moved_in_step)
-        orders = self.scheduler.orders
+        orders = self._orders
         recordings = (orders[FORWARD].recordings, orders[BACKWARD].recordings)
         if self._tracing:
             self._tracing = False
-            self.runtime.count_saved_activations(None)
+            if self.saved_counter is not None:
+                self.saved_counter.active = False
+                self.saved_counter = None
             self._finish_trace(recordings)
         elif recordings != self._recordings:
             self._retrace = True  # the order changed in this step: trace the next one
@@ -445,8 +452,8 @@ class AutoPlacement:
     def _finish_trace(self, recordings: tuple[int, int]) -> None:
         nf = self._forward_records
         nb = len(self._records) - nf
-        fwd = list(self.scheduler.orders[FORWARD].previous or []) if nf else []
-        bwd = list(self.scheduler.orders[BACKWARD].previous or []) if nb else []
+        fwd = list(self._orders[FORWARD].previous or []) if nf else []
+        bwd = list(self._orders[BACKWARD].previous or []) if nb else []
         if len(fwd) != nf or len(bwd) != nb:
             self._retrace = True  # another pass recorded in between: trace again
             return
@@ -463,7 +470,7 @@ class AutoPlacement:
         transient = 0
         engine_device = 0
         for c in self.chunks:
-            for dev, kind, n in c.bytes_by_kind():
+            for dev, kind, n in chunk_io.bytes_by_kind(c):
                 if kind in ("gathered_buffers", "gradients"):
                     transient += n
                 if dev.type == self.device.type:
@@ -473,7 +480,7 @@ class AutoPlacement:
         if not accessed.resident and not (accessed.is_gathered or accessed.gather_in_flight):
             transient += accessed.size * accessed.buffer.element_size()
         if self._count_saved:
-            return self._saved.bytes, transient
+            return self.saved_counter.bytes, transient
         opt = self._optimizer() if self._optimizer is not None else None
         if opt is not None:
             engine_device += sum(n for dev, n in opt.state_bytes() if dev.type == "cuda")

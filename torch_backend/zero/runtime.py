@@ -26,7 +26,9 @@ no chunk state of its own.
   agreement on unused parameters, the remaining reductions, releases, placeholders.
 
 Hook code runs with :attr:`ChunkRuntime.in_engine` set, so the torch calls it makes on chunk buffers
-bypass the access mode.
+bypass the access mode. After a backward each parameter that received a gradient holds a
+:class:`ShardedGradPlaceholder` in ``.grad``: the gradient lives in the chunk shards, so a plain torch
+optimizer or ``clip_grad_norm_`` over ``model.parameters()`` raises instead of doing nothing.
 """
 
 from __future__ import annotations
@@ -42,40 +44,35 @@ from torch.overrides import TorchFunctionMode
 from chunkzero import ChunkLayout
 from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
-from .grad_placeholder import GradPlaceholders
 from .chunks import Chunk, Pin
 from .schedule import BACKWARD, FORWARD, OUTSIDE, Phase, Scheduler
-from .torch_internals import (compiled_original, current_autograd_node, engine_run_backward, pop_torch_function_mode,
-                              push_torch_function_mode, storage_key, tensors_in, under_torch_compile)
+from .torch_internals import (ENGINE_RUN_BACKWARD, compiled_original, current_autograd_node, pop_torch_function_mode,
+                              push_torch_function_mode, storage_key, tree_flatten, wrapper_tensor)
 
 
-__all__ = ["ChunkRuntime", "Entry", "under_torch_compile"]
+__all__ = ["ChunkRuntime", "Entry", "GradPlaceholders", "ShardedGradPlaceholder"]
 
 
-def _engine_code(fn):
-    """Marks the engine's own hook code: torch calls inside it bypass the access mode (no gather of
-    the buffers it manipulates)."""
-
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        if self.in_engine:
-            return fn(self, *args, **kwargs)
-        self.in_engine = True
-        try:
-            return fn(self, *args, **kwargs)
-        finally:
-            self.in_engine = False
-
-    return wrapper
+def _tensors_in(out) -> list[torch.Tensor]:
+    """Tensors in a forward's output: nested tuples, lists, dicts and mappings (HF ``ModelOutput``)."""
+    leaves, _ = tree_flatten(out)
+    found = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif hasattr(leaf, "values") and callable(leaf.values) and not isinstance(leaf, (str, bytes)):
+            found.extend(_tensors_in(list(leaf.values())))
+    return found
 
 
 class Entry:
-    """A managed parameter: its object, primary name, tensor index, chunk and placement."""
+    """A managed parameter: its object, primary name, index in the layout, chunk and its place in the chunk
+    (``tensor``, the layout's :class:`chunkzero.TensorPlacement`)."""
 
-    __slots__ = ("chunk", "index", "name", "param", "placement")
+    __slots__ = ("chunk", "index", "name", "param", "tensor")
 
-    def __init__(self, param, name, index, chunk, placement):
-        self.param, self.name, self.index, self.chunk, self.placement = param, name, index, chunk, placement
+    def __init__(self, param, name, index, chunk, tensor):
+        self.param, self.name, self.index, self.chunk, self.tensor = param, name, index, chunk, tensor
 
 
 # Tensor attributes and methods that read only metadata (right on a released parameter): no gather.
@@ -107,18 +104,20 @@ class ParamAccessMode(TorchFunctionMode):
         if runtime.in_engine:  # the engine's own tensor work inside a hook: nothing to gather
             return func(*args, **kwargs)
         lookup = runtime.entries_by_id
-        by_storage = runtime.chunk_by_storage
         found = None
         views = None
-        for a in (*args, *kwargs.values()):
-            for b in a if type(a) in (list, tuple) else (a,):
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            for b in a if type(a) is tuple or type(a) is list else (a,):
                 e = lookup.get(id(b))
-                if e is not None and e.param is b:
-                    found = [e] if found is None else found + [e]
-                elif by_storage and isinstance(b, torch.Tensor):
-                    c = by_storage.get(storage_key(b))
-                    if c is not None and not c.is_gathered:
-                        views = [c] if views is None else views + [c]
+                if e is not None:
+                    if e.param is b:
+                        found = [e] if found is None else found + [e]
+                elif isinstance(b, torch.Tensor):
+                    base = b._base  # a view of a parameter (``w.t()``) taken while its chunk was gathered
+                    if base is not None:
+                        e = lookup.get(id(base))
+                        if e is not None and e.param is base and not e.chunk.is_gathered:
+                            views = [e.chunk] if views is None else views + [e.chunk]
         if found is None and views is None:
             return func(*args, **kwargs)
         if _func_name(func) in _METADATA_ONLY:
@@ -240,9 +239,11 @@ class ChunkRuntime:
     def zero_grad(self) -> None:
         """Drop all accumulated gradients (buffers, reductions in flight, fp32 shards, placeholders)."""
         self.finish_aborted_backward()
-        self._placeholders.clear()
+        if self._placeholders.installed:
+            self._placeholders.clear()
         for c in self.chunks:
-            c.zero_grad()
+            if c.gradient is not None:
+                c.gradient.zero()
         self.grad_received.zero_()
 
     # ================================================================== forward
@@ -253,7 +254,8 @@ class ChunkRuntime:
             UnusedParameterError: the previous backward left a parameter without a gradient on every rank.
         """
         self.raise_pending_error()
-        self._placeholders.clear()
+        if self._placeholders.installed:
+            self._placeholders.clear()
         grad_enabled = torch.is_grad_enabled()
         self._release_in_forward = self.reshard_after_forward or not grad_enabled
         self._keep_for_backward = self.sched.prefetched_for(BACKWARD) if grad_enabled else set()
@@ -278,7 +280,7 @@ class ChunkRuntime:
                 keep = backward_next and (not self._release_in_forward or c.index in self._keep_for_backward)
                 c.rest(release=not keep)
         if grad_enabled:
-            for t in tensors_in(out):
+            for t in _tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(self._output_grad_hook)
         return out
@@ -301,7 +303,7 @@ class ChunkRuntime:
         """
         if loss.numel() != 1:
             raise ShapeMismatchError("loss", (), tuple(loss.shape), "backward needs a scalar loss")
-        run = engine_run_backward()
+        run = ENGINE_RUN_BACKWARD
         if run is None or self._mode_stack:
             loss.backward()
             return
@@ -324,106 +326,126 @@ class ChunkRuntime:
         if len(entries) > 1:
             entries = list({id(e): e for e in entries}.values())
         for e in entries:
-            self.use_chunk(e.chunk)
+            if not e.chunk.resident:
+                self.use_chunk(e.chunk)
             e.chunk.use(e.name)
         try:
             return func(*args, **kwargs)
         finally:
+            forward = self._phase is FORWARD
             for e in entries:
                 e.chunk.done_using(e.name)
-                self._after_use(e)
+                if forward:
+                    self._after_use(e)
 
     def _after_use(self, e: Entry) -> None:
         """In forward, a chunk is released once every tensor of it has been used."""
-        if self._phase is not FORWARD:
-            return
         c = e.chunk
         used = self._fwd_used.setdefault(c.index, set())
         used.add(e.name)
-        if self._release_in_forward and len(used) == len(c.placements) and c.idle:
+        if self._release_in_forward and len(used) == len(c.tensors) and c.idle:
             if self._keep_for_backward and c.index in self._keep_for_backward and self.sched.last_use(FORWARD, c.index):
                 return  # the backward starts with it (a tied output head): keep it rather than gather it again
             c.release()
 
     # ------------------------------------------------------------------ submodule calls outside forward
-    @_engine_code
     def _submodule_pre_hook(self, module, args):
-        if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
-            if current_autograd_node() is not None:
-                # called while the autograd engine runs a node: a recomputation (activation checkpointing)
-                self._begin_backward()
-            elif torch.is_grad_enabled():
-                raise ConfigError(
-                    f"{type(module).__name__} (inside a ZeroDDP) was called directly with gradients enabled: call "
-                    "the ZeroDDP wrapper itself (model(...)) so that its backward can re-gather the chunks; under "
-                    "torch.no_grad() submodules may be called directly (e.g. model.module.generate(...))")
-            else:
-                self._phase = OUTSIDE
-                self.sched.start(OUTSIDE)
-            mode = ParamAccessMode(self)
-            mode.__enter__()
-            self._mode_stack.append((module, mode))
-        entries = self._compiled.get(id(module))
-        if entries is not None:
-            for c in sorted({e.chunk.index for e in entries}):
-                self.use_chunk(self.chunks[c])
-            top = pop_torch_function_mode()
-            if isinstance(top, ParamAccessMode):
-                self._suspended.append((module, top))
-            else:  # another mode above ours: leave the stack as it is
-                push_torch_function_mode(top)
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        try:
+            if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
+                if current_autograd_node() is not None:
+                    # called while the autograd engine runs a node: a recomputation (activation checkpointing)
+                    if self._phase is not BACKWARD:
+                        self._begin_backward()
+                elif torch.is_grad_enabled():
+                    raise ConfigError(
+                        f"{type(module).__name__} (inside a ZeroDDP) was called directly with gradients enabled: call "
+                        "the ZeroDDP wrapper itself (model(...)) so that its backward can re-gather the chunks; under "
+                        "torch.no_grad() submodules may be called directly (e.g. model.module.generate(...))")
+                else:
+                    self._phase = OUTSIDE
+                    self.sched.start(OUTSIDE)
+                mode = ParamAccessMode(self)
+                mode.__enter__()
+                self._mode_stack.append((module, mode))
+            entries = self._compiled.get(id(module))
+            if entries is not None:
+                for c in sorted({e.chunk.index for e in entries}):
+                    self.use_chunk(self.chunks[c])
+                top = pop_torch_function_mode()
+                if isinstance(top, ParamAccessMode):
+                    self._suspended.append((module, top))
+                else:  # another mode above ours: leave the stack as it is
+                    push_torch_function_mode(top)
+        finally:
+            self.in_engine = prev
 
-    @_engine_code
     def _submodule_post_hook(self, module, args, output):
-        if self._suspended and self._suspended[-1][0] is module:
-            push_torch_function_mode(self._suspended.pop()[1])
-            for e in self._compiled[id(module)]:
-                self._after_use(e)
-        if not self._mode_stack or self._mode_stack[-1][0] is not module:
-            return
-        _, mode = self._mode_stack.pop()
-        mode.__exit__(None, None, None)
-        if self._phase is OUTSIDE:  # an inference call outside forward: release what it gathered
-            self._phase = None
-            self.sched.end(OUTSIDE)
-            for c in self.chunks:
-                c.rest(release=True)
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        try:
+            if self._suspended and self._suspended[-1][0] is module:
+                push_torch_function_mode(self._suspended.pop()[1])
+                if self._phase is FORWARD:
+                    for e in self._compiled[id(module)]:
+                        self._after_use(e)
+            if not self._mode_stack or self._mode_stack[-1][0] is not module:
+                return
+            _, mode = self._mode_stack.pop()
+            mode.__exit__(None, None, None)
+            if self._phase is OUTSIDE:  # an inference call outside forward: release what it gathered
+                self._phase = None
+                self.sched.end(OUTSIDE)
+                for c in self.chunks:
+                    c.rest(release=True)
+        finally:
+            self.in_engine = prev
 
     # ================================================================== backward
-    @_engine_code
     def _pack(self, t):
-        e = self.entries_by_id.get(id(t))
-        if e is not None and e.param is t:
-            return SavedParam(self, e) if not e.chunk.resident else t
-        if self.chunk_by_storage:
-            c = self.chunk_by_storage.get(storage_key(t))
-            if c is not None:
-                return SavedView(self, c, t)
-        if self.saved_activations is not None:
-            return self.saved_activations.hold(t)
-        return t
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        try:
+            e = self.entries_by_id.get(id(t))
+            if e is not None and e.param is t:
+                return SavedParam(self, e) if not e.chunk.resident else t
+            if self.chunk_by_storage:
+                c = self.chunk_by_storage.get(storage_key(t))
+                if c is not None:
+                    return SavedView(self, c, t)
+            counter = self.saved_activations
+            if counter is not None:
+                if counter.active:
+                    return counter.hold(t)
+                self.saved_activations = None  # its traced step is over
+            return t
+        finally:
+            self.in_engine = prev
 
-    @_engine_code
     def _unpack(self, x):
-        if type(x) is SavedParam:
-            self._begin_backward()
-            e = x.entry
-            self._unpacked(e.chunk)
-            e.chunk.use(e.name)
-            return e.param
-        if type(x) is SavedView:
-            self._begin_backward()
-            self._unpacked(x.chunk)
-            return x.tensor
-        return x if isinstance(x, torch.Tensor) else x.tensor  # an activation a placement trace counts
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        try:
+            if type(x) is SavedParam:
+                if self._phase is not BACKWARD:
+                    self._begin_backward()
+                e = x.entry
+                self._unpacked(e.chunk)
+                e.chunk.use(e.name)
+                return e.param
+            if type(x) is SavedView:
+                if self._phase is not BACKWARD:
+                    self._begin_backward()
+                self._unpacked(x.chunk)
+                return x.tensor
+            return x if isinstance(x, torch.Tensor) else x.tensor  # an activation a placement trace counts
+        finally:
+            self.in_engine = prev
 
     def _unpacked(self, c: Chunk) -> None:
-        self._flush_releases()
+        if self._release_later:
+            self._flush_releases()
         if torch.is_grad_enabled():  # a create_graph backward: the new graph keeps raw references
             c.pin(Pin.GRAPH)
         self.sched.ensure(c, BACKWARD)
 
-    @_engine_code
     def saved_released(self, c: Chunk, name: str | None) -> None:
         """Autograd freed a saved reference to ``c`` (``name``: the parameter it referred to).
 
@@ -431,65 +453,82 @@ class ChunkRuntime:
         after the node ran — except inside a custom ``autograd.Function``'s backward, which may free
         them before it computes with them (compiled graphs do): then once that node has finished.
         """
-        c.drop_saved_ref(name)
-        if self._phase is not BACKWARD or c.has_saved_refs or c.pin_reason is not None:
-            return
-        node = current_autograd_node()
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            if not any(n is node for _, n in self._release_later):
-                node.register_hook(lambda *_, n=node: self._flush_releases(finished=n))
-            self._release_later.append((c, node))
-        else:
-            c.release_if_idle()
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        try:
+            c.drop_saved_ref(name)
+            if self._phase is not BACKWARD or c.has_saved_refs or c.pin_reason is not None:
+                return
+            node = current_autograd_node()
+            if isinstance(node, torch.autograd.function.BackwardCFunction):
+                if not any(n is node for _, n in self._release_later):
+                    node.register_hook(lambda *_, n=node: self._flush_releases(finished=n))
+                self._release_later.append((c, node))
+            else:
+                c.release_if_idle()
+        finally:
+            self.in_engine = prev
 
-    @_engine_code
     def _flush_releases(self, finished=None) -> None:
         """Release the chunks whose last reference a custom function's backward freed, once it ran
         (``finished``: the node whose post-hook calls this)."""
-        if not self._release_later:
-            return
-        node = current_autograd_node()
-        keep = []
-        for c, freed_in in self._release_later:
-            if freed_in is node and freed_in is not finished:
-                keep.append((c, freed_in))  # that node is still running
-            elif not c.has_saved_refs and c.pin_reason is None:
-                c.release_if_idle()
-        self._release_later = keep
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        try:
+            if not self._release_later:
+                return
+            node = current_autograd_node()
+            keep = []
+            for c, freed_in in self._release_later:
+                if freed_in is node and freed_in is not finished:
+                    keep.append((c, freed_in))  # that node is still running
+                elif not c.has_saved_refs and c.pin_reason is None:
+                    c.release_if_idle()
+            self._release_later = keep
+        finally:
+            self.in_engine = prev
 
-    @_engine_code
     def _output_grad_hook(self, grad):
-        self._begin_backward()
-        return grad
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        try:
+            if self._phase is not BACKWARD:
+                self._begin_backward()
+            return grad
+        finally:
+            self.in_engine = prev
 
     def _begin_backward(self) -> None:
         if self._phase is BACKWARD:
             return
         self._phase = BACKWARD
         self.sched.start(BACKWARD)
-        self._placeholders.clear()
+        if self._placeholders.installed:
+            self._placeholders.clear()
         self._bwd_grads = set()
         if not self._finalize_queued:
             self._finalize_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _make_post_grad_hook(self, e: Entry):
-        return lambda param: self._on_grad(e, param)
+        return functools.partial(self._on_grad, e)
 
-    @_engine_code
     def _on_grad(self, e: Entry, param) -> None:
-        self._begin_backward()
-        self._flush_releases()
-        c = e.chunk
-        grad = param.grad
-        param.grad = None
-        c.add_grad(e.name, e.placement, grad)
-        self._bwd_grads.add(e.index)
-        if c.grad_ready(e.name):
-            if self.sync:
-                self.sched.mark_ready(c)
-            if c.pin_reason in (None, Pin.RECOMPUTE) and not c.has_saved_refs:
-                c.release_if_idle()
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        try:
+            if self._phase is not BACKWARD:
+                self._begin_backward()
+            if self._release_later:
+                self._flush_releases()
+            c = e.chunk
+            grad = param.grad
+            param.grad = None
+            c.gradient.add(e.name, grad)
+            self._bwd_grads.add(e.index)
+            if c.grad_ready(e.name):
+                if self.sync:
+                    self.sched.mark_ready(c)
+                if c.pin_reason in (None, Pin.RECOMPUTE) and not c.has_saved_refs:
+                    c.release_if_idle()
+        finally:
+            self.in_engine = prev
 
     def finish_aborted_backward(self) -> None:
         """End a backward that raised inside the autograd engine, which then drops the callbacks
@@ -501,59 +540,126 @@ class ChunkRuntime:
         if self._finalize_queued and current_autograd_node() is None:
             self._finalize_backward(aborted=True)
 
-    @_engine_code
     def _finalize_backward(self, aborted: bool = False) -> None:
         """End of a backward pass (autograd callback): agree on what got gradients, reduce what is
         left, release, reset states. Never raises (an error is kept for :meth:`raise_pending_error`).
         ``aborted``: the backward raised (:meth:`finish_aborted_backward`): no reduction, no error
         kept, not counted in :attr:`backward_passes`."""
-        self._finalize_queued = False
-        error = None
+        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
         try:
-            used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
-            if self._bwd_grads:
-                used[sorted(self._bwd_grads)] = 1
-            received = self.sched.end(BACKWARD, used) > 0
-            if aborted:
-                self._discard_grad_buffers()
-                return
-            self.backward_passes += 1
-            trainable = self.trainable
-            if any(bool(received[e.index]) for e in trainable):
-                unused = [e for e in trainable if not received[e.index]]
-                if unused and not self.find_unused_parameters:
-                    error = UnusedParameterError(
-                        f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: "
-                        + ", ".join(e.name + (f" (alias {', '.join(e.placement.aliases)})" if e.placement.aliases else "")
-                                    for e in unused)
-                        + ". Make every parameter take part in the loss, freeze it (requires_grad=False) before "
-                        "wrapping, or pass find_unused_parameters=True to reduce a zero gradient for it.")
+            self._finalize_queued = False
+            error = None
+            try:
+                used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
+                if self._bwd_grads:
+                    used[sorted(self._bwd_grads)] = 1
+                received = self.sched.end(BACKWARD, used) > 0
+                if aborted:
                     self._discard_grad_buffers()
-                else:
-                    self.grad_received |= received.to(torch.bool)
-                    if self.sync:
-                        self.sched.final_reduce()
-        except Exception as e:  # noqa: BLE001 - kept and raised outside the autograd engine
-            error = e
+                    return
+                self.backward_passes += 1
+                trainable = self.trainable
+                if any(bool(received[e.index]) for e in trainable):
+                    unused = [e for e in trainable if not received[e.index]]
+                    if unused and not self.find_unused_parameters:
+                        error = UnusedParameterError(
+                            f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: "
+                            + ", ".join(e.name + (f" (alias {', '.join(e.tensor.aliases)})" if e.tensor.aliases else "")
+                                        for e in unused)
+                            + ". Make every parameter take part in the loss, freeze it (requires_grad=False) before "
+                            "wrapping, or pass find_unused_parameters=True to reduce a zero gradient for it.")
+                        self._discard_grad_buffers()
+                    else:
+                        self.grad_received |= received.to(torch.bool)
+                        if self.sync:
+                            self.sched.final_reduce()
+            except Exception as e:  # noqa: BLE001 - kept and raised outside the autograd engine
+                error = e
+            finally:
+                self._phase = None
+                self._bwd_grads = set()
+                self._release_later = []
+                for c in self.chunks:
+                    c.end_backward()
+                    c.rest(release=True)
+                self._placeholders.set(self.grad_received)
+            if error is not None:
+                self._pending_error = error
         finally:
-            self._phase = None
-            self._bwd_grads = set()
-            self._release_later = []
-            for c in self.chunks:
-                c.end_backward()
-                c.rest(release=True)
-            self._placeholders.set(self.grad_received)
-        if error is not None:
-            self._pending_error = error
+            self.in_engine = prev
 
     def _discard_grad_buffers(self) -> None:
         """Drop the gradients not yet reduced (their chunks are no longer waiting to be reduced)."""
         for c in self.chunks:
-            c.discard_grad_buffer()
-        self.sched.ready.clear()
+            if c.gradient is not None:
+                c.gradient.discard_buffer()
+        self.sched.drop_ready()
 
     def raise_pending_error(self) -> None:
         """Raise (once) the error the last backward found, if any (ZeroOptimizer calls it)."""
         error, self._pending_error = self._pending_error, None
         if error is not None:
             raise error
+
+
+# ====================================================================== param.grad after a backward
+class ShardedGradPlaceholder(torch.Tensor):
+    """``param.grad`` of a ZeroDDP parameter after a backward: same shape, dtype and device, no data.
+
+    Any operation on it raises :class:`chunkzero.errors.ConfigError` pointing to ``ZeroOptimizer``,
+    so a plain torch optimizer or ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()`` fails
+    loudly instead of doing nothing.
+    """
+
+    param_name: str
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, name: str):
+        t = wrapper_tensor(cls, param)
+        t.param_name = name
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        names = [a.param_name for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradPlaceholder)]
+        names += [b.param_name for a in args if isinstance(a, (list, tuple)) for b in a if isinstance(b, ShardedGradPlaceholder)]
+        raise ConfigError(
+            f"the gradient of {names[0] if names else 'a ZeroDDP parameter'!r} lives in ZeroDDP's chunk shards, so "
+            f"{func} cannot use param.grad: step with ZeroOptimizer(model, torch.optim.AdamW, max_norm=...) "
+            "(it clips and steps the shards), or read ZeroDDP.grad_shard(chunk)")
+
+    def __repr__(self) -> str:
+        return f"ShardedGradPlaceholder({self.param_name!r}, shape={tuple(self.shape)})"
+
+
+class GradPlaceholders:
+    """The placeholders of a model's trainable parameters: set after a backward in the ``.grad`` of
+    each parameter that received a gradient on some rank, cleared before the next forward, backward
+    or ``zero_grad`` (only where ``.grad`` still holds the placeholder).
+
+    Args:
+        params: ``(parameter, name, layout tensor index)`` of each trainable parameter.
+    """
+
+    def __init__(self, params: list[tuple[torch.nn.Parameter, str, int]]):
+        self.params = params
+        self._made: dict[int, ShardedGradPlaceholder] = {}
+        self.installed = False
+        """Whether some parameter's ``.grad`` may hold its placeholder now."""
+
+    def set(self, grad_received: torch.Tensor) -> None:
+        """Put a placeholder in ``.grad`` of every parameter whose ``grad_received[index]`` is set."""
+        for param, name, index in self.params:
+            if param.grad is None and bool(grad_received[index]):
+                if index not in self._made:
+                    self._made[index] = ShardedGradPlaceholder(param, name)
+                param.grad = self._made[index]
+                self.installed = True
+
+    def clear(self) -> None:
+        """Take the placeholders out of ``.grad`` again."""
+        if self.installed:
+            for param, _, index in self.params:
+                if param.grad is not None and param.grad is self._made.get(index):
+                    param.grad = None
+            self.installed = False

@@ -44,7 +44,7 @@ import torch
 from . import collectives
 from .chunks import Chunk
 
-__all__ = ["AccessOrder", "Phase", "Scheduler"]
+__all__ = ["AccessOrder", "Phase", "Scheduler", "Votes"]
 
 class Phase(enum.Enum):
     """A part of the step with its own recorded access order."""
@@ -53,6 +53,8 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
     OUTSIDE = "outside"
     """A submodule called directly under ``no_grad`` (``model.module.generate(...)``)."""
+
+    __hash__ = object.__hash__  # members are singletons: identity, hashed in C
 
 
 FORWARD, BACKWARD, OUTSIDE = Phase.FORWARD, Phase.BACKWARD, Phase.OUTSIDE
@@ -121,6 +123,31 @@ class AccessOrder:
         self.current = []
 
 
+class Votes:
+    """One round's votes, as named views of the one int32 tensor the round all-reduces (SUM).
+
+    Args:
+        chunks: chunks in the layout.
+        tensors: tensors in the layout.
+
+    Attributes:
+        tensor: the whole vector, ``3 · chunks + 1 + tensors`` elements (what the all-reduce sums).
+        want, ready, has_grad: per chunk (module docstring).
+        done: 0-d: ranks that have finished the phase.
+        used: per tensor: ranks on which it received a gradient in this backward.
+    """
+
+    __slots__ = ("done", "has_grad", "ready", "tensor", "used", "want")
+
+    def __init__(self, chunks: int, tensors: int):
+        self.tensor = torch.zeros(3 * chunks + 1 + tensors, dtype=torch.int32)
+        self.want = self.tensor[:chunks]
+        self.ready = self.tensor[chunks : 2 * chunks]
+        self.has_grad = self.tensor[2 * chunks : 3 * chunks]
+        self.done = self.tensor[3 * chunks]
+        self.used = self.tensor[3 * chunks + 1 :]
+
+
 class Scheduler:
     """Issues the chunk collectives of one :class:`~torch_backend.ZeroDDP` (see the module docstring).
 
@@ -145,7 +172,7 @@ class Scheduler:
         self._reducing: deque[int] = deque()
         self.rounds = 0
         """Rounds (vote all-reduces) so far."""
-        self._pending: tuple[torch.Tensor, collectives.Pending, set[int]] | None = None
+        self._pending: tuple[Votes, collectives.Pending, set[int]] | None = None
         self.gathers = 0
         """All-gathers issued so far (prefetched or on demand)."""
         self.misses = 0
@@ -154,10 +181,15 @@ class Scheduler:
         """Prefetched gathers issued only at the chunk's use (voted for ahead, decided too late to overlap)."""
         self.peak_gathered = 0
         """The most sharded chunks gathered or being gathered at once."""
-        self.listener = None
-        """Told of what the schedule does (``placement="auto"``: :class:`torch_backend.zero.placement.AutoPlacement`):
-        ``phase_started(phase)``, ``accessed(phase, chunk)`` at each recorded access (before its gather),
-        ``gathering(chunk)`` before each gather is issued, ``phase_ended(phase)`` after the order is recorded."""
+        self.policy = None
+        """The placement policy told of the step at named points (:meth:`set_policy`)."""
+
+    def set_policy(self, policy) -> None:
+        """Tell ``policy`` (``placement="auto"``: :class:`torch_backend.zero.placement.AutoPlacement`) of
+        the step at named points: ``phase_started(phase)``; ``accessed(phase, chunk)`` at each recorded
+        access, before its gather; ``gathering(chunk)`` before each gather is issued;
+        ``phase_ended(phase)`` after the order is recorded. It never calls the scheduler back."""
+        self.policy = policy
 
     # ------------------------------------------------------------------ phases
     def start(self, phase: Phase) -> None:
@@ -166,8 +198,8 @@ class Scheduler:
         self.orders[phase].start()
         for c in self.chunks:
             c.forget_uses()
-        if self.listener is not None:
-            self.listener.phase_started(phase)
+        if self.policy is not None:
+            self.policy.phase_started(phase)
 
     def end(self, phase: Phase, used: torch.Tensor | None = None, prefetch_next: Phase | None = None) -> torch.Tensor | None:
         """Rounds until every rank has finished ``phase``; returns the summed ``used`` votes (backward).
@@ -176,8 +208,8 @@ class Scheduler:
         backward's first chunks at the end of a forward, so the backward does not start on a miss).
         """
         self.orders[phase].end()
-        if self.listener is not None:
-            self.listener.phase_ended(phase)
+        if self.policy is not None:
+            self.policy.phase_ended(phase)
         first = [] if prefetch_next is None else self.orders[prefetch_next].first(self.prefetch + 1)
         want = [i for i in first[: self.prefetch] if not self._present(self.chunks[i])]
         if self.world_size == 1:
@@ -186,14 +218,14 @@ class Scheduler:
         while True:
             votes = self._round(want=want, done=True, used=used)
             want = ()
-            if int(votes[3 * self.n]) == self.world_size:
+            if int(votes.done) == self.world_size:
                 break
         # the next phase's first vote is decided only at its second chunk: vote for the chunk after
         # the prefetched ones now, so that its gather is issued at the first chunk's use
         later = [i for i in first[self.prefetch :] if not self._present(self.chunks[i])]
         if self.async_op and later:
             self._round(want=later, wait=False)
-        return None if used is None else votes[3 * self.n + 1 :]
+        return None if used is None else votes.used
 
     def last_use(self, phase: Phase, index: int) -> bool:
         """Whether the recorded order of ``phase`` expects no further use of chunk ``index`` (``False``
@@ -214,8 +246,8 @@ class Scheduler:
             return
         order = self.orders[phase]
         order.access(chunk.index)
-        if self.listener is not None:
-            self.listener.accessed(phase, chunk)
+        if self.policy is not None:
+            self.policy.accessed(phase, chunk)
         if self._voted(chunk.index):
             self.late_gathers += 1  # voted for ahead of use, but its gather is issued only now
         # issue what the previous (async) vote decided: the gathers for the chunks after this one
@@ -247,7 +279,7 @@ class Scheduler:
         return c.is_gathered or c.gather_in_flight
 
     def gathered_count(self) -> int:
-        return sum(1 for c in self.chunks if not c.resident and (c.is_gathered or c.gather_in_flight))
+        return len([c for c in self.chunks if not c.resident and (c.is_gathered or c.gather_in_flight)])
 
     # ------------------------------------------------------------------ reductions
     def mark_ready(self, chunk: Chunk) -> None:
@@ -265,12 +297,30 @@ class Scheduler:
                 self.ready.add(c.index)
         if self.world_size == 1:
             for i in sorted(self.ready):
-                if self.chunks[i].has_grad:
+                if self.chunks[i].gradient.pending:
                     self._reduce(i)
             self.ready.clear()
             return
         self._round(want=())
         self.ready.clear()
+
+    def finish_gradients(self) -> None:
+        """Complete every reduction (collective): those in flight, then every chunk still holding an
+        accumulated gradient (backwards under ``no_sync``) is reduced and waited for."""
+        self.wait_all()
+        self.final_reduce()
+        self.wait_all()
+
+    def drop_ready(self) -> None:
+        """Forget the chunks marked ready and not yet reduced (their gradient buffers were dropped)."""
+        self.ready.clear()
+
+    def stats(self) -> dict[str, int]:
+        """``rounds``, ``gathers``, ``misses``, ``late_gathers``, ``peak_gathered_chunks`` and
+        ``order_recordings`` so far (``ZeroDDP.collective_stats``)."""
+        return {"rounds": self.rounds, "gathers": self.gathers, "misses": self.misses, "late_gathers": self.late_gathers,
+                "peak_gathered_chunks": self.peak_gathered,
+                "order_recordings": sum(o.recordings for o in self.orders.values())}
 
     def wait_all(self) -> None:
         """Complete every collective in flight (gathers and reductions)."""
@@ -279,9 +329,10 @@ class Scheduler:
             if c.gather_in_flight:
                 c.finish_gather()
         while self._reducing:
-            self.chunks[self._reducing.popleft()].finish_reduces()
+            self.chunks[self._reducing.popleft()].gradient.finish_reduces()
         for c in self.chunks:
-            c.finish_host_gradients()
+            if c.gradient is not None:
+                c.gradient.finish_host_gradients()
 
     def _reduce(self, index: int) -> None:
         self.ready.discard(index)
@@ -289,11 +340,11 @@ class Scheduler:
         # the oldest reductions are completed before the next is issued, so that at most
         # max(1, prefetch) are ever in flight (their gradient buffers included)
         while len(self._reducing) >= max(1, self.prefetch):
-            self.chunks[self._reducing.popleft()].finish_reduces()
-        c.begin_reduce(async_op=self.async_op and self.world_size > 1)
+            self.chunks[self._reducing.popleft()].gradient.finish_reduces()
+        c.gradient.begin_reduce(async_op=self.async_op and self.world_size > 1)
         self._reducing.append(index)
         while self._reducing and not self.async_op:
-            self.chunks[self._reducing.popleft()].finish_reduces()
+            self.chunks[self._reducing.popleft()].gradient.finish_reduces()
 
     # ------------------------------------------------------------------ rounds
     def _round(self, *, want=(), done: bool = False, used: torch.Tensor | None = None, wait: bool = True):
@@ -305,28 +356,27 @@ class Scheduler:
         Returns the summed votes (``None`` when not waited for).
         """
         self._resolve()
-        n = self.n
         if self.world_size == 1:
             for i in sorted(set(want)):
                 self._gather(i)
             for i in sorted(self.ready):
                 self._reduce(i)
-            return torch.zeros(0, dtype=torch.int32)
-        votes = torch.zeros(3 * n + 1 + self.num_tensors, dtype=torch.int32)
+            return None
+        votes = Votes(self.n, self.num_tensors)
         if want:
-            votes[list(want)] = 1
+            votes.want[list(want)] = 1
         for i in self.ready:
-            votes[n + i] = 1
-            if self.chunks[i].has_grad:
-                votes[2 * n + i] = 1
-        votes[3 * n] = int(done)
+            votes.ready[i] = 1
+            if self.chunks[i].gradient.pending:
+                votes.has_grad[i] = 1
+        votes.done.fill_(int(done))
         if used is not None:
-            votes[3 * n + 1 :] = used
+            votes.used.copy_(used)
         self.rounds += 1
         if not wait:
-            self._pending = (votes, collectives.agree(votes, self.group, async_op=True), set(want))
+            self._pending = (votes, collectives.agree(votes.tensor, self.group, async_op=True), set(want))
             return None
-        collectives.agree(votes, self.group)
+        collectives.agree(votes.tensor, self.group)
         self._decide(votes)
         return votes
 
@@ -341,20 +391,18 @@ class Scheduler:
     def _voted(self, index: int) -> bool:
         return self._pending is not None and index in self._pending[2]
 
-    def _decide(self, votes: torch.Tensor) -> None:
-        n = self.n
-        for i in votes[:n].nonzero().flatten().tolist():
+    def _decide(self, votes: Votes) -> None:
+        for i in votes.want.nonzero().flatten().tolist():
             self._gather(i)
-        ready, has_grad = votes[n : 2 * n], votes[2 * n : 3 * n]
-        for i in ((ready == self.world_size) & (has_grad > 0)).nonzero().flatten().tolist():
+        for i in ((votes.ready == self.world_size) & (votes.has_grad > 0)).nonzero().flatten().tolist():
             self._reduce(i)
 
     def _gather(self, index: int) -> None:
         c = self.chunks[index]
         if c.resident:
             return
-        if self.listener is not None:
-            self.listener.gathering(c)
+        if self.policy is not None:
+            self.policy.gathering(c)
         c.begin_gather(async_op=self.async_op)
         self.gathers += 1
         if not self.async_op:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from chunkzero.errors import CheckpointError, ShapeMismatchError
 
-if TYPE_CHECKING:
-    from .ddp import ZeroDDP
+from . import chunk_io
 
 __all__ = ["IncompatibleKeys", "full_state_dict", "load_full_state_dict"]
 
@@ -20,14 +19,14 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
-def full_state_dict(model: ZeroDDP) -> OrderedDict[str, torch.Tensor]:
+def full_state_dict(model) -> OrderedDict[str, torch.Tensor]:
     """The wrapped module's full state dict on every rank (collective): parameters from the fp32
     master chunks (float32, CPU, full shapes) under every alias name (tied names share one tensor),
     buffers copied as they are (CPU). Keys are the wrapped module's."""
     params: dict[str, torch.Tensor] = {}
     for c in model.chunks:
-        full = c.gather_master()
-        for t in c.placements:
+        full = chunk_io.gather_master(c)
+        for t in c.tensors:
             value = full[t.offset : t.end].view(t.shape).to("cpu", copy=True)
             for n in t.names:
                 params[n] = value
@@ -43,7 +42,7 @@ def full_state_dict(model: ZeroDDP) -> OrderedDict[str, torch.Tensor]:
     return out
 
 
-def load_full_state_dict(model: ZeroDDP, state_dict: dict[str, Any], strict: bool = True) -> IncompatibleKeys:
+def load_full_state_dict(model, state_dict: dict[str, Any], strict: bool = True) -> IncompatibleKeys:
     """Load a full-shaped torch state dict into ``model``'s shards (every rank passes the same one).
 
     A tied tensor is loaded from the first of its names present; its other names are neither missing
@@ -82,9 +81,9 @@ def load_full_state_dict(model: ZeroDDP, state_dict: dict[str, Any], strict: boo
             + (f"unexpected keys: {unexpected}." if unexpected else "")
         )
     for c in model.chunks:
-        values = {t.name: chosen[t.name] for t in c.placements if t.name in chosen}
+        values = {t.name: chosen[t.name] for t in c.tensors if t.name in chosen}
         if values:
-            c.load_master(c.shard_from_full(values, base=c.master_values()))
+            c.load_master(chunk_io.shard_from_full(c, values, base=c.master_values()))
     with torch.no_grad():
         for k in buffer_keys:
             if k in state_dict and k in named_buffers:

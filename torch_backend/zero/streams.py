@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CudaStreams", "compute_stream", "free_after", "hand_over", "record_event", "set_stream_layer",
+__all__ = ["CudaStreams", "compute_stream", "free_after", "hand_over", "host_wait", "record_event", "set_stream_layer",
            "stream_layer", "synchronize_event", "uses_streams"]
 
 
@@ -79,6 +79,10 @@ class CudaStreams:
         events it recorded on the streams that copied it)."""
         return torch.empty(numel, dtype=dtype, pin_memory=True)
 
+    def host_wait(self, device: torch.device | None) -> None:
+        """The host waits for every stream of ``device`` (of every device: ``None``)."""
+        torch.cuda.synchronize(device)
+
     def wait_work(self, work, issued_on) -> None:
         """The current stream waits for an issued collective (NCCL's ``work.wait()`` does exactly that;
         ``issued_on``, the stream it was issued from, is for stand-ins that have no NCCL stream)."""
@@ -103,6 +107,11 @@ def set_stream_layer(layer):
 
 def _device_of(where) -> torch.device:
     return where.device if isinstance(where, torch.Tensor) else torch.device(where)
+
+
+def host_wait(device: torch.device | None = None) -> None:
+    """The host waits for everything queued on ``device``'s streams (every CUDA device: ``None``)."""
+    _STREAMS.host_wait(device)
 
 
 def uses_streams(where) -> bool:

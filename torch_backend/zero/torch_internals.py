@@ -9,17 +9,20 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["compiled_original", "current_autograd_node", "engine_run_backward", "pop_torch_function_mode",
-           "process_group_timeout",
-           "push_torch_function_mode", "storage_key", "tensors_in", "under_torch_compile", "wrapper_tensor"]
+__all__ = ["ENGINE_RUN_BACKWARD", "compile_frame_callback", "compiled_original", "current_autograd_node",
+           "pop_torch_function_mode", "process_group_timeout", "push_torch_function_mode", "storage_key", "tree_flatten",
+           "wrapper_tensor"]
 
 
-def under_torch_compile() -> bool:
-    """Whether this call runs under ``torch.compile`` (traced, or run eagerly inside a compiled frame)."""
-    if torch.compiler.is_compiling():
-        return True
-    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    return eval_frame is not None and eval_frame.get_eval_frame_callback() is not None
+def _no_frame_callback():
+    return None
+
+
+_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+compile_frame_callback = _eval_frame.get_eval_frame_callback if _eval_frame is not None else _no_frame_callback
+"""``compile_frame_callback()`` is not ``None`` while a ``torch.compile``'d frame runs (eagerly, after a
+graph break); with ``torch.compiler.is_compiling()`` (tracing) it tells whether a call runs under
+``torch.compile``. Torch's own function: calling it costs no Python frame here."""
 
 
 def compiled_original(module: nn.Module) -> nn.Module | None:
@@ -29,37 +32,18 @@ def compiled_original(module: nn.Module) -> nn.Module | None:
     return orig if type(module).__name__ == "OptimizedModule" and isinstance(orig, nn.Module) else None
 
 
-def tensors_in(out) -> list[torch.Tensor]:
-    """Tensors in a forward's output: nested tuples, lists, dicts and mappings (HF ``ModelOutput``)."""
-    leaves, _ = tree_flatten(out)
-    found = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif hasattr(leaf, "values") and callable(leaf.values) and not isinstance(leaf, (str, bytes)):
-            found.extend(tensors_in(list(leaf.values())))
-    return found
+# torch's own functions under the engine's names (a call costs no Python frame here)
+current_autograd_node = torch._C._current_autograd_node
+"""``current_autograd_node()``: the autograd node whose backward runs on this thread (``None`` outside one)."""
+pop_torch_function_mode = torch._C._pop_torch_function_stack
+"""``pop_torch_function_mode()``: take the innermost torch-function mode off the stack and return it."""
+push_torch_function_mode = torch._C._push_on_torch_function_stack
+"""``push_torch_function_mode(mode)``: put ``mode`` back on top of the torch-function mode stack."""
 
 
-def current_autograd_node():
-    """The autograd node whose backward is running on this thread (``None`` outside a backward)."""
-    return torch._C._current_autograd_node()
-
-
-def pop_torch_function_mode():
-    """Take the innermost torch-function mode off the stack and return it."""
-    return torch._C._pop_torch_function_stack()
-
-
-def push_torch_function_mode(mode) -> None:
-    """Put ``mode`` back on top of the torch-function mode stack."""
-    torch._C._push_on_torch_function_stack(mode)
-
-
-def engine_run_backward():
-    """The autograd engine's entry (``None`` where this torch lacks it): it runs a backward with the
-    active torch-function modes kept, unlike ``Tensor.backward``, which goes through them."""
-    return getattr(torch.autograd.graph, "_engine_run_backward", None)
+ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+"""The autograd engine's entry (``None`` where this torch lacks it): it runs a backward with the active
+torch-function modes kept, unlike ``Tensor.backward``, which goes through them."""
 
 
 def storage_key(t) -> int | None:

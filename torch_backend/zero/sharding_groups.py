@@ -1,12 +1,12 @@
 """Hybrid sharding's process groups: shard within a group of ranks, replicate across the groups.
 
 ``ZeroDDP(..., shard_group_size=S)`` on a data-parallel group of ``W = S · R`` ranks (HSDP in FSDP2's
-terms, MiCS in DeepSpeed's). :class:`Topology` owns the two groups and answers every
+terms, MiCS in DeepSpeed's). :class:`ShardingGroups` owns the two groups and answers every
 "which group, which rank" question, so nothing else in the engine knows about the two levels:
 
 - the **shard group** (*intra* level): ``S`` ranks with consecutive group ranks ``g·S … g·S+S-1``
   (under torchrun's rank order a node's GPUs), over which each chunk is sharded — the core
-  :class:`chunkzero.ChunkLayout` for world size ``S``, whose rank is :attr:`Topology.shard_rank`;
+  :class:`chunkzero.ChunkLayout` for world size ``S``, whose rank is :attr:`ShardingGroups.shard_rank`;
 - the **replica group** (*inter* level): the ``R`` ranks holding the same shard, one per shard group
   (group ranks ``q, q+S, …``), across which a reduced gradient shard is all-reduced.
 
@@ -16,7 +16,7 @@ ZeRO-3 does), so it is the mean over all ``W`` ranks. A keep-gathered chunk is a
 shard group, then over the replica group. Gathers run within the shard group only.
 
 ``S = W`` is flat ZeRO-3: no new group, the shard group *is* the data-parallel group and
-:attr:`Topology.replica_group` is ``None``, so every collective is exactly the flat one. ``S = 1`` is
+:attr:`ShardingGroups.replica_group` is ``None``, so every collective is exactly the flat one. ``S = 1`` is
 DDP with chunked buckets: every chunk is whole on every rank (resident) and all-reduced over the
 data-parallel group, again without a new group.
 
@@ -37,7 +37,7 @@ from chunkzero.errors import ConfigError
 
 from .torch_internals import process_group_timeout
 
-__all__ = ["CollectiveBytes", "Topology", "build_topology"]
+__all__ = ["CollectiveBytes", "ShardingGroups", "build_sharding_groups"]
 
 INTRA, INTER = "intra", "inter"
 
@@ -66,7 +66,7 @@ class CollectiveBytes:
 
 
 @dataclass
-class Topology:
+class ShardingGroups:
     """The data-parallel group split into shard groups of ``shard_group_size`` ranks and replica groups
     of ``replicas`` ranks (module docstring).
 
@@ -126,8 +126,8 @@ def _check_size(shard_group_size, world_size: int) -> int:
     return shard_group_size
 
 
-def build_topology(group, shard_group_size: int | None) -> Topology:
-    """The :class:`Topology` of ``group`` for ``shard_group_size`` ranks per shard group (``None``: the
+def build_sharding_groups(group, shard_group_size: int | None) -> ShardingGroups:
+    """The :class:`ShardingGroups` of ``group`` for ``shard_group_size`` ranks per shard group (``None``: the
     whole group, flat ZeRO-3). Collective over ``group`` when ``1 < S < W`` (every rank creates its own
     shard group and replica group; ranks outside ``group`` need not call it).
 
@@ -139,9 +139,9 @@ def build_topology(group, shard_group_size: int | None) -> Topology:
     s = _check_size(shard_group_size, world)
     r = world // s
     if r == 1:
-        return Topology(group, world, rank, s, group, None)
+        return ShardingGroups(group, world, rank, s, group, None)
     if s == 1:
-        return Topology(group, world, rank, s, None, group)
+        return ShardingGroups(group, world, rank, s, None, group)
     ranks = dist.get_process_group_ranks(group)  # global ranks in group-rank order
     g, q = rank // s, rank % s
     timeout = process_group_timeout(group)
@@ -150,4 +150,4 @@ def build_topology(group, shard_group_size: int | None) -> Topology:
         kwargs["timeout"] = timeout
     shard_group = dist.new_group(ranks[g * s : (g + 1) * s], **kwargs)
     replica_group = dist.new_group(ranks[q::s], **kwargs)
-    return Topology(group, world, rank, s, shard_group, replica_group)
+    return ShardingGroups(group, world, rank, s, shard_group, replica_group)
