@@ -269,9 +269,7 @@ class EngineProfile:
     """
 
     def __init__(self):
-        from torch_backend.zero import chunks
-        from torch_backend.zero import collectives
-        from torch_backend.zero import runtime
+        from torch_backend.zero import chunks, collectives, runtime
 
         self.totals: dict[str, list[float]] = {}
         targets = {"vote_rounds": (collectives, "agree"), "gather_issue": (chunks.Chunk, "begin_gather"),

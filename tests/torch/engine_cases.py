@@ -16,9 +16,18 @@ import copy
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-
-from zero_cases import (ADAMW, FP32, assert_state_within_noise, average_grads, gpt2_loss, hf_gpt2, micro,
-                        micro_batch_reference_run, reference_run, zero_run)
+from zero_cases import (
+    ADAMW,
+    FP32,
+    assert_state_within_noise,
+    average_grads,
+    gpt2_loss,
+    hf_gpt2,
+    micro,
+    micro_batch_reference_run,
+    reference_run,
+    zero_run,
+)
 
 
 def gpt2(n_layer: int = 8, n_embd: int = 32, frozen_blocks: tuple[int, ...] = ()):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import copy
 
 import torch
+from optim_cases import nanogpt_groups, zero_steps
+from zero_cases import ADAMW, FP32, assert_state_close, batches, gpt2_loss, hf_gpt2, mean_over_ranks, micro
 
 from chunkzero.dtypes import itemsize_bytes
 from torch_backend.zero.chunk_io import bytes_by_kind
-from optim_cases import nanogpt_groups, zero_steps
-from zero_cases import ADAMW, FP32, assert_state_close, batches, gpt2_loss, hf_gpt2, mean_over_ranks, micro
 
 CHUNK_SIZE = 1500  # elements: the tiny GPT-2 spreads over ~12 chunks, adapters in chunks of their own
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per element

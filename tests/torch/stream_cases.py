@@ -66,6 +66,7 @@ def worker_recorded_step(rank: int, world: int, placement: dict, mutant: bool = 
     Returns the violations, how many cross-stream buffers were freed (checked), and the largest
     difference of the parameters to the reference run."""
     from stream_recorder import StreamRecorder
+
     from torch_backend.zero.chunks import ChunkGradient
 
     reference = _train(rank, placement)

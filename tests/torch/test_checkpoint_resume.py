@@ -25,6 +25,7 @@ from checkpoint_harness import assert_same_state, build, full_state, train_step
 
 from chunkzero.layout import ChunkLayout, TensorSpec
 from torch_backend._testing import run_distributed
+from torch_backend.checkpoint.export import export_checkpoint, load_pretrained
 from torch_backend.checkpoint.sharded import (
     latest_step,
     load_checkpoint,
@@ -32,7 +33,6 @@ from torch_backend.checkpoint.sharded import (
     read_plan,
     save_checkpoint,
 )
-from torch_backend.checkpoint.export import export_checkpoint, load_pretrained
 
 
 def _seed_rank(rank: int) -> None:

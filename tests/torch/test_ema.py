@@ -2,9 +2,9 @@
 ``get_ema_multi_avg_fn``) of a plain-torch run, and its checkpoints resumed at another world size and
 chunk size. The workers are in ``ema_cases.py``."""
 
+import ema_cases
 import pytest
 
-import ema_cases
 from torch_backend._testing import run_distributed
 
 

@@ -3,10 +3,10 @@
 checks, per buffer, allocate → use → wait on the using stream → free (or ``record_stream``)."""
 
 import pytest
-import torch
-
 import stream_cases
+import torch
 from stream_recorder import StreamRecorder
+
 from torch_backend._testing import run_distributed
 from torch_backend.zero import collectives
 

@@ -45,8 +45,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .streams import (CudaStreams, compute_stream, free_after, hand_over, record_event, set_stream_layer,  # noqa: F401
-                      stream_layer, synchronize_event, uses_streams)
+from .streams import (  # noqa: F401
+    CudaStreams,
+    compute_stream,
+    free_after,
+    hand_over,
+    record_event,
+    set_stream_layer,
+    stream_layer,
+    synchronize_event,
+    uses_streams,
+)
 from .torch_internals import process_group_timeout
 
 __all__ = [

@@ -48,18 +48,25 @@ from chunkzero.errors import ConfigError, ShapeMismatchError
 
 from . import collectives
 from .chunks import TORCH_DTYPES, Chunk
+from .config import (
+    AutoPlacementPolicy,
+    MixedPrecision,
+    PlacementPolicy,
+    PrefetchPolicy,
+    resolve_mixed_precision,
+    resolve_placement,
+    resolve_prefetch,
+)
 from .materialize import MetaMaterializer, training_device
-from .config import (AutoPlacementPolicy, MixedPrecision, PlacementPolicy, PrefetchPolicy, resolve_mixed_precision,
-                     resolve_placement, resolve_prefetch)
-from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
 from .memory import AllocationTracker, MemoryReport
-from .pinned import arena_bytes
 from .module_layout import ParamGroups, build_module_layout, collect_parameters
+from .pinned import arena_bytes
+from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
 from .runtime import ChunkRuntime, Entry
-from .sharding_groups import ShardingGroups, build_sharding_groups
-from .torch_internals import compile_frame_callback
 from .schedule import Scheduler
+from .sharding_groups import ShardingGroups, build_sharding_groups
 from .state_dict import full_state_dict, load_full_state_dict
+from .torch_internals import compile_frame_callback
 
 __all__ = ["MemoryReport", "ZeroDDP"]
 

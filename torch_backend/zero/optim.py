@@ -30,8 +30,7 @@ import torch
 
 from chunkzero.errors import CheckpointError, ConfigError, LossScaleError
 
-from . import collectives
-from . import optim_state_dict
+from . import collectives, optim_state_dict
 from .ddp import ZeroDDP
 from .loss_scale import DynamicLossScaler
 from .optim_groups import group_specs, resolve_params, torch_params_specs

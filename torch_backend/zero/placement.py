@@ -53,10 +53,10 @@ from chunkzero import ChunkPlacement, Location, PlacementPlan, chunk_placements,
 from chunkzero.errors import ConfigError
 
 from . import chunk_io, streams
-from .torch_internals import storage_key
 from .chunks import Chunk
 from .config import DEFAULT_STEADY_DEVICE_CAP_RATIO, AutoPlacementPolicy
 from .schedule import BACKWARD, FORWARD
+from .torch_internals import storage_key
 
 __all__ = ["DEFAULT_STEADY_DEVICE_CAP_RATIO", "AutoPlacement", "PlacementTrace", "SavedBytes", "device_memory_bytes",
            "placement_budget_bytes", "warmup_placements"]

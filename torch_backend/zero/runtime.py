@@ -46,9 +46,16 @@ from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterErr
 
 from .chunks import Chunk, Pin
 from .schedule import BACKWARD, FORWARD, OUTSIDE, Phase, Scheduler
-from .torch_internals import (ENGINE_RUN_BACKWARD, compiled_original, current_autograd_node, pop_torch_function_mode,
-                              push_torch_function_mode, storage_key, tree_flatten, wrapper_tensor)
-
+from .torch_internals import (
+    ENGINE_RUN_BACKWARD,
+    compiled_original,
+    current_autograd_node,
+    pop_torch_function_mode,
+    push_torch_function_mode,
+    storage_key,
+    tree_flatten,
+    wrapper_tensor,
+)
 
 __all__ = ["ChunkRuntime", "Entry", "GradPlaceholders", "ShardedGradPlaceholder"]
 
