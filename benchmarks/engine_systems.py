@@ -272,11 +272,15 @@ class EngineProfile:
         from torch_backend.zero import chunks, collectives, runtime
 
         self.totals: dict[str, list[float]] = {}
-        targets = {"vote_rounds": (collectives, "agree"), "gather_issue": (chunks.Chunk, "begin_gather"),
-                   "gather_wait": (chunks.Chunk, "finish_gather"),
-                   "reduce_issue": (chunks.ChunkGradient, "begin_reduce"),
-                   "reduce_wait": (chunks.ChunkGradient, "finish_reduces"), "grad_hooks": (runtime.ChunkRuntime, "_on_grad"),
-                   "finalize": (runtime.ChunkRuntime, "_finalize_backward")}
+        targets = {
+            "vote_rounds": (collectives, "agree"),
+            "gather_issue": (chunks.Chunk, "begin_gather"),
+            "gather_wait": (chunks.Chunk, "finish_gather"),
+            "reduce_issue": (chunks.ChunkGradient, "begin_reduce"),
+            "reduce_wait": (chunks.ChunkGradient, "finish_reduces"),
+            "grad_hooks": (runtime.ChunkRuntime, "_on_grad"),
+            "finalize": (runtime.ChunkRuntime, "_finalize_backward"),
+        }
         for key, (owner, attr) in targets.items():
             setattr(owner, attr, self._timed(key, getattr(owner, attr)))
         mode = runtime.ParamAccessMode

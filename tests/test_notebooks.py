@@ -27,7 +27,9 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("CHUNKZERO_NOTEBOOK_MEASURE", "small")  # big models predicted only: keeps it ~1-2 min
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "error"]
     assert not errors

@@ -47,7 +47,8 @@ def test_ladder_rung_over_its_memory_limit_is_reported_not_a_crash(tmp_path):
     res, rows = _ladder(tmp_path, "--engines", "ddp", "--ladder-layers", "1", "2", "--limit-gib", "0.1")
     assert res.returncode == 0, res.stderr[-3000:]
     rungs = [r for r in rows if r["kind"] == "rung"]
-    assert [(r["layers"], r["status"]) for r in rungs] == [(1, "over limit")], (rungs, res.stderr[-3000:])  # stops there
+    # stops there
+    assert [(r["layers"], r["status"]) for r in rungs] == [(1, "over limit")], (rungs, res.stderr[-3000:])
     assert rungs[0]["limit_bytes"] == int(0.1 * 2**30) < rungs[0]["group_peak_rss_bytes"]
     (largest,) = [r for r in rows if r["kind"] == "largest"]
     assert largest["layers"] is None and largest["first_failing"] == "1 (over limit)"

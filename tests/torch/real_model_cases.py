@@ -39,9 +39,9 @@ def is_adapter(name: str) -> bool:
 
 def expected_model_state_bytes(model) -> int:
     """Model-state bytes this rank should hold right after ``step()`` (before ``zero_grad``), from the
-    layout alone: a frozen chunk's shard in its storage dtype (the layout chunk's); a trainable chunk's fp32 master, fp32
-    gradient shard and AdamW's two fp32 moments (16 bytes per element; in bf16 on one rank the chunk
-    is resident and also keeps its bf16 copy), plus one 4-byte ``step`` per tensor piece."""
+    layout alone: a frozen chunk's shard in its storage dtype (the layout chunk's); a trainable chunk's
+    fp32 master, fp32 gradient shard and AdamW's two fp32 moments (16 bytes per element; in bf16 on one
+    rank the chunk is resident and also keeps its bf16 copy), plus one 4-byte ``step`` per tensor piece."""
     layout, rank = model.layout, model.rank
     compute = model.compute_dtype.itemsize
     total = 0
@@ -72,7 +72,9 @@ def check_chunks(model, optim) -> None:
         n = layout.shard_numel(c.index)
         if not c.requires_grad:
             assert c.master is None and model.grad_shard(c.index) is None and c.gradient is None, c.index
-            assert [(k, b) for _, k, b in bytes_by_kind(c)] == [("parameters", n * c.storage_dtype.itemsize)], bytes_by_kind(c)
+            assert [(k, b) for _, k, b in bytes_by_kind(c)] == [("parameters", n * c.storage_dtype.itemsize)], (
+                bytes_by_kind(c)
+            )
             try:
                 optim.shard_state(c.index)
             except ConfigError:

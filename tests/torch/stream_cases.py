@@ -15,7 +15,9 @@ STEPS = 3
 
 def _module() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 4)
+    )
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:

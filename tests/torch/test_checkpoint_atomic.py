@@ -98,8 +98,22 @@ def _start(rank, world, port, root, step, numel, kill=False, wait=True, timeout_
     if idle_s is not None:
         env["IDLE_S"] = str(idle_s)
     return subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(rank), str(world), f"127.0.0.1:{port}", str(root), str(step), str(numel), "1" if kill else "0"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-c",
+            WRITER,
+            str(rank),
+            str(world),
+            f"127.0.0.1:{port}",
+            str(root),
+            str(step),
+            str(numel),
+            "1" if kill else "0",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -137,8 +151,11 @@ def test_kill9_of_one_rank_mid_save_keeps_previous_step(tmp_path):
     # process ends (JAX's shutdown barrier at exit is bounded by timeout_s too)
     out0 = ranks[0].communicate(timeout=240)[0]
     assert "committed" not in out0.splitlines(), out0
-    assert re.search(rf"CheckpointError after \d+ s: a pending save under '{re.escape(str(root.resolve()))}' failed: another "
-                     rf"process did not arrive within timeout_s={DEAD_RANK_TIMEOUT_S} s", out0), out0
+    assert re.search(
+        rf"CheckpointError after \d+ s: a pending save under '{re.escape(str(root.resolve()))}' failed: another "
+        rf"process did not arrive within timeout_s={DEAD_RANK_TIMEOUT_S} s",
+        out0,
+    ), out0
 
     assert checkpoint_steps(root) == [1] and latest_step(root) == 1
     assert not (root / "2").exists()
@@ -205,7 +222,9 @@ def test_async_save_returns_before_commit_and_exit_waits(tmp_path):
 
 
 def _tiny_meta(step, world=1):
-    return CheckpointMeta(step=step, layout=ChunkLayout.build([TensorSpec("w", (10,)), TensorSpec("b", (3,))], 8, world))
+    return CheckpointMeta(
+        step=step, layout=ChunkLayout.build([TensorSpec("w", (10,)), TensorSpec("b", (3,))], 8, world)
+    )
 
 
 def _shards(meta, value):

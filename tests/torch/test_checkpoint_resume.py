@@ -130,7 +130,9 @@ def test_resume_bitwise_and_reshard(tmp_path, caplog):
     assert meta.optimizer.state_keys == ["exp_avg", "exp_avg_sq"]
     groups = meta.optimizer.param_groups
     assert [g["lr"] for g in groups] == [1e-2, 2e-3] and [g["weight_decay"] for g in groups] == [0.1, 0.0]
-    assert "transformer.h.0.attn.c_attn.weight" in groups[0]["params"] and "transformer.ln_f.weight" in groups[1]["params"]
+    assert (
+        "transformer.h.0.attn.c_attn.weight" in groups[0]["params"] and "transformer.ln_f.weight" in groups[1]["params"]
+    )
     assert meta.optimizer.hyperparameters["max_norm"] == 0.7 and meta.optimizer.tensor_steps is None
 
     # W1: 2 -> 1 in this process
@@ -167,8 +169,13 @@ def test_resume_bitwise_and_reshard(tmp_path, caplog):
 @pytest.mark.parametrize("chunk_size", [30, 17])
 @pytest.mark.parametrize("old_world,new_world", [(2, 3), (3, 1), (1, 2), (3, 2)])
 def test_read_plan_reads_only_owned_ranges(old_world, new_world, chunk_size):
-    specs = [TensorSpec("a", (5, 7)), TensorSpec("b", (13,)), TensorSpec("c", (3, 3), aliases=("c2",)), TensorSpec("d", (40,)),
-             TensorSpec("e", (6,), keep_gathered=True)]
+    specs = [
+        TensorSpec("a", (5, 7)),
+        TensorSpec("b", (13,)),
+        TensorSpec("c", (3, 3), aliases=("c2",)),
+        TensorSpec("d", (40,)),
+        TensorSpec("e", (6,), keep_gathered=True),
+    ]
     saved = ChunkLayout.build(specs, 30, old_world)
     target = ChunkLayout.build(specs, chunk_size, new_world)
     for rank in range(new_world):

@@ -90,7 +90,9 @@ def _record(monkeypatch) -> dict:
     def transition_all(self, to_state, *, only_from=None):
         before = self.counts
         original_all(self, to_state, only_from=only_from)
-        wanted = set(TensorState) if only_from is None else {only_from} if isinstance(only_from, TensorState) else only_from
+        wanted = (
+            set(TensorState) if only_from is None else {only_from} if isinstance(only_from, TensorState) else only_from
+        )
         for s, n in before.items():
             if n and s is not to_state and s in wanted:
                 taken[(s, to_state)].add(sys._getframe(1).f_code.co_name)

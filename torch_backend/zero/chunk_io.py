@@ -79,5 +79,7 @@ def frozen_bytes_by_dtype(chunk) -> list[tuple[torch.device, str, int]]:
     shard = chunk.shard
     out = [(shard.device, str(shard.dtype).removeprefix("torch."), shard.numel() * shard.element_size())]
     if chunk.resident and chunk.casts_frozen:
-        out.append((chunk.buffer.device, str(chunk.dtype).removeprefix("torch."), chunk.size * chunk.buffer.element_size()))
+        out.append(
+            (chunk.buffer.device, str(chunk.dtype).removeprefix("torch."), chunk.size * chunk.buffer.element_size())
+        )
     return out

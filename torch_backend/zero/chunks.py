@@ -443,7 +443,9 @@ class Chunk:
             ValueError: the chunk is not movable, or resident (its shard is the gathered buffer).
         """
         if not self.movable or self.resident:
-            raise ValueError(f"chunk {self.index}'s parameter shard cannot move (movable={self.movable}, resident={self.resident})")
+            raise ValueError(
+                f"chunk {self.index}'s parameter shard cannot move (movable={self.movable}, resident={self.resident})"
+            )
         self.shard = copied(self.shard, device, self.device, non_blocking=True)
         self.param_device = torch.device(device)
         self.param_offloaded = bool(offloaded)
@@ -468,7 +470,9 @@ class Chunk:
         self.master.data = copied(self.master.detach(), device, self.device, non_blocking=True)
         moved = self.master.numel() * 4
         if grad is not None:
-            self.master.grad = self.tracker.track(copied(grad, device, self.device, non_blocking=True), "fp32_gradients")
+            self.master.grad = self.tracker.track(
+                copied(grad, device, self.device, non_blocking=True), "fp32_gradients"
+            )
             moved += grad.numel() * 4
         self.master_device = torch.device(device)
         self.account_persistent()

@@ -409,7 +409,9 @@ def agree(votes: torch.Tensor, group, *, async_op: bool = False) -> Pending:
     is there after ``wait()``."""
     if _world(group) == 1:
         return _DONE
-    return _finish(dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group, async_op=async_op), None, (votes,), async_op)
+    return _finish(
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group, async_op=async_op), None, (votes,), async_op
+    )
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> None:

@@ -141,7 +141,9 @@ class ZeroDDP(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be an nn.Module, got {type(module).__name__}")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
             raise ConfigError(f"chunk_size must be a positive int (elements) or None, got {chunk_size!r}")
         self.mixed_precision_policy: MixedPrecision = resolve_mixed_precision(mixed_precision)
         """The dtype of chunks, compute and gradient reduction (see :attr:`mixed_precision`)."""
@@ -151,7 +153,8 @@ class ZeroDDP(nn.Module):
         self.placement_policy: PlacementPolicy = resolve_placement(
             placement, offload_optim_frac=offload_optim_frac, offload_param_frac=offload_param_frac,
             device_memory_bytes=device_memory_bytes, steady_device_cap_ratio=steady_device_cap_ratio)
-        """A :class:`~torch_backend.zero.config.StaticPlacement` or an :class:`~torch_backend.zero.config.AutoPlacementPolicy`."""
+        """A :class:`~torch_backend.zero.config.StaticPlacement` or an
+        :class:`~torch_backend.zero.config.AutoPlacementPolicy`."""
         self.find_unused_parameters = bool(find_unused_parameters)
         self.module = module
         self._join_group(process_group, shard_group_size)
@@ -256,7 +259,9 @@ class ZeroDDP(nn.Module):
         return static_placement(self.layout.chunks, offload_optim_frac=policy.offload_optim_frac,
                                 offload_param_frac=policy.offload_param_frac), None
 
-    def _build_chunks(self, groups: ParamGroups, materializer: MetaMaterializer | None) -> tuple[list[Chunk], list[Entry]]:
+    def _build_chunks(
+        self, groups: ParamGroups, materializer: MetaMaterializer | None
+    ) -> tuple[list[Chunk], list[Entry]]:
         """One chunk per layout chunk, filled from group rank 0's values (materialized one submodule
         at a time for a meta-device module: one full chunk in memory at a time), and one runtime entry
         per parameter."""
@@ -267,8 +272,8 @@ class ZeroDDP(nn.Module):
         chunks: list[Chunk] = []
         entries: list[Entry] = []
         self.allocations = AllocationTracker()
-        """Every buffer the engine allocates, now and at its peak (:class:`~torch_backend.zero.memory.AllocationTracker`;
-        read through :meth:`memory_report`)."""
+        """Every buffer the engine allocates, now and at its peak
+        (:class:`~torch_backend.zero.memory.AllocationTracker`; read through :meth:`memory_report`)."""
         for info in self.layout.chunks:
             tensors = self.layout.chunk_tensors(info.index)
             initial = self.allocations.track(torch.zeros(info.size, dtype=torch.float32, device=self.device), "staging")
@@ -279,17 +284,31 @@ class ZeroDDP(nn.Module):
                     initial[t.offset : t.end].copy_(by_name[t.name].detach().reshape(-1))
             collectives.broadcast_from_first(initial, self.process_group)
             start = self._static_placements[info.index]
-            chunk = Chunk(self.layout, info.index, self.shard_rank, {t.name: by_name[t.name] for t in tensors},
-                          device=self.device, param_device=where[start.param], master_device=where[start.master],
-                          param_offloaded=start.param_offloaded, group=self.sharding_groups.shard_group,
-                          divide_first=self.mixed_precision == "fp16", initial=initial, movable=auto,
-                          compute_dtype=self.compute_dtype, tracker=self.allocations, sharding_groups=self.sharding_groups)
+            chunk = Chunk(
+                self.layout,
+                info.index,
+                self.shard_rank,
+                {t.name: by_name[t.name] for t in tensors},
+                device=self.device,
+                param_device=where[start.param],
+                master_device=where[start.master],
+                param_offloaded=start.param_offloaded,
+                group=self.sharding_groups.shard_group,
+                divide_first=self.mixed_precision == "fp16",
+                initial=initial,
+                movable=auto,
+                compute_dtype=self.compute_dtype,
+                tracker=self.allocations,
+                sharding_groups=self.sharding_groups,
+            )
             del initial
             chunks.append(chunk)
             entries += [Entry(by_name[t.name], t.name, tensor_index[t.name], chunk, t) for t in tensors]
         return chunks, entries
 
-    def _start_runtime(self, entries: list[Entry], budget_bytes: int | None) -> tuple[ChunkRuntime, AutoPlacement | None]:
+    def _start_runtime(
+        self, entries: list[Entry], budget_bytes: int | None
+    ) -> tuple[ChunkRuntime, AutoPlacement | None]:
         """The scheduler, the hooks and per-step state, and (``placement="auto"``) the placement applier."""
         scheduler = Scheduler(self.chunks, num_tensors=len(self.layout.tensors), prefetch=self.prefetch,
                               group=collectives.agreement_group(self.process_group), world_size=self.world_size)
@@ -318,8 +337,10 @@ class ZeroDDP(nn.Module):
                 chunk access (the chunk plus the non-model memory there; both numbers named).
         """
         if torch.compiler.is_compiling() or compile_frame_callback() is not None:
-            raise ConfigError("torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
-                              "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)")
+            raise ConfigError(
+                "torch.compile of a ZeroDDP is not supported: compile the module or its blocks before "
+                "wrapping, ZeroDDP(torch.compile(block)) (the engine gathers chunks between compiled calls)"
+            )
         self._runtime.finish_aborted_backward()
         if self.compute_dtype != torch.float32:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
@@ -506,6 +527,7 @@ class ZeroDDP(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"world_size={self.world_size}, rank={self.rank}, shard_group_size={self.shard_group_size}, mixed_precision={self.mixed_precision!r}, "
+            f"world_size={self.world_size}, rank={self.rank}, shard_group_size={self.shard_group_size}, "
+            f"mixed_precision={self.mixed_precision!r}, "
             f"chunks={len(self.chunks)}, chunk_size={self.layout.chunk_size}, prefetch={self.prefetch}"
         )

@@ -4,8 +4,9 @@ torch's ``AveragedModel`` with ``get_ema_multi_avg_fn``).
 
 Each rank keeps, per trainable chunk, one fp32 buffer of ``shard_numel`` elements beside the chunk's
 master shard, on the master's device (the host when the optimizer is offloaded): 4 bytes per trainable
-parameter / W (/ S under hybrid sharding: a rank holds 1/S of each chunk), none for frozen chunks (they never change). After every *applied* optimizer step — a
-step skipped for an fp16 overflow changes no master and no EMA — each buffer becomes::
+parameter / W (/ S under hybrid sharding: a rank holds 1/S of each chunk), none for frozen chunks
+(they never change). After every *applied* optimizer step — a step skipped for an fp16 overflow
+changes no master and no EMA — each buffer becomes::
 
     ema = decay * ema + (1 - decay) * master        # torch._foreach_lerp_(ema, master, 1 - decay)
 

@@ -104,10 +104,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"max_norm must be a positive number or None, got {max_norm!r}")
         if max_skipped_at_min_scale is not None and (isinstance(max_skipped_at_min_scale, bool) or not isinstance(
                 max_skipped_at_min_scale, int) or max_skipped_at_min_scale < 1):
-            raise ConfigError(f"max_skipped_at_min_scale must be a positive int (steps) or None, got {max_skipped_at_min_scale!r}")
+            raise ConfigError(
+                f"max_skipped_at_min_scale must be a positive int (steps) or None, got {max_skipped_at_min_scale!r}"
+            )
         if getattr(optimizer_class, "__name__", "") in NOT_ELEMENTWISE:
-            raise ConfigError(f"{optimizer_class.__name__} is not elementwise (its update depends on whole tensors); "
-                              "ZeroOptimizer steps flat shards of tensors: use an elementwise optimizer (AdamW, Adam, SGD …)")
+            raise ConfigError(
+                f"{optimizer_class.__name__} is not elementwise (its update depends on whole tensors); "
+                "ZeroOptimizer steps flat shards of tensors: use an elementwise optimizer (AdamW, Adam, SGD …)"
+            )
         self.model = model
         self.max_norm = None if max_norm is None else float(max_norm)
         self._chunks = [c for c in model.chunks if c.requires_grad]
@@ -141,12 +145,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._tensor_index = {t.name: i for i, t in enumerate(model.layout.tensors)}
         self._trainable = torch.zeros(len(model.layout.tensors), dtype=torch.bool)
         self._trainable[[self._tensor_index[n] for g in self.group_names for n in g]] = True
-        self._master_ptrs = {ci: (model.chunks[ci].master.data_ptr(), model.chunks[ci].master.device) for ci in self._pieces}
+        self._master_ptrs = {
+            ci: (model.chunks[ci].master.data_ptr(), model.chunks[ci].master.device) for ci in self._pieces
+        }
         if model.auto_placement is not None:
             model.auto_placement.attach_optimizer(self)
         self.fp16 = model.mixed_precision == "fp16"
-        self.scaler = DynamicLossScaler(initial_scale if self.fp16 else 1.0, growth_interval=growth_interval,
-                                        hysteresis=hysteresis, min_scale=min(min_scale, initial_scale) if self.fp16 else 1.0)
+        self.scaler = DynamicLossScaler(
+            initial_scale if self.fp16 else 1.0,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min(min_scale, initial_scale) if self.fp16 else 1.0,
+        )
         self.step_count = 0
         """Applied (non-skipped) steps."""
         self.skipped_steps = 0
@@ -190,16 +200,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             inner = optimizer_class(groups, **defaults)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"{getattr(optimizer_class, '__name__', optimizer_class)}(param groups, **{defaults}) failed: {e}") from None
+            raise ConfigError(
+                f"{getattr(optimizer_class, '__name__', optimizer_class)}(param groups, **{defaults}) failed: {e}"
+            ) from None
         if not isinstance(inner, torch.optim.Optimizer):
             raise ConfigError(f"optimizer_class must build a torch.optim.Optimizer, got {type(inner).__name__}")
         if len(inner.param_groups) != len(groups) or any(
-                g is not mine or len(g["params"]) != len(mine_params) or any(a is not b for a, b in zip(g["params"], mine_params))
-                for g, mine, mine_params in zip(inner.param_groups, groups, [list(g["params"]) for g in groups])):
+            g is not mine
+            or len(g["params"]) != len(mine_params)
+            or any(a is not b for a, b in zip(g["params"], mine_params))
+            for g, mine, mine_params in zip(inner.param_groups, groups, [list(g["params"]) for g in groups])
+        ):
             raise ConfigError(
-                f"{getattr(optimizer_class, '__name__', optimizer_class)} built param groups of its own instead of the ones "
+                f"{getattr(optimizer_class, '__name__', optimizer_class)} built param groups of its own instead of "
+                "the ones "
                 "it was given: ZeroOptimizer must place every parameter (its shard pieces) itself; pass the groups as "
-                "ZeroOptimizer(model, torch.optim.AdamW, param_groups=[...], lr=...)")
+                "ZeroOptimizer(model, torch.optim.AdamW, param_groups=[...], lr=...)"
+            )
         self._check_group_keys(inner.param_groups, inner.defaults)
         for what in ("add_param_group", "state_dict", "load_state_dict"):
             setattr(inner, what, _refuse(what))
@@ -242,7 +259,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             moved, listed = {id(p) for p in group["params"]}, set(names)
             dg = self.param_groups[self._default_group]
             dg["params"] = [p for p in dg["params"] if id(p) not in moved]
-            self.group_names[self._default_group] = [n for n in self.group_names[self._default_group] if n not in listed]
+            self.group_names[self._default_group] = [
+                n for n in self.group_names[self._default_group] if n not in listed
+            ]
         type(self.optimizer).add_param_group(self.optimizer, group)
         self.group_names.append(names)
         for ci in self._pieces:
@@ -382,9 +401,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         step = self.step_count + self.skipped_steps
         raise LossScaleError(
-            f"step {step}: {n} steps in a row were skipped for non-finite gradients (inf/nan) at the minimum loss scale "
+            f"step {step}: {n} steps in a row were skipped for non-finite gradients (inf/nan) at the minimum loss "
+            f"scale "
             f"{scale:g}, so training cannot make progress; lower the learning rate or look for inf/nan in the data "
-            f"and the model", step=step, scale=scale, skipped=n)
+            f"and the model",
+            step=step,
+            scale=scale,
+            skipped=n,
+        )
 
     # ------------------------------------------------------------------ shard-level state
     def _chunk(self, chunk: int):
@@ -435,7 +459,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         layout = self.model.layout
         for name, value in steps.items():
             if name not in layout or not layout.tensor(name).requires_grad:
-                raise CheckpointError(f"optimizer step recorded for {name!r}, which is not a trainable tensor of the model")
+                raise CheckpointError(
+                    f"optimizer step recorded for {name!r}, which is not a trainable tensor of the model"
+                )
             self._states.steps[self._tensor_index[layout.tensor(name).name]] = int(value)
         for ci in self._pieces:
             self._states.attach(ci)

@@ -122,7 +122,11 @@ class PieceStates:
                 for key, value in st.items():
                     if key == "step":
                         self.uses_step = True
-                    elif isinstance(value, torch.Tensor) and value.shape == p.param.shape and value is not p.views.get(key):
+                    elif (
+                        isinstance(value, torch.Tensor)
+                        and value.shape == p.param.shape
+                        and value is not p.views.get(key)
+                    ):
                         view = self._buffer(ci, key, value.dtype)[p.offset : p.offset + p.numel]
                         view.copy_(value)
                         st[key] = p.views[key] = view
@@ -196,7 +200,9 @@ class PieceStates:
                 continue
             if value.dim() >= 1:
                 if tuple(value.shape) != (chunk.shard_numel,):
-                    raise ShapeMismatchError(f"chunk {ci} optimizer state {key!r}", (chunk.shard_numel,), tuple(value.shape))
+                    raise ShapeMismatchError(
+                        f"chunk {ci} optimizer state {key!r}", (chunk.shard_numel,), tuple(value.shape)
+                    )
                 buf = self._buffer(ci, key, torch.float32)
                 if buf.data_ptr() != value.data_ptr():
                     buf.copy_(value)

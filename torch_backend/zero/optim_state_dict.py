@@ -90,14 +90,18 @@ def _group_keys(zopt, groups: list[dict]) -> dict[Any, str]:
     """Saved parameter id (a name or an int) -> this model's primary name, checking the groups match."""
     layout = zopt.model.layout
     if len(groups) != len(zopt.group_names):
-        raise CheckpointError(f"optimizer state has {len(groups)} param group(s), this optimizer has {len(zopt.group_names)}")
+        raise CheckpointError(
+            f"optimizer state has {len(groups)} param group(s), this optimizer has {len(zopt.group_names)}"
+        )
     out: dict[Any, str] = {}
     for i, (g, names) in enumerate(zip(groups, zopt.group_names)):
         ids = g.get("params") if isinstance(g, dict) else None
         if not isinstance(ids, list):
             raise CheckpointError(f"optimizer state param group {i} has no 'params' list")
         if len(ids) != len(names):
-            raise CheckpointError(f"optimizer state param group {i} has {len(ids)} parameters, this optimizer's has {len(names)}")
+            raise CheckpointError(
+                f"optimizer state param group {i} has {len(ids)} parameters, this optimizer's has {len(names)}"
+            )
         if all(isinstance(k, str) for k in ids):
             unknown = [k for k in ids if k not in layout]
             if unknown:
@@ -135,7 +139,9 @@ def load_full_state_dict(zopt, state_dict: dict[str, Any]) -> None:
             entry = by_name.get(t.name, {})
             step = entry.get("step")
             if entry:
-                states.steps[states.tensor_index[t.name]] = max(zopt.step_count, 1) if step is None else _scalar_step(step)
+                states.steps[states.tensor_index[t.name]] = (
+                    max(zopt.step_count, 1) if step is None else _scalar_step(step)
+                )
             else:
                 states.steps[states.tensor_index[t.name]] = 0
             if step is not None:

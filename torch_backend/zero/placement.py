@@ -220,7 +220,9 @@ class AutoPlacement:
             0 if c.resident else c.shard_numel * c.shard.element_size() for c in chunks)
         """Bytes of each chunk's parameter shard (a frozen one's in its storage dtype), what the plan
         moves (0 for keep-gathered chunks)."""
-        self.resident_bytes = sum(n for c in chunks if c.resident for _, kind, n in chunk_io.bytes_by_kind(c) if kind == "parameters")
+        self.resident_bytes = sum(
+            n for c in chunks if c.resident for _, kind, n in chunk_io.bytes_by_kind(c) if kind == "parameters"
+        )
         """Bytes of the keep-gathered chunks, always on the device."""
         self.trace: PlacementTrace | None = None
         """The latest trace (``None`` before the first traced step ended); the next training step plans

@@ -193,14 +193,18 @@ class ChunkRuntime:
         self.entries_by_id: dict[int, Entry] = {id(e.param): e for e in entries}
         self.chunk_by_storage: dict[int, Chunk] = {c.storage_key: c for c in chunks if not c.resident}
         self.trainable = [e for e in entries if e.param.requires_grad]
-        self.hook_handles = [e.param.register_post_accumulate_grad_hook(self._make_post_grad_hook(e)) for e in self.trainable]
+        self.hook_handles = [
+            e.param.register_post_accumulate_grad_hook(self._make_post_grad_hook(e)) for e in self.trainable
+        ]
         # torch.compile'd submodules run as one unit: their chunks are gathered before the call and the
         # access mode is suspended inside it (the compiled graph sees plain, gathered parameters)
         self._compiled: dict[int, list[Entry]] = {}
         inside: set[int] = set()
         for sub in module.modules():
             if compiled_original(sub) is not None and id(sub) not in inside:
-                self._compiled[id(sub)] = [self.entries_by_id[id(p)] for p in sub.parameters() if id(p) in self.entries_by_id]
+                self._compiled[id(sub)] = [
+                    self.entries_by_id[id(p)] for p in sub.parameters() if id(p) in self.entries_by_id
+                ]
                 inside |= {id(m) for m in compiled_original(sub).modules()}
         for sub in module.modules():
             if id(sub) not in inside:
@@ -629,7 +633,13 @@ class ShardedGradPlaceholder(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         names = [a.param_name for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradPlaceholder)]
-        names += [b.param_name for a in args if isinstance(a, (list, tuple)) for b in a if isinstance(b, ShardedGradPlaceholder)]
+        names += [
+            b.param_name
+            for a in args
+            if isinstance(a, (list, tuple))
+            for b in a
+            if isinstance(b, ShardedGradPlaceholder)
+        ]
         raise ConfigError(
             f"the gradient of {names[0] if names else 'a ZeroDDP parameter'!r} lives in ZeroDDP's chunk shards, so "
             f"{func} cannot use param.grad: step with ZeroOptimizer(model, torch.optim.AdamW, max_norm=...) "

@@ -201,7 +201,9 @@ class Scheduler:
         if self.policy is not None:
             self.policy.phase_started(phase)
 
-    def end(self, phase: Phase, used: torch.Tensor | None = None, prefetch_next: Phase | None = None) -> torch.Tensor | None:
+    def end(
+        self, phase: Phase, used: torch.Tensor | None = None, prefetch_next: Phase | None = None
+    ) -> torch.Tensor | None:
         """Rounds until every rank has finished ``phase``; returns the summed ``used`` votes (backward).
 
         ``prefetch_next``: the phase that follows, whose first recorded chunks are gathered now (the
@@ -318,9 +320,14 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """``rounds``, ``gathers``, ``misses``, ``late_gathers``, ``peak_gathered_chunks`` and
         ``order_recordings`` so far (``ZeroDDP.collective_stats``)."""
-        return {"rounds": self.rounds, "gathers": self.gathers, "misses": self.misses, "late_gathers": self.late_gathers,
-                "peak_gathered_chunks": self.peak_gathered,
-                "order_recordings": sum(o.recordings for o in self.orders.values())}
+        return {
+            "rounds": self.rounds,
+            "gathers": self.gathers,
+            "misses": self.misses,
+            "late_gathers": self.late_gathers,
+            "peak_gathered_chunks": self.peak_gathered,
+            "order_recordings": sum(o.recordings for o in self.orders.values()),
+        }
 
     def wait_all(self) -> None:
         """Complete every collective in flight (gathers and reductions)."""

@@ -13,9 +13,9 @@ other stream that used it, or :func:`free_after` was called for that stream. A c
 are allocated on the compute stream and kept alive by its :class:`Pending` until :meth:`Pending.wait`,
 which makes the *current* stream wait for the work: waited for on the compute stream, nothing more is
 needed; waited for on the communication stream (an optimizer-offloaded chunk's device→host gradient
-copy), :meth:`Pending.free_after` that stream first. A
-recording stand-in for the layer (``tests/torch/stream_recorder.py``, installed with :func:`set_stream_layer`) runs this same code on CPU and
-checks that order per buffer.
+copy), :meth:`Pending.free_after` that stream first. A recording stand-in for the layer
+(``tests/torch/stream_recorder.py``, installed with :func:`set_stream_layer`) runs this same code on
+CPU and checks that order per buffer.
 
 The collectives that use it are in :mod:`torch_backend.zero.collectives`.
 """

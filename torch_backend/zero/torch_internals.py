@@ -1,7 +1,8 @@
 """Every question the engine asks torch that torch's public API does not answer, in one place:
 whether a call runs under ``torch.compile``, a compiled module's original, the autograd node being
 run, the torch-function mode stack, the autograd engine's entry, a storage's identity, a
-data-less tensor subclass and a process group's collective timeout. A torch upgrade that moves one of these breaks here alone."""
+data-less tensor subclass and a process group's collective timeout. A torch upgrade that moves one of
+these breaks here alone."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ENGINE_RUN_BACKWARD", "compile_frame_callback", "compiled_original", "current_autograd_node",
-           "pop_torch_function_mode", "process_group_timeout", "push_torch_function_mode", "storage_key", "tree_flatten",
-           "wrapper_tensor"]
+__all__ = [
+    "ENGINE_RUN_BACKWARD",
+    "compile_frame_callback",
+    "compiled_original",
+    "current_autograd_node",
+    "pop_torch_function_mode",
+    "process_group_timeout",
+    "push_torch_function_mode",
+    "storage_key",
+    "tree_flatten",
+    "wrapper_tensor",
+]
 
 
 def _no_frame_callback():
