@@ -129,7 +129,7 @@ class PinnedArena:
         for slab in self._slabs:
             if slab.own != own or (own and slab.request != need):  # own slabs are reused at their size only
                 continue
-            for i, (offset, n, _) in enumerate(slab.free):
+            for i, (_offset, n, _) in enumerate(slab.free):
                 if n >= need:
                     return slab, self._take(slab, i, need)
         return None, 0
@@ -226,7 +226,7 @@ def _unregister(cudart, ptr: int) -> None:
     try:
         streams.host_wait()  # no copy may still read the slab
         cudart.cudaHostUnregister(ptr)
-    except Exception:  # interpreter shutdown: the driver reclaims it with the process
+    except Exception:  # noqa: BLE001 - interpreter shutdown: the driver reclaims it with the process
         pass
 
 

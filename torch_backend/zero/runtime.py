@@ -360,7 +360,7 @@ class ChunkRuntime:
             c.release()
 
     # ------------------------------------------------------------------ submodule calls outside forward
-    def _submodule_pre_hook(self, module, args):
+    def _submodule_pre_hook(self, module, args):  # noqa: ARG002 - torch's forward pre-hook signature
         prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
         try:
             if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
@@ -391,7 +391,7 @@ class ChunkRuntime:
         finally:
             self.in_engine = prev
 
-    def _submodule_post_hook(self, module, args, output):
+    def _submodule_post_hook(self, module, args, output):  # noqa: ARG002 - torch's forward hook signature
         prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
         try:
             if self._suspended and self._suspended[-1][0] is module:

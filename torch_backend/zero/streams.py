@@ -83,7 +83,7 @@ class CudaStreams:
         """The host waits for every stream of ``device`` (of every device: ``None``)."""
         torch.cuda.synchronize(device)
 
-    def wait_work(self, work, issued_on) -> None:
+    def wait_work(self, work, issued_on) -> None:  # noqa: ARG002 - the stream layer's interface (stand-ins use it)
         """The current stream waits for an issued collective (NCCL's ``work.wait()`` does exactly that;
         ``issued_on``, the stream it was issued from, is for stand-ins that have no NCCL stream)."""
         work.wait()
