@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import CheckpointMeta, latest_step, read_meta
+from .checkpoint import CheckpointMeta, latest_step, list_steps, read_meta
 from .errors import ChunkZeroError, ConfigError
 from .train_config import TrainConfig
 
@@ -62,6 +62,7 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ConfigError(f"--out {out} cannot be created: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out} cannot be written: no write permission on {existing}")
+    check_out_apart_from_model(out, cfg.model)
     if cfg.resume:
         if latest_step(out / CHECKPOINT_DIR) is None:
             raise ConfigError(f"--resume: --out {out} holds no checkpoint ({CHECKPOINT_DIR}/<step>); "
@@ -72,6 +73,23 @@ def check_out_dir(cfg: TrainConfig) -> None:
         if held:
             raise ConfigError(f"--out {out} holds another run ({held[0]}); choose another --out, pass --resume "
                               "to continue it, or --overwrite to replace it")
+
+
+def check_out_apart_from_model(out: Path, model: str | None) -> None:
+    """``--out`` must not be a ``--model`` directory, nor inside one, nor hold one: a run writes its
+    ``config.json`` and checkpoints there, and ``--overwrite`` removes :data:`RUN_OUTPUTS`, which would
+    replace or delete the model's own files.
+
+    Raises:
+        ConfigError: naming both paths.
+    """
+    if not model or not Path(model).is_dir():
+        return
+    o, m = out.resolve(), Path(model).resolve()
+    where = ("is" if o == m else "is inside" if m in o.parents else "contains" if o in m.parents else None)
+    if where is not None:
+        raise ConfigError(f"--out {out} {where} the --model directory {model}: the run would write its config.json "
+                          "and outputs among the model's files; choose an --out apart from the model")
 
 
 def prepare_out_dir(cfg: TrainConfig) -> Path:
@@ -88,24 +106,14 @@ def prepare_out_dir(cfg: TrainConfig) -> Path:
     return out
 
 
-def write_run_config(cfg: TrainConfig, corpus, world_size: int) -> dict | None:
+def write_run_config(cfg: TrainConfig, corpus, world_size: int) -> None:
     """Prepare ``--out`` (:func:`prepare_out_dir`) and write ``--out/config.json``: ``cfg`` with
-    ``world_size`` and ``data_summary`` (``corpus.summary()``). Rank / process 0 of either backend runs it.
-
-    Returns:
-        With ``--resume``, the ``config.json`` it replaced (the checkpointed run's settings), or ``None``
-        when that is missing or not JSON; ``None`` without ``--resume``.
-    """
+    ``world_size`` and ``data_summary`` (``corpus.summary()``). Rank / process 0 of either backend runs it,
+    the first write of a run into ``--out``: only once every check passed on every rank, the checkpoint
+    of a ``--resume`` included (loaded and agreed), so a refused run leaves ``--out`` as it was."""
     out = prepare_out_dir(cfg)
-    previous_config = None
-    if cfg.resume:
-        try:
-            previous_config = json.loads((out / "config.json").read_text())
-        except (OSError, ValueError):
-            previous_config = None
     (out / "config.json").write_text(json.dumps(
         {**cfg.to_dict(), "world_size": world_size, "data_summary": corpus.summary()}, indent=2) + "\n")
-    return previous_config
 
 
 def check_resume(cfg: TrainConfig) -> CheckpointMeta:
@@ -121,8 +129,11 @@ def check_resume(cfg: TrainConfig) -> CheckpointMeta:
             cannot be read (the message names the checkpoint).
     """
     root = Path(cfg.out) / CHECKPOINT_DIR
+    if cfg.resume_step is not None and cfg.resume_step not in list_steps(root):
+        raise ConfigError(f"--resume-step {cfg.resume_step}: {root} holds no checkpoint of that step (steps present: "
+                          f"{', '.join(map(str, list_steps(root)))})")
     try:
-        meta = read_meta(root)
+        meta = read_meta(root, cfg.resume_step)
     except ChunkZeroError as e:
         raise ConfigError(f"--resume: cannot read the checkpoint in {root}: {e}") from None
     if meta.step >= cfg.steps:
@@ -133,13 +144,19 @@ def check_resume(cfg: TrainConfig) -> CheckpointMeta:
 
 def previous_settings(cfg: TrainConfig, meta: CheckpointMeta) -> tuple[dict | None, str]:
     """The checkpointed run's settings and where they were read: the checkpoint's ``extra`` when it records
-    the schedule, else ``--out/config.json`` (older checkpoints); ``(None, ...)`` when neither has them."""
+    the schedule (over ``--out/config.json``'s, for what older checkpoints' ``extra`` lacks), else
+    ``--out/config.json``; with the precision and world size of the checkpoint's metadata. ``(None, ...)``
+    when neither has them."""
     extra = dict(meta.extra or {})
-    if "steps" in extra:
-        return extra, f"checkpoint {meta.step}"
     source = Path(cfg.out) / "config.json"
     try:
         doc = json.loads(source.read_text())
     except (OSError, ValueError):
+        doc = None
+    doc = doc if isinstance(doc, dict) else {}
+    if "steps" not in extra and not doc:
         return None, str(source)
-    return (doc if isinstance(doc, dict) else None), str(source)
+    facts = {"mixed_precision": meta.mixed_precision, "world_size": meta.world_size * meta.replicas}
+    if "steps" in extra:
+        return {**doc, **facts, **extra}, f"checkpoint {meta.step}"
+    return {**doc, **facts}, str(source)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError, ConfigError
 from chunkzero.train_config import TrainConfig, with_device_defaults
-from chunkzero.workers import COORDINATOR_ENV, WorkerFailure, launch_processes
+from chunkzero.workers import COORDINATOR_ENV, WorkerFailure, available_cpu_cores, check_cpu_workers, launch_processes
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 PROG = "chunkzero train"
@@ -51,17 +51,19 @@ def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | N
     nproc = num_processes if num_processes is not None else (cfg.nproc or 2)
     cfg.nproc = nproc
     cfg.world_size = nproc * cfg.devices_per_process
+    check_cpu_workers(cfg.world_size, f"--nproc {nproc}" + (f" × --devices-per-process {cfg.devices_per_process} "
+                      f"({cfg.world_size} devices)" if cfg.devices_per_process > 1 else ""), cores=available_cpu_cores())
     cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
     if cfg.model_kind == "hf":
         check_hf_model(cfg)
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
+    corpus = load_run_corpus(cfg)
     if check_out:
-        meta = check_run_out(cfg)
+        meta = check_run_out(cfg, corpus.summary())
         if meta is not None and meta.mixed_precision == "fp16":
             raise ConfigError(f"--resume: the checkpoint in {cfg.out} was trained in fp16, which --backend jax "
                               "does not run")
-    corpus = load_run_corpus(cfg)
     cfg.validated = True
     return cfg, corpus
 
