@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -92,10 +93,35 @@ def check_out_apart_from_model(out: Path, model: str | None) -> None:
                           "and outputs among the model's files; choose an --out apart from the model")
 
 
+def set_aside_later_steps(root: Path, step: int) -> Path | None:
+    """Move the checkpoint steps after ``step`` under ``root`` into ``root/after-<step>/`` (``-2``, ``-3`` …
+    appended while that exists), where no reader looks for a step: ``--resume-step`` continues the run from
+    ``step``, so the later steps belong to the run it abandons; a later ``--resume`` must not take them for
+    the latest, and this run's saves must not collide with them. Kept, not deleted. Returns the folder, or
+    ``None`` when there was no later step."""
+    later = [s for s in list_steps(root) if s > step]
+    if not later:
+        return None
+    aside, n = root / f"after-{step}", 2
+    while aside.exists():
+        aside, n = root / f"after-{step}-{n}", n + 1
+    aside.mkdir()
+    for s in later:
+        os.replace(root / str(s), aside / str(s))
+    return aside
+
+
 def prepare_out_dir(cfg: TrainConfig) -> Path:
-    """Create ``--out``; with ``--overwrite`` remove the earlier run's outputs (only :data:`RUN_OUTPUTS`)."""
+    """Create ``--out``; with ``--overwrite`` remove the earlier run's outputs (only :data:`RUN_OUTPUTS`);
+    with ``--resume-step`` set the later checkpoint steps aside (:func:`set_aside_later_steps`)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.resume and cfg.resume_step is not None:
+        aside = set_aside_later_steps(out / CHECKPOINT_DIR, cfg.resume_step)
+        if aside is not None:
+            logging.getLogger("chunkzero.train").info(
+                "--resume-step %d: the later checkpoint steps (%s) are kept in %s, where --resume does not look",
+                cfg.resume_step, ", ".join(sorted((p.name for p in aside.iterdir()), key=int)), aside)
     if cfg.overwrite:
         for name in RUN_OUTPUTS:
             p = out / name

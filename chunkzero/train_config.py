@@ -220,7 +220,7 @@ class TrainConfig:
                 "new --steps (the LR jumps up at the resumed step)", "checkpoints", choices=SCHEDULES)
     resume_step: int | None = option(
         None, "with --resume: resume from this checkpoint step instead of the latest (an older one; the later steps "
-              "are replaced as this run saves)", "checkpoints", metavar="N", minimum=1, default_help="the latest")
+              "are moved to checkpoints/after-N/, kept)", "checkpoints", metavar="N", minimum=1, default_help="the latest")
     allow_change: bool = option(
         False, "with --resume: accept settings that change the run's data stream or numbers (--data, --batch-size, "
                "--seq-len, --grad-accum, --mixed-precision, --seed, --val-fraction, or tokens per step through the "

@@ -232,6 +232,18 @@ def test_older_steps_hint_lists_the_steps_present(tmp_path):
                                          "(steps present: 5, 10, 15)")
 
 
+def test_later_steps_are_set_aside_not_deleted(tmp_path):
+    from chunkzero.checkpoint import list_steps
+    from chunkzero.run_dir import set_aside_later_steps
+
+    root = _steps(tmp_path / "checkpoints", 2, 4, 6)
+    assert set_aside_later_steps(root, 6) is None
+    assert set_aside_later_steps(root, 2) == root / "after-2"
+    assert list_steps(root) == [2] and list_steps(root / "after-2") == [4, 6]
+    _steps(root, 4)  # the resumed run saved its own step 4; resumed from 2 again:
+    assert set_aside_later_steps(root, 2) == root / "after-2-2" and list_steps(root / "after-2-2") == [4]
+
+
 # ================================================================================ CPU workers per core
 
 def test_more_cpu_workers_than_cores_warn_and_beyond_the_limit_are_refused(caplog):
