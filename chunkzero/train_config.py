@@ -201,7 +201,8 @@ class TrainConfig:
                                     "checkpoints)", "reporting")
     eval_interval: int = option(100, "validation loss every K steps, and at step 0 and the last step",
                                 "reporting", metavar="K", minimum=1)
-    eval_batches: int = option(8, "fixed validation micro-batches per worker", "reporting", metavar="N", minimum=1)
+    eval_batches: int = option(8, "the fixed validation set: N × --batch-size sequences in all, whatever the world "
+                                  "size, split across the workers", "reporting", metavar="N", minimum=1)
     prompt: str = option("def ", "prompt of the text sample at the end", "reporting", metavar="TEXT")
     sample_tokens: int = option(200, "tokens to sample at the end; 0 skips the sample", "reporting", metavar="N",
                                 minimum=0)

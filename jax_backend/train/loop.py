@@ -79,8 +79,8 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
     val_rows = {r: data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
                                         world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
                 for r, _ in engine.local_ranks}
-    val = [engine.global_batch({r: tuple(t.numpy() for t in val_rows[r][k]) for r in val_rows})
-           for k in range(cfg.eval_batches)]
+    n_val = len(next(iter(val_rows.values())))  # the same on every rank
+    val = [engine.global_batch({r: rows[k] for r, rows in val_rows.items()}) for k in range(n_val)]
     device = SimpleNamespace(type="cpu")
     backend = f"jax, {jax.process_count()} process(es) × {cfg.devices_per_process} device(s)"
     report = Report(cfg, rank=place.process_id, world_size=world, device=device, backend=backend, start=start,

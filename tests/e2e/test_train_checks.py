@@ -255,3 +255,21 @@ def test_jax_warns_of_oversubscribed_cores_and_refuses_beyond_the_limit(corpus, 
         "warning: --nproc 3 × --devices-per-process 2 (6 devices) on 2 CPU core(s): the workers run oversubscribed "
         "and share the cores (slower per step, same results)"]
     assert not (tmp_path / "run").exists()
+
+
+# ============================================================== the validation set, whatever the world size
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_validation_loss_is_the_same_at_another_world_size(backend, corpus, checkpointed, tmp_path):
+    """The validation set grew with the world size (a fixed number of micro-batches per worker): the
+    step-0 loss of the same initial weights differed between 1 and 3 workers. Now it is one set of
+    ``--eval-batches`` × ``--batch-size`` sequences split across the workers: the same loss."""
+    out = tmp_path / "run"
+    # 3 workers: the 8 sequences of SMALL's set split 3 + 3 + 2, and one padding row
+    workers = ["--nproc", "3"] if backend == "torch" else ["--nproc", "1", "--devices-per-process", "3"]
+    proc = run_train("--data", str(corpus), *SMALL, "--steps", "1", "--eval-interval", "1", "--sample-tokens", "0",
+                     *workers, "--backend", backend, "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    single = read_metrics(checkpointed)[1][0]
+    assert single["step"] == 0 and read_metrics(out)[1][0]["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.errors import ChunkZeroError
@@ -38,7 +39,7 @@ from chunkzero.train_config import TrainConfig, lr_at
 from . import data as data_mod
 from ..zero.collectives import all_gather_json, all_mean, world_group
 from .adapter import Engine
-from .models import build_module, lm_loss
+from .models import build_module, lm_loss, logits_of
 from .report import Report, peak_memory_mib, sample_text
 
 log = logging.getLogger("chunkzero.train")
@@ -62,11 +63,19 @@ StepHook = Callable[[StepEnd], None]
 
 @torch.no_grad()
 def evaluate(engine: Engine, batches, device: torch.device, group) -> float:
-    """Mean validation loss over this rank's fixed batches, averaged over all ranks."""
+    """Validation loss of the run's fixed validation set (this rank's share: ``(x, y, w)`` micro-batches of
+    :func:`data_mod.val_batches`): the mean over its sequences of each one's mean token loss, all ranks
+    together, padding rows (``w`` 0) left out, so the same at any world size."""
     engine.model.eval()
-    total = sum(lm_loss(engine.model(x.to(device)), y.to(device)).item() for x, y in batches)
+    total, count = 0.0, 0.0
+    for x, y, w in batches:
+        logits = logits_of(engine.model(torch.from_numpy(x).to(device))).float()
+        tokens = F.cross_entropy(logits.reshape(-1, logits.size(-1)), torch.from_numpy(y).to(device).reshape(-1),
+                                 reduction="none")
+        total += float(tokens.view(len(x), -1).mean(1).cpu().double() @ torch.from_numpy(w).double())
+        count += float(w.sum())
     engine.model.train()
-    return all_mean(total / len(batches), group)
+    return all_mean(total, group) / all_mean(count, group)
 
 
 def evaluate_ema(engine: Engine, batches, device: torch.device, group) -> float | None:
