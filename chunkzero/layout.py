@@ -23,6 +23,11 @@ from typing import Any
 from .dtypes import canonical_dtype, itemsize_bytes
 from .errors import ConfigError, LayoutError, LayoutFormatError, LayoutVersionError
 
+SHARD_AXIS, REPLICA_AXIS = "shard", "replica"
+"""The mesh axis names every chunk array is laid out on, in both backends: a chunk's shards along
+``"shard"`` (the ranks of a shard group: the whole world when sharding is flat), replicas of a hybrid
+shard group along ``"replica"``."""
+
 LAYOUT_FORMAT = "chunkzero.ChunkLayout"
 LAYOUT_VERSION = 1
 

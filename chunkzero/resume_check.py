@@ -5,7 +5,7 @@ A checkpoint records the settings that shape the run's data stream and numbers (
 in its ``extra``); a resume with other values (:func:`resume_changes`) is refused in one line naming each
 setting and both values, unless ``--allow-change``, which accepts them and names them
 (:func:`check_resume_changes`). World size and ``--batch-size`` count together: micro-batch *i* is the
-same global batch whenever world size × ``--batch-size`` is (``torch_backend.train.data.BatchSampler``),
+same global batch whenever world size × ``--batch-size`` is (``chunkzero.job.data.BatchSampler``),
 so a resume on other workers that keeps that product changes nothing; otherwise each changed factor is
 named, with the tokens per step before and after.
 

@@ -1,7 +1,7 @@
 """A run's output directory (``chunkzero train --out``): what it holds, when it may be used, how
 ``--overwrite`` clears it.
 
-Rank 0 writes every output here (``torch_backend.train.report`` lists them); checkpoints go to
+Rank 0 writes every output here (``chunkzero.job.report`` lists them); checkpoints go to
 ``<out>/checkpoints/<step>``. A directory that holds another run (any of :data:`RUN_MARKERS`) is
 refused unless ``--overwrite``, which removes exactly :data:`RUN_OUTPUTS` and nothing else; ``--resume``
 instead requires a committed checkpoint there, at a step below ``--steps`` (:func:`check_resume`). An

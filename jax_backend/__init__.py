@@ -3,8 +3,8 @@ Orbax on any device count, a Flax NNX GPT identical to the torch one, and the Ze
 
 ```python
 from jax_backend import make_mesh, restore_chunks, unflatten
-mesh = make_mesh(4)                                    # 1-D mesh, axis "dp", AxisType.Auto
-chunks, layout = restore_chunks("runs/ckpt/100", mesh) # 1-D chunk arrays, NamedSharding P('dp')
+mesh = make_mesh(4)                                    # 1-D mesh, axis "shard", AxisType.Auto
+chunks, layout = restore_chunks("runs/ckpt/100", mesh) # 1-D chunk arrays, NamedSharding P('shard')
 params = unflatten(chunks, layout)                     # nested dict of full-shaped arrays
 ```
 

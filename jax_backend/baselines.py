@@ -5,7 +5,7 @@ comparison with :class:`jax_backend.zero.ZeroTrainer` differs only in what is ga
 
 - **FSDP, per parameter** (MaxText style, Xu et al. 2021 GSPMD / PyTorch FSDP2 without grouping):
   every parameter is sharded on *one* axis that the world size ``W`` divides — dim 0 if it does (as
-  FSDP2), else the first other dim that does — and stored ``P(..., 'dp', ...)``. Before its first
+  FSDP2), else the first other dim that does — and stored ``P(..., 'shard', ...)``. Before its first
   use in a pass it is all-gathered along that axis (``all_gather(axis=d, tiled=True)``); its
   gradient is reduce-scattered back (``psum_scatter(scatter_dimension=d, tiled=True)``). A parameter
   no dim of which ``W`` divides is **replicated** (no padding; its gradient is all-reduced) —

@@ -83,6 +83,8 @@ class Program:
         init: ``init(seed) -> {torch_name: f32 array}`` full-shaped initial parameters.
         vocab_size, max_seq_len: what a batch may hold.
         config: the model configuration (:class:`GPTConfig` or :class:`chunkzero.configs.ModelConfig`).
+        head_logits: ``head_logits(tensors, h) -> logits [B, T, vocab]``: the last stage's output layer
+            before its loss (``None`` where the program has none), for :meth:`logits`.
     """
 
     name: str
@@ -92,6 +94,20 @@ class Program:
     vocab_size: int = 0
     max_seq_len: int = 0
     config: Any = None
+    head_logits: Callable[[Mapping[str, jax.Array], jax.Array], jax.Array] | None = field(default=None, compare=False)
+
+    def logits(self, params: Mapping[str, jax.Array], idx: jax.Array) -> jax.Array:
+        """Logits ``f32[B, T, vocab]`` of tokens ``idx`` (``int[B, T]``) with full-shaped ``params``.
+
+        Raises:
+            ConfigError: the program has no :attr:`head_logits`.
+        """
+        if self.head_logits is None:
+            raise ConfigError(f"program {self.name} computes no logits")
+        h, batch = None, {"idx": idx}
+        for s in self.stages[:-1]:
+            h = s.fn({n: params[n] for n in s.tensors}, h, batch)
+        return self.head_logits({n: params[n] for n in self.stages[-1].tensors}, h)
 
     def loss_sum(self, params: Mapping[str, jax.Array], batch: Batch) -> jax.Array:
         """Sum of token cross-entropies of ``batch`` with full-shaped ``params`` (all stages composed); with
@@ -187,11 +203,12 @@ def gpt_program(config: Any, name: str | None = None, *, hf_conv1d: bool = False
     def block(t, h, batch):  # the tensors of block i, named transformer.h.{i}.*: strip 3 path parts
         return module(block_gd, block_abs, t, 3)(h)
 
-    def head(t, h, batch):
+    def head_logits(t, h):
         ln = module(ln_gd, ln_abs, {k: v for k, v in t.items() if k.startswith("transformer.ln_f.")}, 2)
-        x = ln(h)
-        logits = jnp.dot(x, t["transformer.wte.weight"].T)  # nnx.Embed.attend: tied output head
-        return _cross_entropy_sum(logits, batch["targets"], batch.get("weights"))
+        return jnp.dot(ln(h), t["transformer.wte.weight"].T)  # nnx.Embed.attend: tied output head
+
+    def head(t, h, batch):
+        return _cross_entropy_sum(head_logits(t, h), batch["targets"], batch.get("weights"))
 
     names = [s.name for s in specs]
     stages = [Stage("embed", ("transformer.wte.weight", "transformer.wpe.weight"), embed)]
@@ -204,7 +221,7 @@ def gpt_program(config: Any, name: str | None = None, *, hf_conv1d: bool = False
         params = flax_to_torch(init_gpt(cfg, seed))
         return {n: v if n in transposed or not rules[n].transpose else v.T for n, v in params.items()}
 
-    return Program(name or "gpt", specs, tuple(stages), init, cfg.vocab_size, cfg.block_size, cfg)
+    return Program(name or "gpt", specs, tuple(stages), init, cfg.vocab_size, cfg.block_size, cfg, head_logits)
 
 
 def gpt_reference_loss(config: Any) -> Callable[[Mapping[str, jax.Array], Batch], jax.Array]:

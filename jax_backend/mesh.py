@@ -19,10 +19,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from chunkzero.errors import ConfigError
-from chunkzero.layout import ChunkInfo
+from chunkzero.layout import REPLICA_AXIS, SHARD_AXIS, ChunkInfo
 
-DEFAULT_AXIS = "dp"
-"""Name of the data-parallel mesh axis unless told otherwise."""
+DEFAULT_AXIS = SHARD_AXIS
+"""Name of the data-parallel mesh axis unless told otherwise: ``"shard"`` (:data:`chunkzero.layout.SHARD_AXIS`),
+the axis a chunk's shards lie along, the same name in the hybrid mesh and the torch checkpoint writer."""
 
 
 def make_mesh(n_devices: int | None = None, *, axis: str = DEFAULT_AXIS, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -31,7 +32,7 @@ def make_mesh(n_devices: int | None = None, *, axis: str = DEFAULT_AXIS, devices
     Args:
         n_devices: devices along the axis; ``None`` means all of ``devices`` (default ``jax.devices()``).
             With simulated CPU devices any count up to ``--xla_force_host_platform_device_count`` works.
-        axis: the axis name (``"dp"``).
+        axis: the axis name (``"shard"``).
         devices: devices to take the first ``n_devices`` from (default ``jax.devices()``).
 
     Raises:
@@ -49,8 +50,6 @@ def make_mesh(n_devices: int | None = None, *, axis: str = DEFAULT_AXIS, devices
     return jax.make_mesh((n,), (axis,), axis_types=(AxisType.Auto,), devices=pool[:n])
 
 
-REPLICA_AXIS, SHARD_AXIS = "replica", "shard"
-"""Axis names of the 2-D hybrid mesh (:func:`make_hybrid_mesh`)."""
 
 
 def make_hybrid_mesh(replicas: int, shard_group_size: int, *, axes: tuple[str, str] = (REPLICA_AXIS, SHARD_AXIS),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from chunkzero.errors import ConfigError
 from chunkzero.workers import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
@@ -82,6 +83,39 @@ def join_processes(devices_per_process: int, timeout_s: float, place: ProcessPla
         raise ConfigError(f"JAX has {jax.local_device_count()} local devices, --devices-per-process asks for "
                           f"{devices_per_process} (was JAX used, or XLA_FLAGS set, before the run joined?)")
     return place
+
+
+COMPILATION_CACHE_ENV = "CHUNKZERO_JAX_CACHE"
+"""The JAX compilation cache's directory (``off``: none); default ``$XDG_CACHE_HOME/chunkzero/jax``
+(``~/.cache/chunkzero/jax``)."""
+
+
+def compilation_cache_dir(env: dict | None = None) -> Path | None:
+    """Where :func:`use_compilation_cache` keeps compiled programs: ``$CHUNKZERO_JAX_CACHE`` (``off`` or empty:
+    ``None``), else ``$XDG_CACHE_HOME/chunkzero/jax``, else ``~/.cache/chunkzero/jax``."""
+    env = os.environ if env is None else env
+    if COMPILATION_CACHE_ENV in env:
+        value = env[COMPILATION_CACHE_ENV]
+        return None if value.strip().lower() in ("", "off", "0", "none") else Path(value)
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chunkzero" / "jax"
+
+
+def use_compilation_cache(directory: Path | None) -> bool:
+    """Turn on JAX's persistent compilation cache in ``directory`` (created), every compiled program kept
+    whatever its compile time, so a restarted run's step loads its executable instead of compiling it again.
+    Returns whether it is on: a directory that cannot be created leaves it off (the run compiles, slower)."""
+    import jax
+
+    if directory is None:
+        return False
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return True
 
 
 def process_mesh(axis: str | None = None):

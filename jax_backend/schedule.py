@@ -27,7 +27,7 @@ head) stays gathered in between, and its gradients stay allocated between its tw
 :func:`reference_train` is the unsharded reference the trainers are tested against.
 
 Shapes: batches are ``{"idx": int32[B, T], "targets": int32[B, T]}`` with ``B`` divisible by ``W``
-(sharded ``P('dp')`` on ``B``); the step returns the new state and ``f32[W]`` whose sum is the mean
+(sharded ``P('shard')`` on ``B``); the step returns the new state and ``f32[W]`` whose sum is the mean
 token cross-entropy of the global batch.
 """
 
@@ -241,6 +241,9 @@ class ShardedTrainer:
             ``ZeroOptimizer.last_grad_norm``) from :attr:`step_fn`, as its third output (one scalar
             all-reduce, shared with clipping's). Default ``False``: ``step_fn`` returns two outputs.
         donate: donate the state to the step (its buffers are reused for the new state).
+        skip_nonfinite: skip the update of a step whose global gradient norm is not finite (inf/nan): the
+            state stays as it was (optimizer step count included), as :class:`torch_backend.ZeroOptimizer`
+            skips it. Default ``False``: the update is applied whatever the gradients.
         replica_axis: a second mesh axis the state is replicated over (hybrid sharding,
             :class:`jax_backend.hybrid.HybridZeroTrainer`): the batch is split over
             ``(replica_axis, axis)``, replica-major, and the units' ``reduce`` must also reduce across
@@ -255,7 +258,8 @@ class ShardedTrainer:
 
     def __init__(self, program: Program, units: Sequence[GatherUnit], mesh: Mesh, tx: optax.GradientTransformation,
                  *, mixed_precision: str = "fp32", max_norm: float | None = None, axis: str = DEFAULT_AXIS,
-                 donate: bool = True, replica_axis: str | None = None, grad_norm: bool = False):
+                 donate: bool = True, replica_axis: str | None = None, grad_norm: bool = False,
+                 skip_nonfinite: bool = False):
         if mixed_precision not in COMPUTE_DTYPES:
             raise ConfigError(f"mixed_precision must be one of {sorted(COMPUTE_DTYPES)}, got {mixed_precision!r}")
         if max_norm is not None and not max_norm > 0:
@@ -270,6 +274,7 @@ class ShardedTrainer:
         self.compute_dtype = COMPUTE_DTYPES[mixed_precision]
         self.max_norm = max_norm
         self.grad_norm = bool(grad_norm)
+        self.skip_nonfinite = bool(skip_nonfinite)
         self.units: dict[str, GatherUnit] = {u.key: u for u in units}
         self.unit_of: dict[str, str] = {n: u.key for u in units for n in u.tensors}
         _check_names(program, self.unit_of, f"{self.name} units")
@@ -402,7 +407,7 @@ class ShardedTrainer:
 
     def _build(self) -> Callable:
         program, units, unit_of, axis, batch_axis = self.program, self.units, self.unit_of, self.axis, self.batch_axis
-        world, tx, max_norm, with_norm = self.world_size, self.tx, self.max_norm, self.grad_norm
+        world, tx, max_norm, with_norm, skip = self.world_size, self.tx, self.max_norm, self.grad_norm, self.skip_nonfinite
         low, dtype, trainable = self.low_precision, self.compute_dtype, self.trainable
 
         def local_step(state: TrainState, batch):
@@ -412,7 +417,7 @@ class ShardedTrainer:
                                            jnp.asarray(1.0 / n_tokens, jnp.float32), axis)
             grads = {k: jax.tree.map(lambda g: g.astype(jnp.float32), grads[k]) for k in trainable}
             norm = None
-            if max_norm is not None or with_norm:
+            if max_norm is not None or with_norm or skip:
                 sq_sharded = sum((jnp.sum(jnp.square(x)) for k in trainable if units[k].sharded
                                   for x in jax.tree.leaves(grads[k])), jnp.zeros((), jnp.float32))
                 sq_whole = sum((jnp.sum(jnp.square(x)) for k in trainable if not units[k].sharded
@@ -425,8 +430,12 @@ class ShardedTrainer:
             updates, opt_state = tx.update(grads, state.opt_state, master_tr)
             master = {**state.master, **optax.apply_updates(master_tr, updates)}
             params = jax.tree.map(lambda m: m.astype(dtype), master) if low else None
+            new = TrainState(master, params, opt_state)
+            if skip:  # the norm is the same on every device (all-reduced), so all skip alike
+                finite = jnp.isfinite(norm)
+                new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
             loss = (loss_sum / n_tokens).reshape(1)
-            return (TrainState(master, params, opt_state), loss) + ((norm,) if with_norm else ())
+            return (new, loss) + ((norm,) if with_norm else ())
 
         specs = self.state_specs()
         batch_specs = {"idx": P(batch_axis), "targets": P(batch_axis)}

@@ -3,7 +3,7 @@
 The method is ZeRO stage 3 (Rajbhandari et al. 2020) with chunk-based storage (ColossalAI Gemini /
 PatrickStar, Fang et al. 2021), the design of :class:`torch_backend.ZeroDDP`: each device holds its
 shard ``[r·size/W, (r+1)·size/W)`` of every chunk of a :class:`chunkzero.ChunkLayout` (keep-gathered
-chunks whole), as the 1-D arrays of :mod:`jax_backend.layout` sharded ``P('dp')``.
+chunks whole), as the 1-D arrays of :mod:`jax_backend.layout` sharded ``P('shard')``.
 
 :class:`ZeroTrainer` is the schedule of :mod:`jax_backend.schedule` with one :class:`ChunkUnit` per
 chunk: a chunk is gathered with ``all_gather(tiled=True)`` before the first stage that reads one of
@@ -108,7 +108,7 @@ class ZeroTrainer(ShardedTrainer):
     trainer = ZeroTrainer(program, layout, make_mesh(4), optax.adamw(3e-4))
     state = trainer.init(program.init(0))                    # or trainer.from_chunks(...)
     state, loss = trainer.step(state, batch)                 # batch: {"idx", "targets"} int32[B, T]
-    chunks = trainer.chunks(state)                           # {chunk_key: f32[size]} P('dp')
+    chunks = trainer.chunks(state)                           # {chunk_key: f32[size]} P('shard')
     ```
 
     A checkpoint in, a checkpoint out, with the whole training state (torch resumes from it)::

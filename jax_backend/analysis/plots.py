@@ -18,7 +18,8 @@ import numpy as np
 
 from chunkzero.layout import ChunkLayout
 
-from .compare import MIB, LayoutComparison
+MIB = 2**20
+"""Bytes per MiB (:mod:`.compare`'s tables use the same)."""
 
 
 def _tensor_group(name: str) -> str:
@@ -149,8 +150,9 @@ GROUPED_MAP_ABOVE_CHUNKS = 24
 """:func:`plot_comparison` draws layouts with more chunks than this by block (:func:`plot_chunk_groups`)."""
 
 
-def plot_memory_bars(cmp: LayoutComparison, ax=None):
-    """Per-device memory per strategy: predicted (parameters, gradients, master, optimizer states,
+def plot_memory_bars(cmp: Any, ax=None):
+    """Per-device memory per strategy of ``cmp`` (a :class:`jax_backend.analysis.compare.LayoutComparison`; not
+    imported here, as :mod:`.compare` imports this module to plot): predicted (parameters, gradients, master, optimizer states,
     peak gathered) next to measured (arguments, temp) when measured. MiB. Returns the axes."""
     import matplotlib.pyplot as plt
 
@@ -213,8 +215,9 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], ax=None, *, title: str = ""):
     return ax
 
 
-def plot_comparison(cmp: LayoutComparison, path: str | None = None):
-    """One figure: the chunk map (top) and the memory bars (bottom); written to ``path`` when given.
+def plot_comparison(cmp: Any, path: str | None = None):
+    """One figure of ``cmp`` (a ``LayoutComparison``): the chunk map (top) and the memory bars (bottom); written to
+    ``path`` when given.
     Returns the figure."""
     import matplotlib
 

@@ -1,8 +1,8 @@
 """:class:`JaxEngine`: :class:`jax_backend.ZeroTrainer` set up as ``chunkzero train`` sets up the torch
-engine, behind the interface the loop and :class:`torch_backend.train.report.Report` read.
+engine, behind the interface the loop and :class:`chunkzero.job.report.Report` read.
 
-The same run as torch's: the model initialised by ``torch.manual_seed(seed)`` (the torch module is built
-once and its weights packed, so both engines start from the same bytes) — a byte-level GPT, or a Hugging
+The same run as torch's: the model initialised from the same bytes (:func:`initial_params`: the core's
+numpy initialization, or a directory's safetensors read with numpy; no torch) — a byte-level GPT, or a Hugging
 Face GPT-2 directory under HF's own tensor names and ``Conv1D`` ``(in, out)`` shapes
 (:func:`jax_backend.blocks.gpt_program` with ``hf_conv1d``), so its checkpoints are the torch run's — the chunk layout of
 :class:`torch_backend.ZeroDDP` (the core search over the same tensor specs, in the compute dtype),
@@ -12,7 +12,7 @@ clipping at ``--max-norm`` and the LR schedule of :func:`chunkzero.train_config.
 count. ``--resume`` restores the latest checkpoint, torch's or JAX's, at any world size.
 
 A step's micro-batches: device ``r`` of the mesh (rank ``r``) trains micro-batches ``i·A … i·A + A − 1``
-of :class:`torch_backend.train.data.BatchSampler` at rank ``r`` (``A`` = ``--grad-accum``), stacked into
+of :class:`chunkzero.job.data.BatchSampler` at rank ``r`` (``A`` = ``--grad-accum``), stacked into
 one batch of ``A·B`` sequences: the mean loss over them has the gradient torch accumulates
 (``loss / A`` per micro-batch). Each process builds only its own devices' rows.
 """
@@ -32,6 +32,10 @@ from jax.sharding import PartitionSpec as P
 
 from chunkzero.checkpoint import chunk_key
 from chunkzero.configs import GPT_CONFIGS
+from chunkzero.errors import ConfigError
+from chunkzero.job.guards import NonFiniteStop
+from chunkzero.job.init import gpt_initial_params
+from chunkzero.job.models import hf_config
 from chunkzero.layout import ChunkLayout
 from chunkzero.search import search_chunk_size
 from chunkzero.train_config import TrainConfig
@@ -70,21 +74,15 @@ def run_program(cfg: TrainConfig) -> Program:
         ConfigError: a Hugging Face config this GPT does not compute (:func:`jax_backend.convert.hf_gpt2_config`).
     """
     if cfg.model_kind == "hf":
-        from torch_backend.train.models import hf_config
-
         return gpt_program(hf_gpt2_config(hf_config(cfg.model)), "hf-gpt2", hf_conv1d=True)
     return gpt_program(GPT_CONFIGS[cfg.model])
 
 
 def run_model_config(cfg: TrainConfig) -> dict:
     """The ``model_config`` a checkpoint of this run records, as the torch engine records it (the HF config's
-    ``to_dict()`` for a Hugging Face directory, the byte-level GPT's config otherwise)."""
+    ``config.json`` for a Hugging Face directory, the byte-level GPT's config otherwise)."""
     if cfg.model_kind == "hf":
-        import json
-
-        from torch_backend.train.models import hf_config
-
-        return json.loads(json.dumps(hf_config(cfg.model).to_dict()))
+        return hf_config(cfg.model)
     return GPT_CONFIGS[cfg.model].to_dict()
 
 
@@ -107,11 +105,34 @@ def param_groups(layout: ChunkLayout, cfg: TrainConfig) -> list[dict]:
             {**hp, "weight_decay": 0.0, "params": [n for n in names if dims[n] < 2]}]
 
 
-def initial_params(cfg: TrainConfig) -> dict[str, np.ndarray]:
-    """The torch job's initial weights (``torch.manual_seed(seed)``), by tensor name, as numpy."""
-    from torch_backend.train.models import build_module
+def initial_params(cfg: TrainConfig, specs) -> dict[str, np.ndarray]:
+    """The run's initial weights by tensor name, numpy fp32: a byte-level GPT's numpy initialization of
+    ``cfg.seed`` (:func:`chunkzero.job.init.gpt_initial_params`, the torch engine's too), or a Hugging Face
+    directory's safetensors weights, read with numpy (HF's names, with or without the ``transformer.`` prefix).
 
-    return {k: v.detach().numpy() for k, v in build_module(cfg).state_dict().items()}
+    Raises:
+        ConfigError: a Hugging Face directory without safetensors weights, or missing one of ``specs``.
+    """
+    if cfg.model_kind != "hf":
+        return gpt_initial_params(GPT_CONFIGS[cfg.model], cfg.seed)
+    from safetensors.numpy import load_file
+
+    files = sorted(Path(cfg.model).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"--model {cfg.model}: no *.safetensors weights (the JAX engine reads only safetensors)")
+    stored = {}
+    for f in files:
+        stored.update(load_file(f))
+    out = {}
+    for spec in specs:
+        for name in (spec.name, *spec.aliases):
+            value = stored.get(name, stored.get(name.removeprefix("transformer.")))
+            if value is not None:
+                out[spec.name] = np.asarray(value, np.float32)
+                break
+        else:
+            raise ConfigError(f"--model {cfg.model}: its safetensors weights have no tensor {spec.name}")
+    return out
 
 
 class JaxEngine:
@@ -123,12 +144,13 @@ class JaxEngine:
 
     kind = "zero"
     loss_scale = 1.0
-    skipped_steps = 0
     last_grad_norm: float | None = None
     """The global gradient L2 norm before clipping of the last step (``None`` before the first)."""
 
     def __init__(self, cfg: TrainConfig, mesh, *, resume_from: Path | None = None):
         self.cfg, self.mesh = cfg, mesh
+        self.guard = NonFiniteStop(cfg.max_skipped_steps)
+        """Steps skipped for non-finite gradients: the run stops at ``--max-skipped-steps`` in a row."""
         self.world = int(mesh.devices.size)
         self.program = run_program(cfg)
         self.meta = None
@@ -143,14 +165,15 @@ class JaxEngine:
             adamw_meta(learning_rate=cfg.lr, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=cfg.weight_decay,
                        max_norm=cfg.max_norm or None), param_groups=groups)
         self.trainer = ZeroTrainer(self.program, layout, mesh, tx, optimizer_meta=optim_meta,
-                                   mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None, grad_norm=True)
+                                   mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None, grad_norm=True,
+                                   skip_nonfinite=True)
         if resume_from is not None:
             self.trainer.source = restored.meta
             state = self.trainer.from_chunks(restored.chunks, restored.opt_state_chunks, restored.meta.optimizer.step)
             # one buffer per leaf: the step donates its state, and the restored Adam and schedule counts share one
             self.state = jax.tree.map(jnp.copy, state)
         else:
-            self.state = self.trainer.init(initial_params(cfg))
+            self.state = self.trainer.init(initial_params(cfg, self.program.specs))
         self.layout = layout
         self._batch_sharding = NamedSharding(mesh, P(self.trainer.axis))
         self._replicated = NamedSharding(mesh, P())
@@ -172,12 +195,24 @@ class JaxEngine:
         return out
 
     # ------------------------------------------------------------------ step, evaluation
-    def step(self, batch: dict[str, jax.Array]) -> float:
-        """One optimizer step on a global batch; the mean token loss before the update. Sets
-        :attr:`last_grad_norm` (the global gradient L2 norm before clipping, as torch's engine reports it)."""
+    def step(self, step: int, batch: dict[str, jax.Array]) -> tuple[float, bool]:
+        """Optimizer step ``step`` on a global batch: ``(mean token loss before the update, applied)``. A step
+        whose gradient norm is not finite is skipped (the state is kept) and counted by :attr:`guard`. Sets
+        :attr:`last_grad_norm` (the global gradient L2 norm before clipping, as torch's engine reports it).
+
+        Raises:
+            LossScaleError: the ``--max-skipped-steps``-th skip in a row.
+        """
         self.state, losses, norm = self.trainer.step_fn(self.state, batch)
         self.last_grad_norm = float(np.asarray(norm.addressable_data(0)))
-        return float(np.asarray(self._sum(losses).addressable_data(0)))
+        applied = math.isfinite(self.last_grad_norm)
+        self.guard.record(step, applied)
+        return float(np.asarray(self._sum(losses).addressable_data(0))), applied
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients in this session."""
+        return self.guard.skipped_steps
 
     def _eval_loss(self, chunks, batch):
         tensors = {t.name: chunks[chunk_key(t.chunk)][t.offset:t.end].reshape(t.shape) for t in self.layout.tensors}

@@ -4,11 +4,11 @@ with :class:`jax_backend.train.engine.JaxEngine`:
     build (or resume) → evaluate at the start → for each step: this process's devices' micro-batches,
     one ZeRO-3 step, log, [save a checkpoint], [evaluate] → sample text → summary and outputs (process 0)
 
-The report is the torch job's :class:`torch_backend.train.report.Report` (``metrics.jsonl``, progress bar,
+The report is the job core's :class:`chunkzero.job.report.Report` (``metrics.jsonl``, progress bar,
 ``loss.png``, ``summary.json``/``.txt``, ``sample.txt``), with process 0 as rank 0. The sample is drawn
-by the torch job's sampler from the trained weights (gathered once at the end), so both engines sample
-alike. Checkpoints are the one chunkzero format (:meth:`jax_backend.ZeroTrainer.save_checkpoint`): torch
-resumes them at any world size, and this loop resumes torch's. What does not carry between engines:
+in JAX from the trained weights, gathered once at the end (:mod:`jax_backend.train.sampling`).
+Checkpoints are the one chunkzero format (:meth:`jax_backend.ZeroTrainer.save_checkpoint`): torch resumes
+them at any world size, and this loop resumes torch's. What does not carry between engines:
 the JAX step draws no random numbers (no dropout), so no RNG state is saved, and a torch checkpoint's
 RNG states are ignored here; the loss scaler is saved as a passthrough (bf16 and fp32 run at scale 1).
 """
@@ -19,11 +19,11 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
-from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.errors import ChunkZeroError
+from chunkzero.job.guards import warn_dropped_ema
 from chunkzero.resume_check import run_settings, sampler_position
+from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.train_config import TrainConfig, lr_at
 
 log = logging.getLogger("chunkzero.train")
@@ -36,8 +36,8 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
     (``jax_backend.train.worker.open_out``)."""
     import jax
 
-    from torch_backend.train import data as data_mod
-    from torch_backend.train.report import Report, peak_memory_mib
+    from chunkzero.job import data as data_mod
+    from chunkzero.job.report import Report, peak_memory_mib
 
     from ..processes import all_gather_json, process_mesh
     from .engine import JaxEngine
@@ -74,6 +74,7 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
         if rank0:
             log.info("resumed from step %d (%s/%d), saved at world size %d", meta.step, ckpt_root, meta.step,
                      meta.world_size)
+            warn_dropped_ema(meta, ckpt_root / str(meta.step), "--backend jax")
         start = meta.step + 1
         counters = extra.get("counters") if isinstance(extra.get("counters"), dict) else None
     val_rows = {r: data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
@@ -81,9 +82,8 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
                 for r, _ in engine.local_ranks}
     n_val = len(next(iter(val_rows.values())))  # the same on every rank
     val = [engine.global_batch({r: rows[k] for r, rows in val_rows.items()}) for k in range(n_val)]
-    device = SimpleNamespace(type="cpu")
     backend = f"jax, {jax.process_count()} process(es) × {cfg.devices_per_process} device(s)"
-    report = Report(cfg, rank=place.process_id, world_size=world, device=device, backend=backend, start=start,
+    report = Report(cfg, rank=place.process_id, world_size=world, device_type="cpu", backend=backend, start=start,
                     tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
     report.begin(params, corpus, engine)
     settings = run_settings(cfg, world, corpus.summary())
@@ -103,8 +103,8 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
                 xs, ys = zip(*(s.arrays_at(s.offsets(s.index + m)) for m in range(cfg.grad_accum)))
                 s.index += cfg.grad_accum
                 rows[r] = (_cat(xs), _cat(ys))
-            loss = engine.step(engine.global_batch(rows))
-            report.train_step(step, loss, lr, engine, True, time.perf_counter() - t0)
+            loss, applied = engine.step(step, engine.global_batch(rows))  # a LossScaleError on every process alike
+            report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
                 sampler = next(iter(samplers.values()))
                 engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=CHECKPOINTS_KEPT,
@@ -116,7 +116,7 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
         report.close_progress()
 
     prompt, sample = _sample(engine, corpus, cfg) if cfg.sample_tokens else (None, None)
-    memory, chunks = zip(*all_gather_json([peak_memory_mib(device), engine.chunk_report(place.process_id)]))
+    memory, chunks = zip(*all_gather_json([peak_memory_mib(), engine.chunk_report(place.process_id)]))
     summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=list(memory),
                              chunks=list(chunks), prompt=prompt, sample=sample,
                              wall_time_s=time.perf_counter() - t_start)
@@ -131,12 +131,7 @@ def _cat(parts):
 
 
 def _sample(engine, corpus, cfg: TrainConfig) -> tuple[str, str]:
-    """The torch job's sample, from the trained weights (gathered on every process; all sample alike)."""
-    import torch
+    """The run's sample, drawn in JAX from the trained weights (gathered on every process; all sample alike)."""
+    from .sampling import sample_text
 
-    from torch_backend.train.models import build_module
-    from torch_backend.train.report import sample_text
-
-    module = build_module(cfg)
-    module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in engine.full_params().items()})
-    return sample_text(SimpleNamespace(model=module), corpus, cfg, torch.device("cpu"))
+    return sample_text(engine.program, engine.full_params(), corpus, cfg)

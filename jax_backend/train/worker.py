@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from chunkzero.errors import ChunkZeroError
+from chunkzero.errors import ChunkZeroError, LossScaleError
+from chunkzero.job.guards import stop_message
 from chunkzero.process_exit import exit_without_finalization
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
@@ -44,10 +45,10 @@ def _check_together(cfg: TrainConfig, place):
     """Each process checks its inputs (a launched run's were checked by the launcher: only the corpus is
     loaded); process 0 alone checks ``--out`` and the checkpoint, and its ``out`` and ``schedule_steps`` are
     every process's. Returns ``(error or None, config, corpus)``."""
+    from chunkzero.job.models import load_run_corpus
     from jax_backend.processes import all_gather_json
-    from torch_backend.train.models import load_run_corpus
 
-    from .run import validate
+    from .checks import validate
 
     error, corpus = None, None
     try:
@@ -73,8 +74,8 @@ def open_out(cfg: TrainConfig, corpus, process_id: int, error: str | None) -> No
     Raises:
         ChunkZeroError: the first process's error, on every process.
     """
+    from chunkzero.job.report import setup_logging
     from jax_backend.processes import all_gather_json
-    from torch_backend.train.report import setup_logging
 
     errors = [e for e in all_gather_json(error) if e is not None]
     if errors:
@@ -90,16 +91,18 @@ def open_out(cfg: TrainConfig, corpus, process_id: int, error: str | None) -> No
 
 
 def worker_main(cfg: TrainConfig) -> dict:
-    """What one process runs. Returns ``{"status": "ok", "summary": ...}`` or ``{"status": "error",
-    "message": ...}`` (bad input: the CLI prints it once and exits 2); exits with
+    """What one process runs. Returns ``{"status": "ok", "summary": ...}``, ``{"status": "error",
+    "message": ...}`` (bad input: the CLI prints it once and exits 2) or ``{"status": "failed", "message": ...}``
+    (the run cannot make progress, :class:`chunkzero.job.guards.NonFiniteStop`: exit 1); exits with
     :data:`~chunkzero.workers.EXIT_PEER_LOST` when another process vanished mid-run."""
-    from jax_backend.processes import join_processes, process_place
-    from torch_backend.train.report import setup_logging
+    from chunkzero.job.report import setup_logging
+    from jax_backend.processes import compilation_cache_dir, join_processes, process_place, use_compilation_cache
 
     place = process_place()
     setup_logging(place.process_id, None)
     try:
         join_processes(cfg.devices_per_process, cfg.timeout_s, place)
+        use_compilation_cache(compilation_cache_dir())  # a restarted run loads its step instead of compiling it
         error, cfg, corpus = _check_together(cfg, place)
         if error is not None:
             return {"status": "error", "message": error}
@@ -107,6 +110,8 @@ def worker_main(cfg: TrainConfig) -> dict:
 
         summary = train(cfg, corpus, place, open_out=lambda error: open_out(cfg, corpus, place.process_id, error))
         return {"status": "ok", "summary": summary}
+    except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
+        return {"status": "failed", "message": stop_message(e, cfg)}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:

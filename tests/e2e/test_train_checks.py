@@ -233,9 +233,10 @@ def test_a_corrupted_checkpoint_found_by_a_worker_leaves_out_unchanged(backend, 
 
 def test_jax_warns_of_oversubscribed_cores_and_refuses_beyond_the_limit(corpus, tmp_path, monkeypatch, capsys,
                                                                         caplog):
+    import jax_backend.train.checks as checks
     import jax_backend.train.run as run
 
-    monkeypatch.setattr(run, "available_cpu_cores", lambda: 2)
+    monkeypatch.setattr(checks, "available_cpu_cores", lambda: 2)
     args = ["--data", str(corpus), *SMALL, "--steps", "2", "--out", str(tmp_path / "run")]
     line = _refused([*args, "--nproc", "9", "--devices-per-process", "4"], "jax", monkeypatch, capsys)
     assert line == ("chunkzero train: error: --nproc 9 × --devices-per-process 4 (36 devices) is more than this "

@@ -47,7 +47,7 @@ def test_loss_plot_draws_the_ema_validation_curve(tmp_path, monkeypatch):
     """plot_loss labels the live and the EMA validation curves when the metrics hold EMA losses."""
     import matplotlib.axes
 
-    from torch_backend.train.report import Metrics, plot_loss
+    from chunkzero.job.report import Metrics, plot_loss
 
     labels = []
     original = matplotlib.axes.Axes.plot

@@ -45,7 +45,7 @@ def _chunk(s, r, intra=3 * 2**20, inter=2**20):
 
 
 def test_summary_names_s_and_r_only_when_hybrid():
-    from torch_backend.train.report import chunk_rows
+    from chunkzero.job.report import chunk_rows
 
     flat = dict(chunk_rows({"chunks": [_chunk(3, 1, inter=0)] * 3, "world_size": 3, "mixed_precision": "fp32"}))
     assert "2 sharded over 3 rank(s)" in flat["chunks"], flat
@@ -66,10 +66,10 @@ def test_summary_names_s_and_r_only_when_hybrid():
 
 def _report(tmp_path, history, **cfg_kwargs):
     """A rank-1 Report (it writes nothing) whose metrics hold ``history``, and a summary call."""
-    from torch_backend.train.report import Report
+    from chunkzero.job.report import Report
 
     cfg = TrainConfig(out=str(tmp_path), steps=6, model="gpt-tiny", mixed_precision="fp32", **cfg_kwargs)
-    report = Report(cfg, rank=1, world_size=1, device=torch.device("cpu"), backend="none", start=5,
+    report = Report(cfg, rank=1, world_size=1, device_type="cpu", backend="none", start=5,
                     tokens_per_step=8)
     for r in history:
         report.metrics.write(r)
@@ -81,7 +81,7 @@ def _report(tmp_path, history, **cfg_kwargs):
 
 def test_a_dropped_ema_reports_no_final_ema_loss(tmp_path):
     """An earlier session's EMA loss (step 4) is not the final one of a resume to step 6 that keeps no EMA."""
-    from torch_backend.train.report import summary_table
+    from chunkzero.job.report import summary_table
 
     history = [{"kind": "val", "step": 0, "val_loss": 5.0, "ema_val_loss": 5.0},
                {"kind": "val", "step": 4, "val_loss": 3.0, "ema_val_loss": 3.5},
@@ -110,14 +110,14 @@ def test_sample_tokens_zero_writes_and_logs_no_sample(tmp_path, caplog):
 def test_the_sample_names_the_prompt_it_was_given(tmp_path):
     """With a sample, the summary's prompt is --prompt (decoded from the byte tokens), not ''."""
     from torch_backend.train.adapter import Engine
-    from torch_backend.train.models import build_module, load_run_corpus
-    from torch_backend.train.report import sample_text
+    from chunkzero.job.models import load_run_corpus
+    from torch_backend.train.models import build_module, sample_text
 
     (tmp_path / "a.py").write_text("def f(x):\n    return x\n" * 400)
     cfg = TrainConfig(model="gpt-tiny", mixed_precision="fp32", lr=1e-3, data=[str(tmp_path / "a.py")], seq_len=16,
                       sample_tokens=4, block_size=64)
     engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
-    prompt, text = sample_text(engine, load_run_corpus(cfg), cfg, torch.device("cpu"))
+    prompt, text = sample_text(engine.model, load_run_corpus(cfg), cfg, torch.device("cpu"))
     assert prompt == "def " and text.startswith("def ")
 
 

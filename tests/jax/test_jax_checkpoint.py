@@ -27,7 +27,7 @@ def test_restore_on_any_device_count(torch_run, n):
     for c in layout.chunks:
         a = chunks[chunk_key(c.index)]
         assert a.shape == (c.size,) and a.size % n == 0 and a.dtype == jnp.float32
-        assert a.sharding.spec == P("dp") and len(a.sharding.device_set) == n
+        assert a.sharding.spec == P("shard") and len(a.sharding.device_set) == n
         assert a.addressable_shards[0].data.shape == (c.size // n,)  # each device holds its shard only
     params = jb.unflatten(chunks, layout, nested=False)
     assert sorted(params) == sorted(torch_run.params)
@@ -103,7 +103,7 @@ def test_save_restore_keep_gathered_and_frozen(tmp_path):
         kinds = {c.index: c for c in r.layout.chunks}
         for k, a in r.chunks.items():
             c = kinds[int(k[-4:])]
-            assert a.sharding.spec == (P() if c.keep_gathered else P("dp"))
+            assert a.sharding.spec == (P() if c.keep_gathered else P("shard"))
             assert a.dtype == (jnp.bfloat16 if not c.requires_grad else jnp.float32)
         back = jb.unflatten(r.chunks, r.layout, nested=False)
         for name, x in src.items():
@@ -186,7 +186,7 @@ def test_restore_needs_the_mesh_axis(torch_run):
     from jax.sharding import AxisType
 
     mesh = jax.make_mesh((2,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
-    with pytest.raises(ConfigError, match=r"no axis named 'dp'.*'batch'"):
+    with pytest.raises(ConfigError, match=r"no axis named 'shard'.*'batch'"):
         jb.restore_chunks(torch_run.root, mesh)
     chunks, layout = jb.restore_chunks(torch_run.root, mesh, axis="batch")
     assert chunks["chunk_0000"].sharding.spec == P("batch")

@@ -30,7 +30,7 @@ def test_ema_item_restores_on_any_device_count(ema_run, n):
     assert layout == meta.layout.relayout(n)
     for c in layout.chunks:
         a = chunks[ckpt.chunk_key(c.index)]
-        assert a.shape == (c.size,) and a.sharding.spec == (P() if c.keep_gathered else P("dp"))
+        assert a.shape == (c.size,) and a.sharding.spec == (P() if c.keep_gathered else P("shard"))
     got = jb.unflatten(chunks, layout, nested=False)
     for name in got:
         np.testing.assert_array_equal(np.asarray(got[name]), ema[name], err_msg=name)

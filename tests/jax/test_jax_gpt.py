@@ -151,3 +151,42 @@ def test_restore_gpt_needs_a_config(torch_run, tmp_path):
         jb.restore_gpt(tmp_path, jb.make_mesh(1))
     model, _ = jb.restore_gpt(tmp_path, jb.make_mesh(1), config="gpt-tiny")
     assert model.config == jb.GPT_CONFIGS["gpt-tiny"]
+
+
+def test_both_engines_start_from_the_numpy_initialization():
+    """torch's GPT and the JAX engine load chunkzero.job.init's weights of the run's seed (no torch in JAX's)."""
+    from chunkzero.job.init import gpt_initial_params
+    from chunkzero.train_config import TrainConfig
+    from jax_backend.train.engine import initial_params, run_program
+
+    cfg = TrainConfig(model="gpt-tiny", seed=11)
+    cfg.model_kind = "gpt"
+    want = gpt_initial_params(tgpt.GPT_CONFIGS["gpt-tiny"], 11)
+    torch_sd = tgpt.GPT(tgpt.GPT_CONFIGS["gpt-tiny"], seed=11).state_dict()
+    jax_init = initial_params(cfg, run_program(cfg).specs)
+    for name, value in want.items():
+        np.testing.assert_array_equal(torch_sd[name].numpy(), value)
+        np.testing.assert_array_equal(jax_init[name], value)
+    assert not np.array_equal(gpt_initial_params(tgpt.GPT_CONFIGS["gpt-tiny"], 12)["transformer.wte.weight"],
+                              want["transformer.wte.weight"])
+
+
+def test_jax_sampler_is_the_models_greedy_continuation():
+    """With top-k 1 the JAX sampler's tokens are the argmax of the unpadded forward at each length (the right
+    padding of its fixed window is never read), also once the context slides past the window; seeded alike."""
+    from chunkzero.job.init import gpt_initial_params
+    from jax_backend.blocks import gpt_program
+    from jax_backend.train.sampling import sample_ids
+
+    cfg = tgpt.GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16)
+    program = gpt_program(cfg)
+    params = gpt_initial_params(cfg, 3)
+    prompt, window = [5, 9, 2], 6
+    ids = sample_ids(program, params, prompt, 6, window=window, seed=0, top_k=1)
+    want = list(prompt)
+    for _ in range(6):
+        ctx = np.asarray([want[-window:]], np.int32)
+        want.append(int(np.argmax(np.asarray(program.logits(params, ctx))[0, -1])))
+    assert ids == want
+    a = sample_ids(program, params, prompt, 8, window=window, seed=1)
+    assert a == sample_ids(program, params, prompt, 8, window=window, seed=1) and len(a) == 11

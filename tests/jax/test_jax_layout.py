@@ -40,7 +40,7 @@ def test_flatten_unflatten_roundtrip_on_mesh(world):
     assert sorted(chunks) == [chunk_key(c.index) for c in layout.chunks]
     for c in layout.chunks:
         a = chunks[chunk_key(c.index)]
-        assert a.shape == (c.size,) and a.sharding.spec == P("dp")
+        assert a.shape == (c.size,) and a.sharding.spec == P("shard")
         assert a.dtype == (jnp.float32 if c.requires_grad else jnp.bfloat16)
         assert not np.asarray(a[c.utilized:], np.float32).any(), "padding must be zeros"
     flat = jb.unflatten(chunks, layout, nested=False, include_aliases=True)
@@ -112,7 +112,7 @@ def test_bad_input_names_the_tensor_and_shapes():
 def test_mesh_without_the_axis_says_so():
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
     layout = ChunkLayout.build(SPECS, chunk_size=20, world_size=2)
-    with pytest.raises(ConfigError, match=r"no axis named 'dp'.*\('data',\)"):
+    with pytest.raises(ConfigError, match=r"no axis named 'shard'.*\('data',\)"):
         jb.flatten(tensors(), layout, mesh=mesh)
     # the same layout works when told the axis name
     chunks = jb.flatten(tensors(), layout, mesh=mesh, axis="data")
@@ -121,7 +121,7 @@ def test_mesh_without_the_axis_says_so():
 
 def test_make_mesh_is_auto_and_checks_count():
     mesh = jb.make_mesh(3)
-    assert mesh.axis_names == ("dp",) and mesh.shape["dp"] == 3
+    assert mesh.axis_names == ("shard",) and mesh.shape["shard"] == 3
     assert mesh.axis_types == (AxisType.Auto,)
     with pytest.raises(ConfigError, match="only 8 devices"):
         jb.make_mesh(9)

@@ -94,8 +94,8 @@ def runs(tmp_path_factory):
     for s in range(SAVED_AT + 1, STEPS + 1):
         x, y = _batch(s)
         half = BATCH // WORLD
-        jax_engine.step(jax_engine.global_batch({r: (x[r * half:(r + 1) * half].numpy(), y[r * half:(r + 1) * half].numpy())
-                                                 for r in range(WORLD)}))
+        jax_engine.step(s, jax_engine.global_batch({r: (x[r * half:(r + 1) * half].numpy(),
+                                                    y[r * half:(r + 1) * half].numpy()) for r in range(WORLD)}))
     full = jax_engine.full_params()
     jax_bf16 = {k: full[k] for k in torch_bf16}
     jax_engine.save(ckpt, STEPS, data_position={}, extra={}, keep=3)

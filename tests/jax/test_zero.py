@@ -100,7 +100,7 @@ def test_zero_bf16_compute(program):
 def test_zero_rejects_bad_input(program):
     layout = ChunkLayout.build(program.specs, CHUNK_SIZE, WORLD)
     tx = optax.sgd(0.1)
-    with pytest.raises(ConfigError, match="world size 4 but mesh axis 'dp' has 2"):
+    with pytest.raises(ConfigError, match="world size 4 but mesh axis 'shard' has 2"):
         ZeroTrainer(program, layout, make_mesh(2), tx)
     with pytest.raises(ConfigError, match="mixed_precision"):
         ZeroTrainer(program, layout, make_mesh(WORLD), tx, mixed_precision="fp8")

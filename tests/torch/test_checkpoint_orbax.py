@@ -1,5 +1,6 @@
-"""A plain ``orbax.checkpoint`` user restores a chunkzero checkpoint without chunkzero: the README's
-snippet, run verbatim in a fresh interpreter (8 simulated devices) that never imports chunkzero."""
+"""A plain ``orbax.checkpoint`` user restores a chunkzero checkpoint without chunkzero:
+``examples/read_with_orbax.py``, run unchanged in a fresh interpreter (8 simulated devices) that never
+imports chunkzero."""
 
 from __future__ import annotations
 
@@ -15,14 +16,12 @@ from chunkzero.checkpoint import CheckpointMeta, OptimizerMeta
 from chunkzero.layout import ChunkLayout, TensorSpec
 from torch_backend.checkpoint.sharded import write_shards
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "read_with_orbax.py"
 
 
-def readme_snippet() -> str:
-    """The README's plain-Orbax snippet: the first python block after the sentence that introduces it."""
-    text = README.read_text()
-    after = text[text.index("A plain Orbax user reads a chunkzero checkpoint"):]
-    return after.split("```python\n", 1)[1].split("```", 1)[0]
+def orbax_example() -> str:
+    """The text of ``examples/read_with_orbax.py`` (it reads ``runs/ckpt`` under the working directory)."""
+    return EXAMPLE.read_text()
 
 
 CHECKS = """
@@ -65,6 +64,6 @@ def test_plain_orbax_restores_without_chunkzero(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    code = readme_snippet() + textwrap.dedent(CHECKS)
+    code = orbax_example() + textwrap.dedent(CHECKS)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "SNIPPET OK" in r.stdout, r.stdout + r.stderr

@@ -76,13 +76,13 @@ def test_hybrid_checkpoint_resumes_flat_and_reads_with_plain_orbax_and_restore_c
     assert all(s["params"].keys() == saved[0]["params"].keys() for s in saved)
     run_distributed(hybrid_cases.worker_resume, 3, str(root), saved[0], timeout=900)
 
-    # plain Orbax (the README's snippet, in a fresh interpreter): each tensor at its layout offset
-    from test_checkpoint_orbax import readme_snippet
+    # plain Orbax (examples/read_with_orbax.py, in a fresh interpreter): each tensor at its layout offset
+    from test_checkpoint_orbax import orbax_example
 
     np.savez(tmp_path / "expected.npz", **{k: v.numpy() for k, v in saved[0]["params"].items()})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    code = readme_snippet() + textwrap.dedent(CHECKS)
+    code = orbax_example() + textwrap.dedent(CHECKS)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "PLAIN ORBAX OK" in r.stdout, r.stdout + r.stderr
 
@@ -92,7 +92,7 @@ def test_hybrid_checkpoint_resumes_flat_and_reads_with_plain_orbax_and_restore_c
 
     from jax_backend.checkpoint import restore_chunks
 
-    chunks, layout = restore_chunks(root, Mesh(np.array(jax.devices()), ("dp",)))
+    chunks, layout = restore_chunks(root, Mesh(np.array(jax.devices()), ("shard",)))
     assert layout.world_size == 8
     for t in layout.tensors:
         got = np.asarray(chunks[f"chunk_{t.chunk:04d}"])[t.offset : t.end].astype(np.float32)
@@ -126,7 +126,7 @@ def test_train_refuses_a_shard_group_size_not_dividing_the_workers(monkeypatch):
 
 
 def test_run_summary_names_s_r_and_the_bytes_per_rank():
-    from torch_backend.train.report import chunk_rows
+    from chunkzero.job.report import chunk_rows
 
     chunk = {"chunks": 2, "chunk_size": 100, "sharded_chunks": 2, "shard_bytes": 2**20, "param_bytes": 2**22,
              "model_state_bytes": 2**21, "peak_gathered_chunks": 1, "shard_group_size": 2, "replicas": 2,

@@ -3,10 +3,10 @@
 The first save starts ``jax.distributed`` on CPU (coordinator on ``MASTER_ADDR`` at a free port chosen
 by rank 0 and broadcast over the model's process group; ``num_processes`` = world size, ``process_id`` =
 rank). A sharded chunk becomes ``jax.make_array_from_single_device_arrays((size,), NamedSharding(mesh,
-P('dp')), [shard])`` over a mesh of one CPU device per process, so each rank hands Orbax only its own
+P('shard')), [shard])`` over a mesh of one CPU device per process, so each rank hands Orbax only its own
 shard and Orbax writes each shard from the process that holds it. A keep-gathered chunk is replicated
 (``P()``) and written once. Under hybrid sharding (``meta.replicas = R > 1``) the mesh is 2-D,
-``('replica', 'dp')`` of shape ``(R, S)`` (rank ``g·S + q`` at ``[g, q]``), and a shard is replicated
+``('replica', 'shard')`` of shape ``(R, S)`` (rank ``g·S + q`` at ``[g, q]``), and a shard is replicated
 over ``'replica'``: Orbax writes each shard once, from its replica-0 copy (ranks ``0 … S-1``). The write itself — checks, commit, keep-last-N — is
 :func:`chunkzero.checkpoint.orbax_store.save_step`.
 
@@ -33,12 +33,13 @@ import numpy as np
 
 from chunkzero.checkpoint import CheckpointMeta, chunk_index, orbax_store, shard_arrays, state_tree
 from chunkzero.errors import CheckpointError
+from chunkzero.layout import REPLICA_AXIS, SHARD_AXIS
 
 __all__ = ["ProcessMesh", "process_mesh", "write_shards"]
 
 
 class ProcessMesh:
-    """One CPU device per process on a 1-D mesh ``('dp',)``; device ``r`` belongs to rank ``r``."""
+    """One CPU device per process on a 1-D mesh ``('shard',)``; device ``r`` belongs to rank ``r``."""
 
     def __init__(self, rank: int, world_size: int):
         import jax
@@ -57,7 +58,7 @@ class ProcessMesh:
                 )
             devices = [by_process[p] for p in range(world_size)]
         self.device = devices[rank]
-        self.mesh = Mesh(np.array(devices), ("dp",))
+        self.mesh = Mesh(np.array(devices), (SHARD_AXIS,))
 
     def global_array(self, local: np.ndarray, size: int, replicated: bool, replicas: int = 1):
         """The 1-D global array of ``size`` elements whose only local piece is ``local``.
@@ -72,8 +73,8 @@ class ProcessMesh:
 
         mesh = self.mesh
         if replicas > 1:
-            mesh = Mesh(np.array(self.mesh.devices).reshape(replicas, self.world_size // replicas), ("replica", "dp"))
-        sharding = NamedSharding(mesh, P() if replicated else P("dp"))
+            mesh = Mesh(np.array(self.mesh.devices).reshape(replicas, self.world_size // replicas), (REPLICA_AXIS, SHARD_AXIS))
+        sharding = NamedSharding(mesh, P() if replicated else P(SHARD_AXIS))
         # An explicit copy: on CPU, device_put may alias an aligned numpy buffer instead of copying it,
         # and ``local`` is a view of a live shard that training changes while an async save writes.
         piece = jax.device_put(np.array(local, copy=True), self.device)

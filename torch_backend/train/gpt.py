@@ -11,14 +11,13 @@ Shapes: ``idx`` is ``int64[B, T]`` of byte values (``T <= block_size``); logits 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from chunkzero.configs import GPT_CONFIGS, GPTConfig, gpt_config  # noqa: F401 (re-exported)
 from chunkzero.errors import ConfigError
+from chunkzero.job.init import gpt_initial_params
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,9 +85,12 @@ class GPT(nn.Module):
 
     Args:
         config: a :class:`GPTConfig`.
+        seed: the seed of the initial weights (:meth:`init_weights`: the same seed, the same weights on any
+            machine and in the JAX engine); ``None`` draws it from torch's default generator, so
+            ``torch.manual_seed`` decides, as for any torch module.
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, seed: int | None = None):
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(
@@ -103,19 +105,20 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied (GPT-2, Press & Wolf 2017)
         self.register_load_state_dict_pre_hook(_retie_lm_head)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2's scaled init of residual projections
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.init_weights(seed)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Load GPT-2's initialization drawn by :func:`chunkzero.job.init.gpt_initial_params` from ``seed``
+        (numpy: the JAX engine starts from the same bytes; ``None``: a seed drawn from torch's default
+        generator). A build on the meta device is left as it is."""
+        if self.lm_head.weight.is_meta:
+            return
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, ()))
+        values = gpt_initial_params(self.config, seed)
+        for name, p in self.named_parameters():  # the tied head once, as transformer.wte.weight
+            p.copy_(torch.from_numpy(values[name]))
 
     def num_params(self) -> int:
         """Parameters counted once (the tied head is not counted twice)."""

@@ -6,12 +6,12 @@ Run by every worker (rank) of a data-parallel group (:mod:`torch_backend.train.w
     → for each step: LR schedule, grad-accum micro-batches (forward, backward), optimizer step, log,
       [save a checkpoint], [evaluate], hooks → sample text → summary and outputs (rank 0)
 
-What is written, and where, is :mod:`torch_backend.train.report`'s; the model and tokenizer
-:mod:`torch_backend.train.models`'; the batches :mod:`torch_backend.train.data`'s; every collective
-:mod:`torch_backend.zero.collectives`'.
+What is written, and where, is :mod:`chunkzero.job.report`'s; the model :mod:`torch_backend.train.models`';
+the tokenizer and the batches (numpy) :mod:`chunkzero.job`'s; every collective :mod:`torch_backend.zero.collectives`'.
 
-Determinism: the model is initialised from ``torch.manual_seed(seed)`` (the same on every rank), the
-data stream is a pure function of ``(seed, world size, batch size, step)`` (:mod:`torch_backend.train.data`),
+Determinism: the model is initialised from ``seed`` (:mod:`chunkzero.job.init`, the same on every rank and in
+the JAX engine), the data stream is a pure function of ``(seed, world size, batch size, step)``
+(:mod:`chunkzero.job.data`),
 and each rank's torch RNG is re-seeded with ``seed + 1 + rank`` for dropout, so the same seed and world
 size give the same loss sequence on the same kind of machine (another CPU's kernels sum in another order).
 
@@ -31,16 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.errors import ChunkZeroError
+from chunkzero.job import data as data_mod
+from chunkzero.job.report import Report, peak_memory_mib
 from chunkzero.resume_check import run_settings, sampler_position
+from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
 from chunkzero.train_config import TrainConfig, lr_at
 
-from . import data as data_mod
 from ..zero.collectives import all_gather_json, all_mean, world_group
 from .adapter import Engine
-from .models import build_module, lm_loss, logits_of
-from .report import Report, peak_memory_mib, sample_text
+from .models import build_module, lm_loss, logits_of, sample_text
 
 log = logging.getLogger("chunkzero.train")
 
@@ -61,6 +61,19 @@ StepHook = Callable[[StepEnd], None]
 """A callable run after every optimizer step (must be picklable to reach spawned workers)."""
 
 
+def to_device(batch, device: torch.device) -> torch.Tensor:
+    """A numpy micro-batch (:class:`chunkzero.job.data.BatchSampler`) as a tensor on ``device``."""
+    return torch.from_numpy(batch).to(device, non_blocking=True)
+
+
+def device_peak_memory_mib(device: torch.device) -> dict:
+    """This rank's peak memory: the process's peak resident set, and the CUDA allocator's peak on a GPU."""
+    d = peak_memory_mib()
+    if device.type == "cuda":
+        d["peak_cuda_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return d
+
+
 @torch.no_grad()
 def evaluate(engine: Engine, batches, device: torch.device, group) -> float:
     """Validation loss of the run's fixed validation set (this rank's share: ``(x, y, w)`` micro-batches of
@@ -69,8 +82,8 @@ def evaluate(engine: Engine, batches, device: torch.device, group) -> float:
     engine.model.eval()
     total, count = 0.0, 0.0
     for x, y, w in batches:
-        logits = logits_of(engine.model(torch.from_numpy(x).to(device))).float()
-        tokens = F.cross_entropy(logits.reshape(-1, logits.size(-1)), torch.from_numpy(y).to(device).reshape(-1),
+        logits = logits_of(engine.model(to_device(x, device))).float()
+        tokens = F.cross_entropy(logits.reshape(-1, logits.size(-1)), to_device(y, device).reshape(-1),
                                  reduction="none")
         total += float(tokens.view(len(x), -1).mean(1).cpu().double() @ torch.from_numpy(w).double())
         count += float(w.sum())
@@ -172,7 +185,7 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     open_out(error)
     val = data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
                                world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
-    report = Report(cfg, rank=rank, world_size=world, device=device, backend=backend, start=start,
+    report = Report(cfg, rank=rank, world_size=world, device_type=device.type, backend=backend, start=start,
                     tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
     report.begin(params, corpus, engine)
     settings = run_settings(cfg, world, corpus.summary())
@@ -192,8 +205,7 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
             engine.set_lr(lr)
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):  # gradients are reduced at the last micro-batch only
-                x, y = sampler.next()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = (to_device(a, device) for a in sampler.next())
                 loss = lm_loss(engine.model(x), y)
                 engine.backward(loss / cfg.grad_accum, sync=micro == cfg.grad_accum - 1)
                 loss_sum += loss.detach()
@@ -211,8 +223,8 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     finally:
         report.close_progress()
 
-    prompt, sample = sample_text(engine, corpus, cfg, device) if cfg.sample_tokens else (None, None)
-    memory, chunks = zip(*all_gather_json([peak_memory_mib(device), engine.chunk_report(rank)], group))
+    prompt, sample = sample_text(engine.model, corpus, cfg, device) if cfg.sample_tokens else (None, None)
+    memory, chunks = zip(*all_gather_json([device_peak_memory_mib(device), engine.chunk_report(rank)], group))
     summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=list(memory),
                              chunks=list(chunks), prompt=prompt, sample=sample,
                              wall_time_s=time.perf_counter() - t_start)

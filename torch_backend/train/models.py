@@ -1,79 +1,33 @@
-"""The model a run trains (``--model``): a byte-level GPT of :mod:`torch_backend.train.gpt` by name, or a
-local Hugging Face causal-LM directory loaded offline, and the tokenizer that goes with it.
-
-:func:`model_block_size` reads only configs (the launcher's checks); :func:`build_module` builds the
-module on CPU in fp32, the same on every rank (``torch.manual_seed(cfg.seed)``).
+"""The model a run trains on the torch engine: :func:`build_module` builds ``--model`` (a byte-level GPT of
+:mod:`torch_backend.train.gpt` by name, or a local Hugging Face causal-LM directory loaded offline) on CPU in
+fp32, the same on every rank; its loss and its sample. What the job reads of the model without torch (kind,
+block size, tokenizer, corpus) is :mod:`chunkzero.job.models`'.
 """
 
 from __future__ import annotations
-
-import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from chunkzero.errors import ConfigError
+from chunkzero.job import data as data_mod
+from chunkzero.job.report import prompt_ids
 from chunkzero.train_config import TrainConfig
 
-from . import data as data_mod
-from .gpt import GPT, GPT_CONFIGS
-
-
-def is_hf_dir(model: str) -> bool:
-    return Path(model).is_dir()
-
-
-def hf_config(model_dir: str):
-    """The Hugging Face config of a local model directory (offline).
-
-    Raises:
-        ConfigError: no config.json, or transformers cannot read it.
-    """
-    if not (Path(model_dir) / "config.json").is_file():
-        raise ConfigError(f"--model directory {model_dir} has no config.json (not a Hugging Face model directory)")
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except Exception as e:  # transformers raises many kinds
-        raise ConfigError(f"--model {model_dir}: cannot read its config.json: {str(e).splitlines()[0]}") from None
-
-
-def hf_has_tokenizer(model_dir: str) -> bool:
-    return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer.model"))
-
-
-def model_block_size(model: str) -> tuple[str, int, int]:
-    """``(kind, block_size, vocab_size)`` of ``--model``; kind is ``"gpt"`` or ``"hf"``.
-
-    Raises:
-        ConfigError: an unknown name (listing the known ones) or an unreadable directory.
-    """
-    if is_hf_dir(model):
-        c = hf_config(model)
-        block = getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None) or 1 << 30
-        return "hf", int(block), int(c.vocab_size)
-    if model in GPT_CONFIGS:
-        c = GPT_CONFIGS[model]
-        return "gpt", c.block_size, c.vocab_size
-    if os.sep in model or "/" in model or model.startswith("."):
-        raise ConfigError(f"--model directory {model} does not exist")
-    hint = (f" ({model} is a size-only shape of chunkzero layout; train a Hugging Face model from its directory)"
-            if model.startswith("hf-") or model == "llama-1b" else "")
-    raise ConfigError(f"unknown model {model!r}; known: {', '.join(GPT_CONFIGS)}, "
-                      f"or a local Hugging Face model directory (config.json + safetensors){hint}")
+from .gpt import GPT, GPT_CONFIGS, generate
 
 
 def build_module(cfg: TrainConfig) -> nn.Module:
-    """The model to train, on CPU in fp32, initialised from ``torch.manual_seed(cfg.seed)``.
+    """The model to train, on CPU in fp32, the same on every rank: a byte-level GPT with the numpy
+    initialization of ``cfg.seed`` (:func:`chunkzero.job.init.gpt_initial_params`, the JAX engine's too), or a
+    Hugging Face directory's weights (any tensor they lack drawn after ``torch.manual_seed(cfg.seed)``).
 
     Raises:
         ConfigError: a Hugging Face directory whose model cannot be loaded.
     """
-    torch.manual_seed(cfg.seed)
     if cfg.model_kind == "hf":
+        torch.manual_seed(cfg.seed)
         from transformers import AutoModelForCausalLM
 
         try:
@@ -81,7 +35,7 @@ def build_module(cfg: TrainConfig) -> nn.Module:
         except Exception as e:
             raise ConfigError(f"--model {cfg.model}: cannot load the model: {str(e).splitlines()[0]}") from None
         return module.float()  # fp32 master values whatever the stored dtype; ZeroDDP casts for compute
-    return GPT(GPT_CONFIGS[cfg.model])
+    return GPT(GPT_CONFIGS[cfg.model], seed=cfg.seed)
 
 
 def logits_of(output) -> torch.Tensor:
@@ -96,26 +50,16 @@ def lm_loss(output, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def make_tokenizer(cfg: TrainConfig, vocab_size: int):
-    """Bytes for the byte-level GPTs; the model's own tokenizer for a Hugging Face directory that has one.
-
-    Raises:
-        ConfigError: a Hugging Face model without a tokenizer whose vocabulary is smaller than 256.
-    """
-    if cfg.model_kind == "hf" and hf_has_tokenizer(cfg.model):
-        return data_mod.HFTokenizer(cfg.model)
-    if vocab_size < 256:
-        raise ConfigError(f"--model {cfg.model} has no tokenizer and a vocabulary of {vocab_size} < 256, "
-                          "so it cannot read byte tokens; give a tokenizer or a .bin token file")
-    return data_mod.ByteTokenizer()
-
-
-def load_run_corpus(cfg: TrainConfig) -> data_mod.Corpus:
-    """The corpus of ``--data`` tokenized for ``--model`` (:func:`torch_backend.train.data.load_corpus`).
-
-    Raises:
-        ConfigError / DataError: naming the model or the path at fault.
-    """
-    _, _, vocab = model_block_size(cfg.model)
-    return data_mod.load_corpus(cfg.data, seq_len=cfg.seq_len, tokenizer=make_tokenizer(cfg, vocab),
-                                vocab_size=vocab, val_fraction=cfg.val_fraction)
+def sample_text(model: nn.Module, corpus: data_mod.Corpus, cfg: TrainConfig, device: torch.device) -> tuple[str, str]:
+    """``(prompt, text)``: the prompt (:func:`chunkzero.job.report.prompt_ids`) and the prompt followed by
+    ``cfg.sample_tokens`` tokens sampled from ``model``. Every rank must call it (each forward gathers chunks);
+    all ranks sample the same tokens (same seed)."""
+    tok = corpus.tokenizer
+    ids = prompt_ids(corpus, cfg)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    model.eval()
+    out = generate(model, idx, cfg.sample_tokens, block_size=min(cfg.block_size, cfg.seq_len),
+                   temperature=cfg.temperature, top_k=cfg.top_k, generator=gen)
+    model.train()
+    return tok.decode(ids), tok.decode(out[0].tolist())

@@ -7,8 +7,9 @@ the cores the workers run oversubscribed, with a warning: :func:`chunkzero.worke
 (:func:`chunkzero.train_config.with_device_defaults`), a model that
 exists with a block size that holds ``--seq-len``, kernels for ``--mixed-precision``, a usable
 ``--out`` and a corpus of at least one sequence; with ``--resume``, a checkpoint whose step is below
-``--steps`` and whose tensors are the model's, by name and shape (:func:`check_resume_model`, from the
-checkpoint's metadata and a meta-device build of the model: no array is read). It returns the config
+``--steps`` and whose tensors are the model's, by name and shape (:func:`chunkzero.job.checks.check_run_out`,
+from the checkpoint's metadata and a meta-device build of the model, :func:`module_tensor_specs`: no array
+is read). It returns the config
 with its resolved fields (``device``, ``nproc``/``world_size``, ``out``, ``model_kind``, ``block_size``,
 ``schedule_steps``) and the corpus.
 """
@@ -24,17 +25,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from chunkzero.checkpoint import CheckpointMeta
-from chunkzero.checkpoint.plan import check_compatible
-from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
-from chunkzero.layout import ChunkLayout, TensorSpec
-from chunkzero.run_dir import CHECKPOINT_DIR, check_out_dir, check_resume, fresh_run_dir, previous_settings
-from chunkzero.resume_check import check_resume_changes
-from chunkzero.train_config import TrainConfig, resumed_schedule_steps, warn_schedule_change, with_device_defaults
+from chunkzero.errors import ConfigError
+from chunkzero.job import data as data_mod
+from chunkzero.job.checks import check_run_out
+from chunkzero.job.models import load_run_corpus, model_block_size
+from chunkzero.layout import TensorSpec
+from chunkzero.train_config import TrainConfig, with_device_defaults
 from chunkzero.workers import available_cpu_cores, check_cpu_workers
-
-from . import data as data_mod
-from .models import hf_config, load_run_corpus, model_block_size
 
 log = logging.getLogger("chunkzero.train")
 
@@ -119,14 +116,16 @@ def resolve_workers(cfg: TrainConfig) -> int:
     return nproc
 
 
-def model_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
+def module_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
     """The model's parameters as :class:`chunkzero.TensorSpec` (names, tied names as aliases, shapes), from a
-    build on the meta device: no memory, no weights read. ``cfg.model_kind`` must be resolved."""
+    build on the meta device: no memory, no weights read; any Hugging Face causal LM. ``cfg.model_kind``
+    must be resolved. (:func:`chunkzero.job.models.model_tensor_specs` gives them from the config alone for
+    the byte-level GPTs and Hugging Face GPT-2.)"""
     with torch.device("meta"):
         if cfg.model_kind == "hf":
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM
 
-            module = AutoModelForCausalLM.from_config(hf_config(cfg.model))
+            module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model, local_files_only=True))
         else:
             from .gpt import GPT, GPT_CONFIGS
 
@@ -135,55 +134,6 @@ def model_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), (p, []))[1].append(name)
     return [TensorSpec(ns[0], tuple(p.shape), aliases=tuple(ns[1:])) for p, ns in names.values()]
-
-
-def check_resume_model(cfg: TrainConfig, meta: CheckpointMeta) -> None:
-    """Refuse a ``--resume`` whose ``--model`` does not hold exactly the checkpoint's tensors (by name or
-    alias) with the same shapes, before any worker starts.
-
-    Raises:
-        ConfigError: naming the checkpoint, its model (when it recorded one) and the tensor at fault.
-    """
-    specs = model_tensor_specs(cfg)
-    target = ChunkLayout.build(specs, max(s.numel for s in specs), 1)
-    root = Path(cfg.out) / CHECKPOINT_DIR
-    try:
-        check_compatible(meta.layout, target, source=f"checkpoint {meta.step}")
-    except (ShapeMismatchError, CheckpointError) as e:
-        saved = (meta.extra or {}).get("model")
-        trained = f", trained with --model {saved}" if isinstance(saved, str) and saved != cfg.model else ""
-        raise ConfigError(f"--resume: --model {cfg.model} does not fit the checkpoint in {root} (step {meta.step}"
-                          f"{trained}): {e}") from None
-
-
-def check_run_out(cfg: TrainConfig, data_summary: dict | None = None) -> CheckpointMeta | None:
-    """Resolve and check ``--out`` in place, for either backend's launcher: ``runs/<timestamp>`` when
-    unset, usable (:func:`chunkzero.run_dir.check_out_dir`), and ``cfg.schedule_steps`` set to
-    ``--steps`` or, with ``--resume``, to the kept schedule of a checkpoint whose step is below
-    ``--steps`` and whose tensors are the model's (:func:`check_resume_model`), whose data stream this
-    run's settings and corpus (``data_summary``) keep, or ``--allow-change`` (``cfg.resume_changes``:
-    :func:`chunkzero.resume_check.check_resume_changes`); what the resume does to the LR schedule is
-    said here, once (:func:`chunkzero.train_config.warn_schedule_change`).
-
-    Returns:
-        The checkpoint's metadata with ``--resume``, else ``None``.
-
-    Raises:
-        ConfigError: naming ``--out``, the checkpoint or the tensor at fault.
-    """
-    if cfg.out is None:
-        cfg.out = str(fresh_run_dir(Path("runs")))
-    check_out_dir(cfg)
-    cfg.schedule_steps = cfg.steps
-    if not cfg.resume:
-        return None
-    meta = check_resume(cfg)
-    check_resume_model(cfg, meta)
-    previous, source = previous_settings(cfg, meta)
-    cfg.schedule_steps = resumed_schedule_steps(cfg, previous)
-    cfg.resume_changes = check_resume_changes(cfg, previous, source, data_summary) or None
-    warn_schedule_change(previous, source, cfg, meta.step)
-    return meta
 
 
 def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, data_mod.Corpus]:
@@ -213,6 +163,6 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
     check_precision(cfg.mixed_precision, cfg.device)
     corpus = load_run_corpus(cfg)
     if check_out:
-        check_run_out(cfg, corpus.summary())
+        check_run_out(cfg, module_tensor_specs, data_summary=corpus.summary())
     cfg.validated = True
     return cfg, corpus

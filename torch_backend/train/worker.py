@@ -26,14 +26,15 @@ import torch
 import torch.distributed as dist
 
 from chunkzero.errors import ChunkZeroError, LossScaleError
+from chunkzero.job.guards import stop_message
+from chunkzero.job.models import load_run_corpus
+from chunkzero.job.report import setup_logging
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
 
 from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
-from .models import load_run_corpus
 from .process_exit import exit_without_finalization_at_exit
-from .report import setup_logging
 from .resolve import resolve_device, threads_per_worker, validate
 from .loop import StepHook, train
 
@@ -140,8 +141,7 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
                         open_out=lambda error: open_out(cfg, corpus, rank, world, group, error))
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
-        return {"status": "failed",
-                "message": f"{e}; the run stops here (--max-skipped-steps {cfg.max_skipped_steps}; 0 never stops)"}
+        return {"status": "failed", "message": stop_message(e, cfg)}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:

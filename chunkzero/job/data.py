@@ -74,23 +74,38 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer loaded offline from a model directory (text is decoded as UTF-8)."""
+    """A Hugging Face tokenizer loaded offline from a model directory (text is decoded as UTF-8): its
+    ``tokenizer.json`` through the ``tokenizers`` library (no framework import, so both engines read
+    it), else ``transformers.AutoTokenizer`` (a slow tokenizer: ``vocab.json`` or ``tokenizer.model``)."""
 
     name = "huggingface"
 
     def __init__(self, model_dir: str | os.PathLike):
-        from transformers import AutoTokenizer
+        path = Path(model_dir) / "tokenizer.json"
+        if path.is_file():
+            from tokenizers import Tokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        self.vocab_size = len(self.tok)
+            self.fast = Tokenizer.from_file(str(path))
+            self.vocab_size = self.fast.get_vocab_size(with_added_tokens=True)
+        else:
+            from transformers import AutoTokenizer
+
+            self.fast = None
+            self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+            self.vocab_size = len(self.tok)
         self.dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
 
     def encode(self, data: bytes) -> np.ndarray:
-        ids = self.tok(data.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        text = data.decode("utf-8", errors="replace")
+        if self.fast is not None:
+            ids = self.fast.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
         return np.asarray(ids, dtype=self.dtype)
 
     def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        return self.fast.decode(ids) if self.fast is not None else self.tok.decode(ids)
 
 
 class IdTokenizer:
@@ -322,7 +337,8 @@ def load_corpus(paths: list[str | os.PathLike] | None, *, seq_len: int, tokenize
 # ----------------------------------------------------------------------------------------- batches
 
 class BatchSampler:
-    """Random windows ``(x, y)`` of ``int64[batch_size, seq_len]``, ``y`` shifted by one token.
+    """Random windows ``(x, y)``, numpy ``int64[batch_size, seq_len]``, ``y`` shifted by one token (each
+    engine moves them into its framework: ``torch.from_numpy``, ``jax.device_put``).
 
     Stateless apart from ``index`` (micro-batches drawn so far, the same on every rank): micro-batch
     ``i`` is a function of ``(seed, i)`` only — see the module docstring — so a run resumes exactly
@@ -348,19 +364,13 @@ class BatchSampler:
         return starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
 
     def arrays_at(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The windows at ``offsets`` as numpy ``(x, y)``, ``int64[len(offsets), seq_len]`` (the JAX engine's)."""
+        """The windows at ``offsets`` as contiguous numpy ``(x, y)``, ``int64[len(offsets), seq_len]``."""
         rows = np.stack([np.asarray(self.tokens[o:o + self.seq_len + 1], dtype=np.int64) for o in offsets])
-        return rows[:, :-1], rows[:, 1:]
+        return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
 
-    def batch_at(self, offsets: np.ndarray):
-        import torch
-
-        x, y = self.arrays_at(offsets)
-        return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
-
-    def next(self):
-        """The next micro-batch ``(x, y)`` on this rank; advances :attr:`index`."""
-        batch = self.batch_at(self.offsets(self.index))
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next micro-batch ``(x, y)`` on this rank (:meth:`arrays_at`); advances :attr:`index`."""
+        batch = self.arrays_at(self.offsets(self.index))
         self.index += 1
         return batch
 

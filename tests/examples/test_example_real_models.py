@@ -1,12 +1,11 @@
-"""The README's "Real models" example runs as written: the first python block of that section, executed
-verbatim in a fresh interpreter (one process, the tiny GPT-2 it configures), then checked."""
+"""``examples/real_models.py`` runs as it is (one process, the tiny GPT-2 it configures), then is checked."""
 
 from __future__ import annotations
 
 import textwrap
 
-from readme_blocks import python_block_after, run_example
-
+import pytest
+from examples_runner import run_example
 
 CHECKS = """
 import math
@@ -33,5 +32,6 @@ print("EXAMPLE OK")
 """
 
 
-def test_readme_real_models_example_runs(tmp_path):
-    run_example(python_block_after("## Real models") + textwrap.dedent(CHECKS), tmp_path)
+@pytest.mark.slow  # about 47 s on 2 cores
+def test_real_models_example_runs(tmp_path):
+    run_example("real_models.py", tmp_path, checks=textwrap.dedent(CHECKS))

@@ -3,8 +3,10 @@
 
 ``metrics.jsonl`` holds one JSON line per step ``{"kind": "train", "step", "loss", "lr", "loss_scale",
 "grad_norm", "skipped", "tokens", "tokens_per_s", "time_s"}`` and per evaluation ``{"kind": "val",
-"step", "val_loss"}`` (with ``--ema-decay`` also ``"ema_val_loss"``, the EMA weights' validation loss); ``tokens`` and ``time_s`` (training seconds) count the whole run, every session
-at its own world size. A resumed run rewrites it with the earlier session's records up to its
+"step", "val_loss"}`` (with ``--ema-decay`` also ``"ema_val_loss"``, the EMA weights' validation loss);
+``tokens`` and ``time_s`` (training seconds) count the whole run, every session at its own world size. It
+is strict JSON: a non-finite number (a NaN loss) is written ``null``, with ``"non_finite": true`` in its
+record, and ``loss.png`` marks those steps. A resumed run rewrites it with the earlier session's records up to its
 checkpoint first, so it holds the whole run once per step. :class:`Report` is the loop's one handle on
 all of it; ranks other than 0 keep the same counters and write nothing.
 """
@@ -13,21 +15,31 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import sys
 from pathlib import Path
-
-import torch
+from typing import Protocol
 
 from chunkzero.errors import DataError
 from chunkzero.train_config import TrainConfig
 
 from . import data as data_mod
-from .adapter import Engine
-from .gpt import generate
 
 log = logging.getLogger("chunkzero.train")
+
+
+class Engine(Protocol):
+    """What the report reads of an engine (torch's ``Engine``, the JAX engine)."""
+
+    loss_scale: float
+    last_grad_norm: float | None
+    skipped_steps: int
+
+    def describe(self) -> str: ...
+
+    def memory_report(self) -> dict | None: ...
 
 
 class Report:
@@ -37,7 +49,7 @@ class Report:
 
     Args:
         cfg: the resolved config (``out`` set).
-        rank, world_size: this worker and the run's workers; ``device``: this worker's.
+        rank, world_size: this worker and the run's workers; ``device_type``: this worker's (``"cpu"``, ``"cuda"``).
         backend: the process group's backend (``"gloo"``, ``"nccl"``, ``"none"``).
         start: the first step this session trains (1, or the step after a resumed checkpoint).
         tokens_per_step: ``world_size · grad_accum · batch_size · seq_len``.
@@ -46,9 +58,9 @@ class Report:
             the checkpoint gives them on rank 0, else ``(start - 1) · tokens_per_step``.
     """
 
-    def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, device: torch.device, backend: str,
+    def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, device_type: str, backend: str,
                  start: int, tokens_per_step: int, counters: dict | None = None):
-        self.cfg, self.rank, self.world_size, self.device, self.backend = cfg, rank, world_size, device, backend
+        self.cfg, self.rank, self.world_size, self.device_type, self.backend = cfg, rank, world_size, device_type, backend
         self.is_main = rank == 0
         self.start, self.tokens_per_step = start, tokens_per_step
         path = Path(cfg.out) / "metrics.jsonl"
@@ -80,7 +92,7 @@ class Report:
             return
         cfg = self.cfg
         log.info("model %s: %s parameters, %s, engine %s; %d worker(s) on %s (%s); %s tokens per step",
-                 cfg.model, f"{params:,}", cfg.mixed_precision, cfg.engine, self.world_size, self.device.type,
+                 cfg.model, f"{params:,}", cfg.mixed_precision, cfg.engine, self.world_size, self.device_type,
                  self.backend, f"{self.tokens_per_step:,}")
         log.info("data %s: %s train / %s val tokens (%s)", corpus.description, f"{corpus.train.size:,}",
                  f"{corpus.val.size:,}", "; ".join(corpus.notes))
@@ -145,7 +157,7 @@ class Report:
         return {
             "model": cfg.model, "params": params, "mixed_precision": cfg.mixed_precision, "engine": cfg.engine,
             "chunk_size_searched": cfg.chunk_size is None,
-            "world_size": self.world_size, "device": self.device.type, "backend": self.backend,
+            "world_size": self.world_size, "device": self.device_type, "backend": self.backend,
             "data": corpus.summary(), "steps": cfg.steps,
             "skipped_steps": engine.skipped_steps,
             "tokens_per_step": self.tokens_per_step, "tokens": self.tokens,
@@ -175,7 +187,7 @@ class Report:
         sizes = sorted({w for _, w in self.metrics.sessions} | {self.world_size})
         workers = (f"{self.world_size}" if len(sizes) == 1 else "/".join(map(str, sizes)))
         plot_loss(out / "loss.png", self.metrics,
-                  f"{cfg.model} · {workers} × {self.device.type} · {cfg.mixed_precision} · seed {cfg.seed}")
+                  f"{cfg.model} · {workers} × {self.device_type} · {cfg.mixed_precision} · seed {cfg.seed}")
         table = summary_table(summary)
         (out / "summary.txt").write_text(table + "\n", encoding="utf-8")
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
@@ -184,34 +196,22 @@ class Report:
         log.info("%s", table)
 
 
-def sample_text(engine: Engine, corpus: data_mod.Corpus, cfg: TrainConfig, device: torch.device) -> tuple[str, str]:
-    """``(prompt, text)``: the prompt and the prompt followed by ``cfg.sample_tokens`` sampled tokens. Every rank
-    must call it (each forward gathers chunks); all ranks sample the same tokens (same seed)."""
-    tok = corpus.tokenizer
+def prompt_ids(corpus: data_mod.Corpus, cfg: TrainConfig) -> list[int]:
+    """The sample's prompt as token ids: ``--prompt`` encoded (its last ``block_size`` tokens) or, for
+    pre-tokenized data without a tokenizer, the first 16 validation tokens. Each engine samples after it
+    in its own framework, seeded from ``cfg.seed``."""
     try:
-        ids = list(tok.encode(cfg.prompt.encode("utf-8")))
+        ids = list(corpus.tokenizer.encode(cfg.prompt.encode("utf-8")))
     except DataError:
         ids = []
     if not ids:  # pre-tokenized data without a tokenizer: prompt with the first validation tokens
         ids = [int(t) for t in corpus.val[:16]]
-    ids = ids[-cfg.block_size:]
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    engine.model.eval()
-    out = generate(engine.model, idx, cfg.sample_tokens, block_size=min(cfg.block_size, cfg.seq_len),
-                   temperature=cfg.temperature, top_k=cfg.top_k, generator=gen)
-    engine.model.train()
-    return tok.decode(ids), tok.decode(out[0].tolist())
+    return [int(t) for t in ids[-cfg.block_size:]]
 
 
-
-def peak_memory_mib(device: torch.device) -> dict:
-    """This rank's peak memory: CUDA allocator peak on a GPU, else the process's peak resident set."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-    d = {"peak_rss_mib": round(rss, 1)}
-    if device.type == "cuda":
-        d["peak_cuda_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-    return d
+def peak_memory_mib() -> dict:
+    """This process's peak resident set, ``{"peak_rss_mib": float}`` (an engine adds its device's peak)."""
+    return {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}  # KiB on Linux
 
 
 def read_metrics_history(path: Path, upto_step: int) -> list[dict]:
@@ -251,15 +251,16 @@ class Metrics:
             self._record(r)
         if path is not None and history is not None:
             tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in history), encoding="utf-8")
+            tmp.write_text("".join(json.dumps(strict_record(r), allow_nan=False) + "\n" for r in history),
+                           encoding="utf-8")
             os.replace(tmp, path)
         self.f = open(path, "a", buffering=1) if path is not None else None
 
     def _record(self, record: dict) -> None:
         if record.get("kind") == "train" and "loss" in record:
-            self.train.append((record["step"], record["loss"]))
+            self.train.append((record["step"], _number(record["loss"])))
         elif record.get("kind") == "val" and "val_loss" in record:
-            self.val.append((record["step"], record["val_loss"]))
+            self.val.append((record["step"], _number(record["val_loss"])))
             if isinstance(record.get("ema_val_loss"), (int, float)):
                 self.ema_val.append((record["step"], record["ema_val_loss"]))
         elif record.get("kind") == "session" and isinstance(record.get("world_size"), int):
@@ -272,32 +273,61 @@ class Metrics:
         return next((v for s, v in self.val if s == step), None)
 
     def write(self, record: dict) -> None:
+        """Append ``record``; a non-finite number (inf/nan) is written as ``null``, with ``"non_finite": true``
+        (strict JSON: no bare ``NaN``/``Infinity``)."""
         self._record(record)
         if self.f is not None:
-            self.f.write(json.dumps(record) + "\n")
+            self.f.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
 
     def close(self) -> None:
         if self.f is not None:
             self.f.close()
 
 
+def _number(value) -> float:
+    """A logged loss as a float: ``null`` (a non-finite value, :func:`strict_record`) reads as nan."""
+    return float("nan") if value is None else value
+
+
+def strict_record(record: dict) -> dict:
+    """``record`` with each non-finite float replaced by ``None`` and ``"non_finite": True`` added when there was one."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    return {**record, **dict.fromkeys(bad), "non_finite": True} if bad else record
+
+
 def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
-    """The loss curve: training loss per step (and its running mean) and validation loss points (of the
+    """Write :func:`loss_figure` to ``path`` (``loss.png``)."""
+    fig = loss_figure(metrics, title)
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def loss_figure(metrics: Metrics, title: str):
+    """The loss curve (a matplotlib figure, Agg): training loss per step (and its running mean) and validation loss points (of the
     live weights, and of the EMA weights when the run keeps an EMA); a dashed
     line where each resumed session began, labelled with its world size (and the first session's) and the
-    settings ``--allow-change`` changed there."""
+    settings ``--allow-change`` changed there; a red cross at the foot of the plot at each step whose
+    training or validation loss was not finite."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    if metrics.train:
-        steps, losses = zip(*metrics.train)
+    finite = [(s, v) for s, v in metrics.train if math.isfinite(v)]
+    non_finite = sorted({s for s, v in (*metrics.train, *metrics.val) if not math.isfinite(v)})
+    if finite:
+        steps, losses = zip(*finite)
         ax.plot(steps, losses, lw=0.7, alpha=0.45, color="tab:blue", label="train (per step)")
         k = max(1, len(losses) // 50)
         smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
         ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train (mean of {k})")
+    if non_finite:
+        plural = "s" if len(non_finite) != 1 else ""
+        ax.scatter(non_finite, [0.03] * len(non_finite), transform=ax.get_xaxis_transform(), marker="x", s=18,
+                   color="tab:red", zorder=3, label=f"non-finite loss ({len(non_finite)} step{plural})")
     if metrics.val:
         vs, vl = zip(*metrics.val)
         ax.plot(vs, vl, "o-", color="tab:orange", lw=1.4, ms=4, label="validation" if not metrics.ema_val else "validation (live weights)")
@@ -317,8 +347,7 @@ def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower left" if metrics.sessions else "best", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
 def _fmt_time(s: float) -> str:

@@ -1,10 +1,8 @@
-"""The README's load-mode example runs as written: its python block (after "### Load modes"), executed
-verbatim in a fresh interpreter (one process), then checked against the checkpoint it wrote."""
+"""``examples/load_modes.py`` runs as it is (one process), then is checked against the checkpoint it wrote."""
 
 from __future__ import annotations
 
-from readme_blocks import python_block_after, run_example
-
+from examples_runner import run_example
 
 CHECKS = """
 assert missing == ["cls_head.weight", "cls_head.bias"] and unexpected == [], (missing, unexpected)
@@ -15,6 +13,6 @@ print("EXAMPLE OK")
 """
 
 
-def test_readme_load_mode_example_runs(tmp_path):
-    proc = run_example(python_block_after("### Load modes") + CHECKS, tmp_path)
+def test_load_modes_example_runs(tmp_path):
+    proc = run_example("load_modes.py", tmp_path, checks=CHECKS)
     assert "['cls_head.weight', 'cls_head.bias']" in proc.stdout

@@ -1,10 +1,10 @@
-"""The README's "EMA weights" example runs as written: its python block, executed verbatim in a fresh
-interpreter (one process), then checked; and its export command (``--ema``) on the checkpoint it wrote."""
+"""``examples/ema.py`` runs as it is (one process), then is checked; and the export command its docs give
+(``--ema``, in docs/checkpoints.md) runs on the checkpoint it wrote."""
 
 from __future__ import annotations
 
-from readme_blocks import README, python_block_after, run_example, run_python
-
+import pytest
+from examples_runner import ROOT, run_example, run_python
 
 CHECKS = """
 from chunkzero.checkpoint import read_meta
@@ -20,9 +20,10 @@ print("EXAMPLE OK")
 """
 
 
-def test_readme_ema_example_runs(tmp_path):
-    run_example(python_block_after("## EMA weights") + CHECKS, tmp_path)
-    text = README.read_text()
+@pytest.mark.slow  # about 37 s on 2 busy cores
+def test_ema_example_runs(tmp_path):
+    run_example("ema.py", tmp_path, checks=CHECKS)
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
     command = "chunkzero export runs/ema-demo --format safetensors runs/ema-hf --ema"
     assert command in text
     proc = run_python(["-m", "chunkzero.cli", *command.split()[1:]], tmp_path)

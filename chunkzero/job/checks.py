@@ -1,0 +1,72 @@
+"""A run's checks that need no framework: ``--out`` and, with ``--resume``, the checkpoint's step,
+data-stream settings and tensors against ``--model`` (from the checkpoint's metadata and the model's tensor specs: no array is
+read). Both engines' launchers call :func:`check_run_out`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from chunkzero.checkpoint import CheckpointMeta
+from chunkzero.checkpoint.plan import check_compatible
+from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
+from chunkzero.layout import ChunkLayout, TensorSpec
+from chunkzero.run_dir import CHECKPOINT_DIR, check_out_dir, check_resume, fresh_run_dir, previous_settings
+from chunkzero.resume_check import check_resume_changes
+from chunkzero.train_config import TrainConfig, resumed_schedule_steps, warn_schedule_change
+
+from .models import model_tensor_specs
+
+TensorSpecs = Callable[[TrainConfig], list[TensorSpec]]
+"""The model's tensors from its config (:func:`chunkzero.job.models.model_tensor_specs`, or an engine's own)."""
+
+
+def check_resume_model(cfg: TrainConfig, meta: CheckpointMeta, tensor_specs: TensorSpecs = model_tensor_specs) -> None:
+    """Refuse a ``--resume`` whose ``--model`` does not hold exactly the checkpoint's tensors (by name or
+    alias) with the same shapes, before any worker starts.
+
+    Raises:
+        ConfigError: naming the checkpoint, its model (when it recorded one) and the tensor at fault.
+    """
+    specs = tensor_specs(cfg)
+    target = ChunkLayout.build(specs, max(s.numel for s in specs), 1)
+    root = Path(cfg.out) / CHECKPOINT_DIR
+    try:
+        check_compatible(meta.layout, target, source=f"checkpoint {meta.step}")
+    except (ShapeMismatchError, CheckpointError) as e:
+        saved = (meta.extra or {}).get("model")
+        trained = f", trained with --model {saved}" if isinstance(saved, str) and saved != cfg.model else ""
+        raise ConfigError(f"--resume: --model {cfg.model} does not fit the checkpoint in {root} (step {meta.step}"
+                          f"{trained}): {e}") from None
+
+
+def check_run_out(cfg: TrainConfig, tensor_specs: TensorSpecs = model_tensor_specs, *,
+                  data_summary: dict | None = None) -> CheckpointMeta | None:
+    """Resolve and check ``--out`` in place, for either backend's launcher: ``runs/<timestamp>`` when
+    unset, usable (:func:`chunkzero.run_dir.check_out_dir`), and ``cfg.schedule_steps`` set to
+    ``--steps`` or, with ``--resume``, to the kept schedule of a checkpoint whose step is below
+    ``--steps`` and whose tensors are the model's (:func:`check_resume_model`, with ``tensor_specs``),
+    whose data stream this run's settings and corpus (``data_summary``) keep, or ``--allow-change``
+    (``cfg.resume_changes``: :func:`chunkzero.resume_check.check_resume_changes`); what the resume does to
+    the LR schedule is said here, once (:func:`chunkzero.train_config.warn_schedule_change`).
+
+    Returns:
+        The checkpoint's metadata with ``--resume``, else ``None``.
+
+    Raises:
+        ConfigError: naming ``--out``, the checkpoint or the tensor at fault.
+    """
+    if cfg.out is None:
+        cfg.out = str(fresh_run_dir(Path("runs")))
+    check_out_dir(cfg)
+    cfg.schedule_steps = cfg.steps
+    if not cfg.resume:
+        return None
+    meta = check_resume(cfg)
+    check_resume_model(cfg, meta, tensor_specs)
+    previous, source = previous_settings(cfg, meta)
+    cfg.schedule_steps = resumed_schedule_steps(cfg, previous)
+    cfg.resume_changes = check_resume_changes(cfg, previous, source, data_summary) or None
+    warn_schedule_change(previous, source, cfg, meta.step)
+    return meta

@@ -1,0 +1,60 @@
+"""The job's guards that do not depend on the engine: the stop after too many non-finite steps
+(``--max-skipped-steps``), its one-line message, and the warning when a resume drops a checkpoint's EMA.
+
+The torch engine's ZeroOptimizer counts its own skips (at the minimum loss scale, so fp16's loss-scale
+back-off is not counted) and raises the same :class:`chunkzero.errors.LossScaleError`; the JAX engine,
+which runs at scale 1, counts them here. Both workers end the run with :func:`stop_message`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from chunkzero.errors import LossScaleError
+from chunkzero.train_config import TrainConfig
+
+log = logging.getLogger("chunkzero.train")
+
+
+class NonFiniteStop:
+    """Counts optimizer steps skipped in a row for non-finite gradients and stops the run at the
+    ``max_skipped``-th (0 or ``None``: never). ``skipped_steps`` counts every skip of this session."""
+
+    def __init__(self, max_skipped: int | None, *, scale: float = 1.0):
+        self.max_skipped, self.scale = max_skipped or None, scale
+        self.in_row = 0
+        self.skipped_steps = 0
+
+    def record(self, step: int, applied: bool) -> None:
+        """After optimizer step ``step`` (1-based): whether its update was ``applied``.
+
+        Raises:
+            LossScaleError: this skip is the ``max_skipped``-th in a row.
+        """
+        if applied:
+            self.in_row = 0
+            return
+        self.in_row += 1
+        self.skipped_steps += 1
+        if self.max_skipped is None or self.in_row < self.max_skipped:
+            return
+        raise LossScaleError(
+            f"step {step}: {self.in_row} steps in a row were skipped for non-finite gradients (inf/nan) at the minimum "
+            f"loss scale {self.scale:g}, so training cannot make progress; lower the learning rate or look for inf/nan "
+            "in the data and the model", step=step, scale=self.scale, skipped=self.in_row)
+
+
+def stop_message(error: LossScaleError, cfg: TrainConfig) -> str:
+    """The one line a run stopped by :class:`NonFiniteStop` (or ZeroOptimizer's count) ends with."""
+    return f"{error}; the run stops here (--max-skipped-steps {cfg.max_skipped_steps}; 0 never stops)"
+
+
+def warn_dropped_ema(meta, step_dir, engine: str) -> None:
+    """Warn (call on one process) that resuming checkpoint ``step_dir`` (``meta``: its metadata) on an engine
+    that keeps no EMA drops the EMA the checkpoint holds; nothing when it holds none."""
+    ema = getattr(meta, "ema", None)
+    if ema is None:
+        return
+    log.warning("checkpoint %s holds an EMA of the weights (decay %g, %d updates) and %s keeps none: the EMA is "
+                "dropped, and later checkpoints of this run hold none (to keep it, resume with --backend torch "
+                "--ema-decay)", step_dir, ema.decay, ema.update_count, engine)
