@@ -217,8 +217,9 @@ class TrainConfig:
                                  "the total and must exceed the checkpoint's step", "checkpoints")
     schedule: str = option(
         "keep", "with --resume and a larger --steps: keep follows the checkpointed run's LR schedule (warm-up + "
-                "cosine decay over its steps, then its final LR, constant); stretch re-stretches the decay to the "
-                "new --steps (the LR jumps up at the resumed step)", "checkpoints", choices=SCHEDULES)
+                "cosine decay over its steps, then its final LR, constant; a schedule that ended inside its warm-up "
+                "goes on to the peak and decays over the new --steps); stretch re-stretches the decay to the new "
+                "--steps (the LR jumps up at the resumed step)", "checkpoints", choices=SCHEDULES)
     resume_step: int | None = option(
         None, "with --resume: resume from this checkpoint step instead of the latest (an older one; the later steps "
               "are moved to checkpoints/after-N/, kept)", "checkpoints", metavar="N", minimum=1, default_help="the latest")
