@@ -175,18 +175,24 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
 
     out = Path(cfg.out).resolve()  # the real folder, whatever the working directory
     log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, out)
+    from chunkzero.workers import Stopped, signals_raise_stopped, stopped_message
+
     try:
-        results = launcher.launch(launched_worker, (cfg, hooks), cfg.nproc)
+        with signals_raise_stopped():  # until torch's agent installs its own (raising SignalException)
+            results = launcher.launch(launched_worker, (cfg, hooks), cfg.nproc, timeout_s=cfg.timeout_s)
     except launcher.WorkerFailure as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except Stopped as e:
+        print(f"\n{prog}: {e}", file=sys.stderr)  # on a line of its own, after a progress bar
+        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Exception as e:  # e.g. torch's SignalException when the launcher is told to stop
+    except Exception as e:  # torch's SignalException: its agent stopped the workers on a signal
         if type(e).__name__ == "SignalException":
-            print(f"{prog}: stopped by a signal ({e})", file=sys.stderr)
-            return EXIT_INTERRUPTED
+            print(f"\n{prog}: {stopped_message(int(e.sigval))}", file=sys.stderr)
+            return 128 + int(e.sigval)
         raise
     code, message = _outcome(list(results.values()))
     if code != EXIT_OK:
@@ -405,6 +411,22 @@ def _simulated_devices_env(world_size: int, env: dict) -> dict:
     return env
 
 
+def _unwritable_file(path: str) -> str | None:
+    """Why file ``path`` cannot be written (its parents are created), or ``None``."""
+    import os
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory"
+    existing = next(p for p in target.absolute().parents if p.exists())
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return f"cannot be written: no write permission on {target if target.exists() else existing}"
+    return None
+
+
 def cmd_layout(args: argparse.Namespace) -> int:
     """``chunkzero layout``: print the comparison table (and measure / plot)."""
     import json
@@ -425,6 +447,8 @@ def cmd_layout(args: argparse.Namespace) -> int:
         return fail(prog, "--time-steps needs --measure")
     if args.batch_size is not None and args.batch_size % args.world_size:
         return fail(prog, f"--batch-size {args.batch_size} is not divisible by --world-size {args.world_size}")
+    if args.plot and (why := _unwritable_file(args.plot)):
+        return fail(prog, f"--plot {args.plot}: {why}")  # before any table is printed
     if args.measure:
         if "jax" in sys.modules:  # jax already initialised (e.g. called in-process): measure in a fresh process
             import jax

@@ -46,11 +46,14 @@ class ModelConfig:
         family: ``"hf-gpt2"`` (HF GPT-2, Conv1D ``(in, out)`` weights), ``"nanogpt"`` (nn.Linear
             ``(out, in)`` weights) or ``"llama"`` (HF Llama).
         vocab_size: token vocabulary.
-        n_positions: learned positions (GPT families; unused by Llama, which uses RoPE).
+        n_positions: learned positions (GPT families); Llama's ``max_position_embeddings`` (RoPE, no tensor).
         n_layer, n_head, n_embd: depth, attention heads, hidden size ``d``.
         n_kv_head: key/value heads (Llama; equals ``n_head`` when there is no GQA).
         intermediate_size: MLP hidden size (``4·d`` for GPT-2; Llama's SwiGLU width).
         tie_embeddings: the output head shares the token-embedding matrix.
+        head_dim: Llama's per-head width (0: ``n_embd // n_head``).
+        qkv_bias, o_bias, mlp_bias: Llama's projection biases: on ``q/k/v_proj``, on ``o_proj``, on the
+            three MLP projections (Hugging Face ``attention_bias`` sets the first two; Qwen2 has the first only).
     """
 
     family: str
@@ -62,6 +65,10 @@ class ModelConfig:
     intermediate_size: int
     n_kv_head: int = 0
     tie_embeddings: bool = True
+    head_dim: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
 
     @property
     def hidden_size(self) -> int:
@@ -148,26 +155,64 @@ def _gpt_specs(cfg: ModelConfig):
 
 
 def _llama_specs(cfg: ModelConfig):
-    d = cfg.n_embd
-    if d % cfg.n_head:
+    d, ff = cfg.n_embd, cfg.intermediate_size
+    if not cfg.head_dim and d % cfg.n_head:
         raise ConfigError(f"n_embd {d} is not divisible by n_head {cfg.n_head}")
-    kv = (cfg.n_kv_head or cfg.n_head) * (d // cfg.n_head)
+    hd = cfg.head_dim or d // cfg.n_head
+    q, kv = cfg.n_head * hd, (cfg.n_kv_head or cfg.n_head) * hd
     head = ("lm_head.weight",) if cfg.tie_embeddings else ()
     specs = [("model.embed_tokens.weight", (cfg.vocab_size, d), head)]
     for i in range(cfg.n_layer):  # HF LlamaDecoderLayer registers self_attn, mlp, then the two norms
         p = f"model.layers.{i}"
-        specs += _linear(f"{p}.self_attn.q_proj", cfg, d, d, bias=False)
-        specs += _linear(f"{p}.self_attn.k_proj", cfg, d, kv, bias=False)
-        specs += _linear(f"{p}.self_attn.v_proj", cfg, d, kv, bias=False)
-        specs += _linear(f"{p}.self_attn.o_proj", cfg, d, d, bias=False)
-        specs += _linear(f"{p}.mlp.gate_proj", cfg, d, cfg.intermediate_size, bias=False)
-        specs += _linear(f"{p}.mlp.up_proj", cfg, d, cfg.intermediate_size, bias=False)
-        specs += _linear(f"{p}.mlp.down_proj", cfg, cfg.intermediate_size, d, bias=False)
+        specs += _linear(f"{p}.self_attn.q_proj", cfg, d, q, bias=cfg.qkv_bias)
+        specs += _linear(f"{p}.self_attn.k_proj", cfg, d, kv, bias=cfg.qkv_bias)
+        specs += _linear(f"{p}.self_attn.v_proj", cfg, d, kv, bias=cfg.qkv_bias)
+        specs += _linear(f"{p}.self_attn.o_proj", cfg, q, d, bias=cfg.o_bias)
+        specs += _linear(f"{p}.mlp.gate_proj", cfg, d, ff, bias=cfg.mlp_bias)
+        specs += _linear(f"{p}.mlp.up_proj", cfg, d, ff, bias=cfg.mlp_bias)
+        specs += _linear(f"{p}.mlp.down_proj", cfg, ff, d, bias=cfg.mlp_bias)
         specs += [(f"{p}.input_layernorm.weight", (d,), ()), (f"{p}.post_attention_layernorm.weight", (d,), ())]
     specs.append(("model.norm.weight", (d,), ()))
     if not cfg.tie_embeddings:
         specs.append(("lm_head.weight", (cfg.vocab_size, d), ()))
     return specs
+
+
+HF_LLAMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096},
+}
+"""The Llama-family ``model_type`` s whose tensors :func:`hf_llama_config` reads, each with the defaults of
+its ``transformers`` config class that differ from the family's (``hidden_act`` silu, ``rms_norm_eps``
+1e-6, untied head, ``num_key_value_heads`` = heads, no biases) for a ``config.json`` that omits them."""
+
+
+def hf_llama_config(config: Mapping[str, Any]) -> ModelConfig:
+    """The tensor shapes of a Hugging Face Llama-family model (``LlamaForCausalLM``, ``MistralForCausalLM``,
+    ``Qwen2ForCausalLM``) from its ``config.json`` as a dict, as ``named_parameters()`` lists them.
+
+    Raises:
+        ConfigError: another ``model_type``, a missing or non-integer size field, or heads that key/value heads
+            do not divide (named).
+    """
+    kind = config.get("model_type")
+    if kind not in HF_LLAMA_DEFAULTS:
+        raise ConfigError(f"model_type {kind!r} is not of the Llama family ({', '.join(HF_LLAMA_DEFAULTS)})")
+    c = {**HF_LLAMA_DEFAULTS[kind], **config}
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(c.get(key), int):
+            raise ConfigError(f"a {kind!r} config.json needs an integer {key}, got {c.get(key)!r}")
+    heads, llama = c["num_attention_heads"], kind == "llama"  # Mistral has no bias fields, Qwen2 fixed ones
+    attention_bias = kind == "qwen2" or (llama and bool(c.get("attention_bias")))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    return ModelConfig("llama", c["vocab_size"], int(c["max_position_embeddings"]), c["num_hidden_layers"], heads,
+                       c["hidden_size"], c["intermediate_size"], n_kv_head=kv_heads,
+                       tie_embeddings=bool(c.get("tie_word_embeddings", False)), head_dim=int(c.get("head_dim") or 0),
+                       qkv_bias=attention_bias, o_bias=attention_bias and kind != "qwen2",
+                       mlp_bias=llama and bool(c.get("mlp_bias")))
 
 
 _BLOCK_RE = re.compile(r"^(.*?\.(?:h|layers)\.\d+)\.")
@@ -181,7 +226,8 @@ def transformer_block_unit(name: str) -> str:
     return m.group(1) if m else "root"
 
 
-__all__ = ["MODEL_CONFIGS", "ModelConfig", "model_config", "model_specs", "param_numel", "transformer_block_unit"]
+__all__ = ["HF_LLAMA_DEFAULTS", "MODEL_CONFIGS", "ModelConfig", "hf_llama_config", "model_config", "model_specs",
+           "param_numel", "transformer_block_unit"]
 
 
 # ---------------------------------------------------------------------------- the byte-level GPT

@@ -1,5 +1,4 @@
-"""What ``chunkzero train --resume`` compares with the checkpointed run, and how it names the steps to
-resume from.
+"""What ``chunkzero train --resume`` compares with the checkpointed run.
 
 A checkpoint records the settings that shape the run's data stream and numbers (:func:`run_settings`,
 in its ``extra``); a resume with other values (:func:`resume_changes`) is refused in one line naming each
@@ -9,19 +8,14 @@ same global batch whenever world size × ``--batch-size`` is (``chunkzero.job.da
 so a resume on other workers that keeps that product changes nothing; otherwise each changed factor is
 named, with the tokens per step before and after.
 
-:func:`older_steps_hint` is the end of an error about a checkpoint step that cannot be loaded: which
-older steps ``--resume-step N`` can resume from.
-
 Imports the standard library only.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
-from .checkpoint import list_steps
 from .errors import ConfigError
 from .train_config import TrainConfig
 
@@ -106,17 +100,6 @@ def check_resume_changes(cfg: TrainConfig, previous: dict | None, source: str,
         log.warning("warning: --resume --allow-change: %s (against %s); the run continues with these",
                     ", ".join(changes), source)
     return changes
-
-
-def older_steps_hint(root: str | Path, step: int) -> str:
-    """The end of an error about checkpoint step ``step`` under ``root`` that cannot be loaded:
-    ``"resume from an older step with --resume-step N (steps present: 5, 10, 15)"``, or that no older
-    step is present."""
-    steps = list_steps(root)
-    present = ", ".join(map(str, steps)) or "none"
-    if not any(s < step for s in steps):
-        return f"no older step is present to resume from with --resume-step N (steps present: {present})"
-    return f"resume from an older step with --resume-step N (steps present: {present})"
 
 
 def sampler_position(meta, cfg: TrainConfig) -> dict:

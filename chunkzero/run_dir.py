@@ -20,14 +20,14 @@ import shutil
 from pathlib import Path
 
 from .checkpoint import CheckpointMeta, latest_step, list_steps, read_meta
-from .errors import ChunkZeroError, ConfigError
+from .checkpoint.steps import remove_uncommitted
+from .errors import CheckpointError, ChunkZeroError, ConfigError
 from .train_config import TrainConfig
+
+log = logging.getLogger("chunkzero.train")
 
 CHECKPOINT_DIR = "checkpoints"
 """The checkpoint root of a run, under ``--out``."""
-
-CHECKPOINTS_KEPT = 3
-"""How many of a run's newest checkpoints are kept (``--save-interval``)."""
 
 RUN_MARKERS = ("metrics.jsonl", "config.json", "summary.json", CHECKPOINT_DIR)
 """Entries whose presence in ``--out`` means it holds another run (refused unless ``--overwrite``)."""
@@ -113,13 +113,15 @@ def set_aside_later_steps(root: Path, step: int) -> Path | None:
 
 def prepare_out_dir(cfg: TrainConfig) -> Path:
     """Create ``--out``; with ``--overwrite`` remove the earlier run's outputs (only :data:`RUN_OUTPUTS`);
-    with ``--resume-step`` set the later checkpoint steps aside (:func:`set_aside_later_steps`)."""
+    with ``--resume-step`` set the later checkpoint steps aside (:func:`set_aside_later_steps`); remove the
+    temporaries of checkpoint saves that died before their commit (:func:`remove_uncommitted`: no save of
+    this run has started yet)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.resume and cfg.resume_step is not None:
         aside = set_aside_later_steps(out / CHECKPOINT_DIR, cfg.resume_step)
         if aside is not None:
-            logging.getLogger("chunkzero.train").info(
+            log.info(
                 "--resume-step %d: the later checkpoint steps (%s) are kept in %s, where --resume does not look",
                 cfg.resume_step, ", ".join(sorted((p.name for p in aside.iterdir()), key=int)), aside)
     if cfg.overwrite:
@@ -129,6 +131,9 @@ def prepare_out_dir(cfg: TrainConfig) -> Path:
                 shutil.rmtree(p)
             elif p.exists() or p.is_symlink():
                 p.unlink()
+    removed = remove_uncommitted(out / CHECKPOINT_DIR)
+    if removed:
+        log.info("removed %d checkpoint save(s) that never committed: %s", len(removed), ", ".join(removed))
     return out
 
 
@@ -186,3 +191,12 @@ def previous_settings(cfg: TrainConfig, meta: CheckpointMeta) -> tuple[dict | No
     if "steps" in extra:
         return {**doc, **facts, **extra}, f"checkpoint {meta.step}"
     return {**doc, **facts}, str(source)
+
+
+def resume_failed(root: Path, step: int, error: Exception) -> CheckpointError:
+    """The error of a resume whose checkpoint ``root/step`` cannot be loaded (``error``: e.g. a checksum that
+    names the corrupted array), with how to resume from the newest older step instead."""
+    older = [s for s in list_steps(root) if s < step]
+    how = (f"to resume from step {older[-1]} instead, pass --resume-step {older[-1]} or move {Path(root) / str(step)} "
+           "aside" if older else "no older checkpoint is saved to resume from")
+    return CheckpointError(f"--resume: step {step} cannot be loaded: {error}; {how}")

@@ -211,7 +211,9 @@ class TrainConfig:
     # checkpoints
     save_interval: int = option(
         0, "every N steps and at the last step, save an Orbax checkpoint (sharded, asynchronous) to "
-           "--out/checkpoints/<step>, keeping the newest 3; 0 saves none", "checkpoints", metavar="N", minimum=0)
+           "--out/checkpoints/<step>, keeping the newest --keep; 0 saves none", "checkpoints", metavar="N", minimum=0)
+    keep: int = option(3, "keep the newest N checkpoints, and the newest one saved with a finite loss however old",
+                       "checkpoints", metavar="N", minimum=1)
     resume: bool = option(False, "continue the run in --out from its latest checkpoint: parameters, optimizer "
                                  "state, loss scaler, RNG states and data position (any world size); --steps is "
                                  "the total and must exceed the checkpoint's step", "checkpoints")

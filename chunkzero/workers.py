@@ -12,6 +12,14 @@ are stopped (SIGTERM, then SIGKILL after ``grace_s``) and :class:`WorkerFailure`
 failed — one that exited with :data:`EXIT_PEER_LOST` is a consequence, named only when nothing else
 failed.
 
+A run's processes die with it, on both engines: in the launcher, SIGTERM, SIGINT and SIGHUP raise
+:class:`Stopped` (after the workers are stopped, :func:`stopped_message` is the one line the CLI prints,
+the exit status ``128 + signal``); in a worker, :func:`exit_on_stop_signals` makes them end the process
+at once (no traceback, no interpreter finalization; a checkpoint being written is left as an
+uncommitted temporary, never as a step), and :func:`watch_launcher` ends it when its launcher is gone,
+even by SIGKILL (EOF on a pipe only the launcher holds open; unlike ``PR_SET_PDEATHSIG`` this does not
+depend on which of the launcher's threads started it).
+
 Imports the standard library only.
 """
 
@@ -20,11 +28,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import ChunkZeroError, ConfigError
@@ -43,11 +55,15 @@ class WorkerFailure(ChunkZeroError, RuntimeError):
         super().__init__(message)
 
 
-def describe_exit(exitcode: int) -> str:
+def describe_exit(exitcode: int, timeout_s: float | None = None) -> str:
     """How a worker's exit code reads: ``"exited with code 1"``, ``"was killed by SIGKILL (...)"``, or what
-    :data:`EXIT_PEER_LOST` means."""
+    :data:`EXIT_PEER_LOST` means (``timeout_s``: the run's ``--timeout``, which it then names)."""
     if exitcode == EXIT_PEER_LOST:
-        return "lost contact with another worker, which stopped without a report (on another node?)"
+        if timeout_s is None:
+            return "lost contact with another worker, which stopped without a report (on another node?)"
+        return (f"lost contact with another worker: a collective did not finish within --timeout {timeout_s:g} s "
+                "(another worker stopped without a report, e.g. on another node, or --timeout is shorter than "
+                "the run's collectives take)")
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
@@ -72,6 +88,128 @@ PROCESS_ID_ENV = "JAX_PROCESS_ID"
 """This process's index, ``0 .. JAX_NUM_PROCESSES - 1``."""
 RESULT_DIR_ENV = "CHUNKZERO_RESULT_DIR"
 """Where a launched process writes ``process<i>.json`` (set by :func:`launch_processes` only)."""
+LAUNCHER_FD_ENV = "CHUNKZERO_LAUNCHER_FD"
+"""The read end of a pipe whose write end only the launcher holds (:func:`watch_launcher`)."""
+LAUNCHER_PID_ENV = "CHUNKZERO_LAUNCHER_PID"
+"""The launcher's pid: a worker whose parent is another process outlived its launcher."""
+LAUNCH_DIR_ENV = "CHUNKZERO_LAUNCH_DIR"
+"""The launcher's temp directory, which worker 0 removes when it outlives the launcher (``kill -9``)."""
+
+
+def launch_env(launch_dir: str | os.PathLike) -> dict[str, str]:
+    """What a launcher adds to its workers' environment so that worker 0 removes ``launch_dir`` (the
+    launcher's temp directory) should the launcher die without doing it (:func:`exit_on_stop_signals`,
+    :func:`watch_launcher`)."""
+    return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_DIR_ENV: str(launch_dir)}
+
+
+def _remove_orphaned_launch_dir(launcher_gone: bool = False) -> None:
+    """In worker 0 of a launch whose launcher is gone (``launcher_gone``, or this process has another
+    parent now): remove the launcher's temp directory."""
+    launcher, where = os.environ.get(LAUNCHER_PID_ENV), os.environ.get(LAUNCH_DIR_ENV)
+    first = os.environ.get(PROCESS_ID_ENV, os.environ.get("RANK")) == "0"
+    if launcher and where and first and (launcher_gone or str(os.getppid()) != launcher):
+        shutil.rmtree(where, ignore_errors=True)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop a run: ``kill``, Ctrl-C, a closed terminal."""
+
+
+def signal_name(signum: int) -> str:
+    """``"SIGTERM"``; ``"SIGINT (Ctrl-C)"``."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+    return name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
+
+
+def stopped_message(signum: int) -> str:
+    """The one line a launcher stopped by ``signum`` prints after its workers are stopped (both engines)."""
+    return f"stopped by {signal_name(signum)}; every worker was stopped (checkpoints saved before are intact)"
+
+
+class Stopped(BaseException):
+    """The launcher was told to stop by signal ``signum``. A ``BaseException`` (as ``KeyboardInterrupt``),
+    so no ``except Exception`` on the way out swallows it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(stopped_message(signum))
+
+
+@contextmanager
+def signals_raise_stopped() -> Iterator[None]:
+    """In a launcher's main thread: :data:`STOP_SIGNALS` raise :class:`Stopped` while the block runs (the
+    previous handlers are restored after). Elsewhere (another thread) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_stopped(signum, frame):
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, raise_stopped) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, RuntimeError, ValueError):  # (RuntimeError: a reentrant write)
+            pass
+    os._exit(code)
+
+
+def exit_on_stop_signals() -> None:
+    """In a worker's main thread: :data:`STOP_SIGNALS` end the process at once with status
+    ``128 + signal``, without a traceback or interpreter finalization (where a framework's threads and
+    destructors print errors or abort). A checkpoint being written stays an uncommitted temporary, which
+    the next save or resume of the run removes; committed steps are untouched.
+
+    Call it again after a library installs its own handler: ``jax.distributed.initialize`` installs a
+    SIGTERM handler for its preemption notifier, under which ``kill`` would not stop the process. Does
+    nothing outside the main thread (Python allows handlers only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        _remove_orphaned_launch_dir()  # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT)
+        _exit_now(128 + signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def watch_launcher() -> bool:
+    """End this process when its launcher is gone: a daemon thread waits for EOF on the pipe
+    :func:`launch_processes` passes (:data:`LAUNCHER_FD_ENV`), which comes when the launcher exits in any
+    way, ``kill -9`` included. Process 0 then removes the launcher's temp directory (:func:`launch_env`),
+    which nobody else would remove; every process exits with status ``128 + SIGHUP``.
+
+    Returns whether a launcher is watched (``False`` when not started by :func:`launch_processes`)."""
+    fd = os.environ.get(LAUNCHER_FD_ENV)
+    if not fd:
+        return False
+    fd_num = int(fd)
+
+    def wait_for_eof() -> None:
+        try:
+            while os.read(fd_num, 1):
+                pass
+        except OSError:
+            pass
+        _remove_orphaned_launch_dir(launcher_gone=True)  # (EOF can come before this process is reparented)
+        _exit_now(128 + signal.SIGHUP)
+
+    threading.Thread(target=wait_for_eof, name="chunkzero-launcher-watch", daemon=True).start()
+    return True
 
 
 def free_local_port() -> int:
@@ -122,11 +260,11 @@ def _stop_group(procs: list[subprocess.Popen], pgid: int, grace_s: float) -> Non
 
 
 def _failure(failures: list[tuple[float, int, int]], results: dict[int, dict | None],
-             pids: dict[int, int]) -> WorkerFailure:
+             pids: dict[int, int], timeout_s: float | None = None) -> WorkerFailure:
     """The :class:`WorkerFailure` of ``failures`` (``(time seen, process, exit code)``)."""
     cause = min(failures, key=lambda f: (f[2] == EXIT_PEER_LOST, f[0], f[1]))
     _, i, code = cause
-    msg = f"process {i} (pid {pids[i]}) {describe_exit(code)}"
+    msg = f"process {i} (pid {pids[i]}) {describe_exit(code, timeout_s)}"
     r = results.get(i) or {}
     if code > 0 and code != EXIT_PEER_LOST and r.get("message"):
         msg += f": {last_line(r['message'])}"
@@ -138,7 +276,8 @@ def _failure(failures: list[tuple[float, int, int]], results: dict[int, dict | N
 
 def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.PathLike, *,
                      env: Mapping[str, str] | None = None, finish_timeout_s: float = 60.0,
-                     poll_s: float = 0.1, grace_s: float = 5.0, peer_lost_wait_s: float = 3.0) -> list[dict]:
+                     poll_s: float = 0.1, grace_s: float = 5.0, peer_lost_wait_s: float = 3.0,
+                     peer_timeout_s: float | None = None) -> list[dict]:
     """Run ``nproc`` copies of ``command`` on this machine, in one new process group, and wait for all.
 
     Process ``i`` finds :data:`COORDINATOR_ENV` (a free port on 127.0.0.1), :data:`NUM_PROCESSES_ENV`,
@@ -154,6 +293,8 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
         grace_s: seconds between SIGTERM and SIGKILL when stopping them.
         peer_lost_wait_s: after a process exits with :data:`EXIT_PEER_LOST`, how long to wait for the
             cause to show before stopping the rest.
+        peer_timeout_s: the processes' collective timeout (``--timeout``), named when the only failure is a
+            lost peer.
 
     Returns:
         Each process's result (``{"status": ...}``), by process index.
@@ -161,7 +302,11 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
     Raises:
         WorkerFailure: a process exited non-zero, or exited 0 without a result; the others were stopped.
         ConfigError: ``nproc`` is not a positive int.
+        Stopped: this (main) thread got SIGTERM, SIGINT or SIGHUP; raised after the processes were stopped.
         KeyboardInterrupt: after stopping the processes.
+
+    Each process is also told to watch this one (:func:`watch_launcher`): killed, even by SIGKILL, it
+    leaves none of them running.
     """
     from .errors import ConfigError
 
@@ -172,50 +317,68 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
     base.update({COORDINATOR_ENV: f"127.0.0.1:{free_local_port()}", NUM_PROCESSES_ENV: str(nproc),
                  RESULT_DIR_ENV: str(result_dir)})
     procs: list[subprocess.Popen] = []
+    watch_r, watch_w = os.pipe()  # the write end stays here (not inheritable): EOF there = this process gone
+    base[LAUNCHER_FD_ENV] = str(watch_r)
+    base.update(launch_env(result_dir))
+    with signals_raise_stopped():
+        try:
+            return _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s,
+                                  grace_s, peer_lost_wait_s, peer_timeout_s)
+        except BaseException:
+            if procs:
+                _stop_group(procs, procs[0].pid, grace_s)
+            raise
+        finally:
+            for fd in (watch_r, watch_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s, grace_s,
+                   peer_lost_wait_s, peer_timeout_s) -> list[dict]:
+    """:func:`launch_processes`' start and wait (``procs`` filled as they start)."""
     pgid = 0
-    try:
-        for i in range(nproc):
-            p = subprocess.Popen(list(command), env={**base, PROCESS_ID_ENV: str(i)}, process_group=pgid)
-            pgid = pgid or p.pid
-            procs.append(p)
-        pids = {i: p.pid for i, p in enumerate(procs)}
-        failures: list[tuple[float, int, int]] = []
-        first_done = None
-        while True:
-            now = time.monotonic()
-            for i, p in enumerate(procs):
-                code = p.poll()
-                if code is None or any(j == i for _, j, _ in failures):
-                    continue
-                if code == 0 and _read_result(result_dir, i) is None:
-                    code = 1  # exited without saying how: a failure, not a success
-                if code != 0:
-                    failures.append((now, i, code))
-                elif first_done is None:
-                    first_done = now
-            running = [i for i, p in enumerate(procs) if p.poll() is None]
-            if failures:
-                if all(code == EXIT_PEER_LOST for _, _, code in failures) and running \
-                        and now - failures[0][0] < peer_lost_wait_s:
-                    time.sleep(poll_s)
-                    continue
-                _stop_group(procs, pgid, grace_s)
-                for i, p in enumerate(procs):  # those that died of the stop: named as stopped after the cause
-                    if not any(j == i for _, j, _ in failures) and p.returncode not in (0, None):
-                        failures.append((time.monotonic(), i, p.returncode))
-                raise _failure(failures, {i: _read_result(result_dir, i) for i in range(nproc)}, pids)
-            if not running:
-                return [_read_result(result_dir, i) or {} for i in range(nproc)]
-            if first_done is not None and now - first_done > finish_timeout_s:
-                i = running[0]
-                _stop_group(procs, pgid, grace_s)
-                raise WorkerFailure(f"process {i} (pid {pids[i]}) did not finish within {finish_timeout_s:g} s of "
-                                    "the first one; the run was stopped", rank=i, exitcode=None)
-            time.sleep(poll_s)
-    except BaseException:
-        if procs:
+    for i in range(nproc):
+        p = subprocess.Popen(list(command), env={**base, PROCESS_ID_ENV: str(i)}, process_group=pgid,
+                             pass_fds=(watch_r,))
+        pgid = pgid or p.pid
+        procs.append(p)
+    pids = {i: p.pid for i, p in enumerate(procs)}
+    failures: list[tuple[float, int, int]] = []
+    first_done = None
+    while True:
+        now = time.monotonic()
+        for i, p in enumerate(procs):
+            code = p.poll()
+            if code is None or any(j == i for _, j, _ in failures):
+                continue
+            if code == 0 and _read_result(result_dir, i) is None:
+                code = 1  # exited without saying how: a failure, not a success
+            if code != 0:
+                failures.append((now, i, code))
+            elif first_done is None:
+                first_done = now
+        running = [i for i, p in enumerate(procs) if p.poll() is None]
+        if failures:
+            if all(code == EXIT_PEER_LOST for _, _, code in failures) and running \
+                    and now - failures[0][0] < peer_lost_wait_s:
+                time.sleep(poll_s)
+                continue
             _stop_group(procs, pgid, grace_s)
-        raise
+            for i, p in enumerate(procs):  # those that died of the stop: named as stopped after the cause
+                if not any(j == i for _, j, _ in failures) and p.returncode not in (0, None):
+                    failures.append((time.monotonic(), i, p.returncode))
+            raise _failure(failures, {i: _read_result(result_dir, i) for i in range(nproc)}, pids, peer_timeout_s)
+        if not running:
+            return [_read_result(result_dir, i) or {} for i in range(nproc)]
+        if first_done is not None and now - first_done > finish_timeout_s:
+            i = running[0]
+            _stop_group(procs, pgid, grace_s)
+            raise WorkerFailure(f"process {i} (pid {pids[i]}) did not finish within {finish_timeout_s:g} s of "
+                                "the first one; the run was stopped", rank=i, exitcode=None)
+        time.sleep(poll_s)
 
 
 # ================================================================================ CPU workers per core

@@ -16,8 +16,10 @@ Programs:
   what ``GPT.__call__`` computes.
 - :func:`llama_program` — a Llama-style decoder (Touvron et al. 2023; Hugging Face ``LlamaForCausalLM``
   names and ``nn.Linear`` ``(out, in)`` shapes, as :func:`chunkzero.configs.model_specs` lists them):
-  RMSNorm, rotary position embeddings (``rotate_half`` convention), SwiGLU MLP, untied head. Used for
-  the sharding-layout comparison; it has no torch twin in this repository.
+  RMSNorm, rotary position embeddings (``rotate_half`` convention), SwiGLU MLP, grouped-query attention,
+  untied or tied head, optional biases. :func:`hf_llama_program` builds it from a Hugging Face
+  ``config.json`` (``model_type`` llama, mistral, qwen2) and refuses by name what it does not compute;
+  its logits are HF's torch model's (``tests/jax/test_jax_llama.py``).
 - :func:`model_program` — either, by a :mod:`chunkzero.configs` name (``"hf-gpt2"``, ``"hf-gpt2-medium"``,
   ``"llama-1b"``, or a byte-level ``chunkzero train`` name: ``"gpt-tiny"``, ``"gpt-mini"``, ``"gpt-small"``,
   ``"gpt2"``, ``"gpt2-medium"``) or a :class:`chunkzero.configs.GPTConfig`.
@@ -45,11 +47,18 @@ import numpy as np
 import optax
 from flax import nnx
 
-from chunkzero.configs import ModelConfig, as_gpt_config, model_config, model_specs
+from chunkzero.configs import (
+    HF_LLAMA_DEFAULTS,
+    ModelConfig,
+    as_gpt_config,
+    hf_llama_config,
+    model_config,
+    model_specs,
+)
 from chunkzero.errors import ConfigError
 from chunkzero.layout import TensorSpec
 
-from .convert import flax_to_torch, gpt_from_torch, param_rules, param_specs
+from .convert import flax_to_torch, gpt_from_torch, hf_gpt2_config, param_rules, param_specs
 from .gpt import Block, GPTConfig, init_gpt
 
 Batch = Mapping[str, jax.Array]
@@ -244,11 +253,47 @@ def _rms_norm(x, w, eps):
     return (y.astype(x.dtype)) * w
 
 
-def _rope(x, theta: float):
-    """Rotary embedding of ``x`` ``[B, T, N, H]`` (Hugging Face ``rotate_half`` convention)."""
+ROPE_TYPES = ("default", "linear", "llama3")
+"""The Hugging Face ``rope_type`` s :func:`rope_inv_freq` computes."""
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> np.ndarray:
+    """Rotary inverse frequencies ``f32[head_dim // 2]`` as Hugging Face computes them (in f32): ``1 /
+    theta^(2i / head_dim)``, rescaled by ``scaling`` (HF's rope parameters: ``rope_type`` ``"default"``,
+    ``"linear"`` with ``factor``, or ``"llama3"`` with ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``).
+
+    Raises:
+        ConfigError: another ``rope_type``, or a missing parameter of one (named).
+    """
+    scaling = dict(scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"rope_type {kind!r} is not implemented (only {', '.join(ROPE_TYPES)})")
+    need = {"default": (), "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[kind]
+    missing = [k for k in need if not isinstance(scaling.get(k), (int, float))]
+    if missing:
+        raise ConfigError(f"rope_type {kind!r} needs a number {missing[0]}")
+    inv = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    if kind == "linear":
+        inv = inv / np.float32(scaling["factor"])
+    elif kind == "llama3":  # Llama 3.1: long wavelengths divided by factor, a smooth blend in between
+        f, lo, hi = (np.float32(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old = np.float32(scaling["original_max_position_embeddings"])
+        wavelen = np.float32(2 * np.pi) / inv
+        scaled = np.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blend = (1 - smooth) * scaled / f + smooth * scaled
+        inv = np.where((wavelen >= old / hi) & (wavelen <= old / lo), blend, scaled)
+    return inv.astype(np.float32)
+
+
+def _rope(x, inv_freq: np.ndarray):
+    """Rotary embedding of ``x`` ``[B, T, N, H]`` (Hugging Face ``rotate_half`` convention: the two halves
+    of a head, not interleaved pairs, rotate together)."""
     t, hd = x.shape[1], x.shape[-1]
-    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    ang = np.arange(t, dtype=np.float32)[:, None] * inv[None, :]
+    ang = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]
     emb = np.concatenate([ang, ang], axis=-1)
     cos, sin = jnp.asarray(np.cos(emb), x.dtype)[None, :, None], jnp.asarray(np.sin(emb), x.dtype)[None, :, None]
     x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
@@ -257,21 +302,26 @@ def _rope(x, theta: float):
 
 @functools.lru_cache(maxsize=8)
 def llama_program(config: ModelConfig | str, name: str | None = None, *, rms_norm_eps: float = 1e-5,
-                  rope_theta: float = 10000.0, max_seq_len: int = 2048) -> Program:
+                  rope_theta: float = 10000.0, rope_scaling: tuple[tuple[str, Any], ...] = (),
+                  max_seq_len: int = 2048) -> Program:
     """A Llama-style decoder as stages: ``embed``, ``layers.0`` … , ``head`` (``model.norm`` + ``lm_head``).
 
-    Tensor names and shapes are :func:`chunkzero.configs.model_specs`'s (Hugging Face
-    ``LlamaForCausalLM``, ``nn.Linear`` weights ``(out, in)``, no biases).
+    Tensor names and shapes are :func:`chunkzero.configs.model_specs`'s (Hugging Face ``LlamaForCausalLM``,
+    ``nn.Linear`` weights ``(out, in)``): grouped-query attention (``n_kv_head``), ``head_dim``, the
+    biases and the tied head of ``config``. ``rope_scaling`` is the items of HF's rope parameters
+    (:func:`rope_inv_freq`); :func:`hf_llama_program` builds all of it from a ``config.json``.
 
     Raises:
-        ConfigError: a config that is not of the ``"llama"`` family, or a tied head.
+        ConfigError: a config that is not of the ``"llama"`` family, or a rope scaling not implemented.
     """
     cfg = model_config(config) if isinstance(config, str) else config
-    if cfg.family != "llama" or cfg.tie_embeddings:
-        raise ConfigError(f"llama_program needs an untied 'llama' family config, got {cfg.family!r}")
+    if cfg.family != "llama":
+        raise ConfigError(f"llama_program needs a 'llama' family config, got {cfg.family!r}")
     specs = tuple(model_specs(cfg))
-    d, nh = cfg.n_embd, cfg.n_head
-    nkv, hd = cfg.n_kv_head or nh, d // nh
+    nh, nkv = cfg.n_head, cfg.n_kv_head or cfg.n_head
+    hd = cfg.head_dim or cfg.n_embd // nh
+    inv_freq = rope_inv_freq(hd, rope_theta, dict(rope_scaling))
+    head_weight = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
 
     def embed(t, h, batch):
         return jnp.take(t["model.embed_tokens.weight"], batch["idx"], axis=0)
@@ -279,43 +329,107 @@ def llama_program(config: ModelConfig | str, name: str | None = None, *, rms_nor
     def layer(i):
         p = f"model.layers.{i}."
 
+        def linear(t, x, proj):
+            y = x @ t[p + proj + ".weight"].T
+            return y + t[p + proj + ".bias"] if p + proj + ".bias" in t else y
+
         def fn(t, x, batch):
             B, T, _ = x.shape
             a = _rms_norm(x, t[p + "input_layernorm.weight"], rms_norm_eps)
-            q = (a @ t[p + "self_attn.q_proj.weight"].T).reshape(B, T, nh, hd)
-            k = (a @ t[p + "self_attn.k_proj.weight"].T).reshape(B, T, nkv, hd)
-            v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(B, T, nkv, hd)
-            q, k = _rope(q, rope_theta), _rope(k, rope_theta)
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, d)
-            x = x + y @ t[p + "self_attn.o_proj.weight"].T
+            q = linear(t, a, "self_attn.q_proj").reshape(B, T, nh, hd)
+            k = linear(t, a, "self_attn.k_proj").reshape(B, T, nkv, hd)
+            v = linear(t, a, "self_attn.v_proj").reshape(B, T, nkv, hd)
+            y = jax.nn.dot_product_attention(_rope(q, inv_freq), _rope(k, inv_freq), v, is_causal=True)
+            x = x + linear(t, y.reshape(B, T, nh * hd), "self_attn.o_proj")
             m = _rms_norm(x, t[p + "post_attention_layernorm.weight"], rms_norm_eps)
-            g = jax.nn.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T)
-            return x + g @ t[p + "mlp.down_proj.weight"].T
+            g = jax.nn.silu(linear(t, m, "mlp.gate_proj")) * linear(t, m, "mlp.up_proj")
+            return x + linear(t, g, "mlp.down_proj")
 
         return fn
 
+    def head_logits(t, x):
+        return _rms_norm(x, t["model.norm.weight"], rms_norm_eps) @ t[head_weight].T
+
     def head(t, x, batch):
-        x = _rms_norm(x, t["model.norm.weight"], rms_norm_eps)
-        return _cross_entropy_sum(x @ t["lm_head.weight"].T, batch["targets"], batch.get("weights"))
+        return _cross_entropy_sum(head_logits(t, x), batch["targets"], batch.get("weights"))
 
     names = [s.name for s in specs]
     stages = [Stage("embed", ("model.embed_tokens.weight",), embed)]
     for i in range(cfg.n_layer):
         prefix = f"model.layers.{i}."
         stages.append(Stage(f"layers.{i}", tuple(n for n in names if n.startswith(prefix)), layer(i)))
-    stages.append(Stage("head", ("model.norm.weight", "lm_head.weight"), head))
+    stages.append(Stage("head", ("model.norm.weight", head_weight), head))
 
     def init(seed: int = 0) -> dict[str, jax.Array]:
         key = jax.random.key(seed)
         out = {}
         for i, s in enumerate(specs):
-            if s.name.endswith("norm.weight") or s.name.endswith("layernorm.weight"):
+            if s.name.endswith("norm.weight"):
                 out[s.name] = jnp.ones(s.shape, jnp.float32)
+            elif s.name.endswith(".bias"):
+                out[s.name] = jnp.zeros(s.shape, jnp.float32)
             else:
                 out[s.name] = 0.02 * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)
         return out
 
-    return Program(name or "llama", specs, tuple(stages), init, cfg.vocab_size, max_seq_len, cfg)
+    return Program(name or "llama", specs, tuple(stages), init, cfg.vocab_size, max_seq_len, cfg, head_logits)
+
+
+def hf_llama_program(config: Mapping[str, Any], name: str | None = None) -> Program:
+    """The program of a Hugging Face Llama-family model (``model_type`` llama, mistral or qwen2) from its
+    ``config.json`` as a dict, under HF's tensor names and ``(out, in)`` shapes: what its
+    ``...ForCausalLM`` computes (RMSNorm, HF's rotary embeddings, SwiGLU, grouped-query attention).
+
+    Raises:
+        ConfigError: one line naming the field the program does not compute: a ``hidden_act`` other than
+            silu, ``attention_dropout`` > 0, a sliding window that can bind, per-layer or partial rotary
+            embeddings, a ``rope_type`` other than default/linear/llama3; or another ``model_type``.
+    """
+    cfg = hf_llama_config(config)
+    kind = config["model_type"]
+    c = {**HF_LLAMA_DEFAULTS[kind], **config}
+    if c.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {c['hidden_act']!r} is not implemented (only 'silu')")
+    if float(c.get("attention_dropout") or 0.0) > 0:
+        raise ConfigError(f"attention_dropout {c['attention_dropout']} is not implemented (the program has no dropout)")
+    window = c.get("sliding_window") if kind == "mistral" or c.get("use_sliding_window") else None
+    if window is not None and window < cfg.n_positions:
+        raise ConfigError(f"sliding_window {window} is not implemented (below max_position_embeddings "
+                          f"{cfg.n_positions}, it masks attention)")
+    if any(t != "full_attention" for t in c.get("layer_types") or ()):
+        raise ConfigError("layer_types other than 'full_attention' are not implemented")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if any(isinstance(v, Mapping) for v in rope.values()):
+        raise ConfigError("per-layer rope_parameters are not implemented")
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("partial_rotary_factor other than 1 is not implemented")
+    theta = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":  # HF prefers the config's own field
+        scaling.setdefault("original_max_position_embeddings", cfg.n_positions)
+        if isinstance(c.get("original_max_position_embeddings"), int):
+            scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
+    return llama_program(cfg, name or kind, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                         rope_scaling=tuple(sorted(scaling.items())), max_seq_len=cfg.n_positions)
+
+
+HF_MODEL_TYPES = ("gpt2", *HF_LLAMA_DEFAULTS)
+"""The Hugging Face ``model_type`` s :func:`hf_program` computes."""
+
+
+def hf_program(config: Mapping[str, Any]) -> Program:
+    """The program of a Hugging Face causal LM from its ``config.json`` as a dict, under HF's tensor names and
+    shapes: GPT-2 (:func:`gpt_program` with ``hf_conv1d``) or the Llama family (:func:`hf_llama_program`).
+
+    Raises:
+        ConfigError: another ``model_type``, or a variant the program does not compute (naming the field).
+    """
+    kind = config.get("model_type")
+    if kind == "gpt2":
+        return gpt_program(hf_gpt2_config(config), "hf-gpt2", hf_conv1d=True)
+    if kind in HF_LLAMA_DEFAULTS:
+        return hf_llama_program(config, f"hf-{kind}")
+    raise ConfigError(f"model_type {kind!r} has no JAX program (only {', '.join(HF_MODEL_TYPES)})")
 
 
 # ---------------------------------------------------------------------------------------------------- by name
@@ -340,5 +454,5 @@ def model_program(model: str | GPTConfig | ModelConfig) -> Program:
     raise ConfigError(f"no program for model family {cfg.family!r}")
 
 
-__all__ = ["Batch", "Program", "Stage", "gpt_program", "gpt_reference_loss", "llama_program", "model_program",
-           "random_batch"]
+__all__ = ["HF_MODEL_TYPES", "ROPE_TYPES", "Batch", "Program", "Stage", "gpt_program", "gpt_reference_loss",
+           "hf_llama_program", "hf_program", "llama_program", "model_program", "random_batch", "rope_inv_freq"]

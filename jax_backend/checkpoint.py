@@ -31,14 +31,18 @@ from chunkzero.checkpoint import (
     PARAMS_KEY,
     CheckpointMeta,
     OptimizerMeta,
+    checksum_key,
     chunk_key,
+    combine_checksums,
+    shard_checksum,
     flat_arrays,
     orbax_store,
     param_array_dtype,
     read_meta,
     state_tree,
 )
-from chunkzero.errors import CheckpointError, ConfigError
+from chunkzero.checkpoint.meta import META_ITEM, array_name
+from chunkzero.errors import CheckpointError, CheckpointFormatError, ConfigError
 from chunkzero.layout import ChunkLayout
 
 from .layout import Chunks, OptimizerChunks, check_chunks
@@ -109,41 +113,127 @@ def _check_padding(chunks: Mapping[str, jax.Array], layout: ChunkLayout, where: 
                 )
 
 
-def _host_arrays(state: Mapping[str, Any]) -> dict[tuple[str, ...], np.ndarray] | None:
-    """Every array of ``state`` whole on this host, or ``None`` when part of one lives on another process."""
-    arrays = flat_arrays(state)
-    if any(isinstance(a, jax.Array) and not a.is_fully_addressable for a in arrays.values()):
-        return None
-    return {p: np.asarray(a) for p, a in arrays.items()}
+def _owned_pieces(a: Any) -> list[tuple[int, np.ndarray]]:
+    """``(first element, 1-D data)`` of each piece of 1-D array ``a`` this process writes or checks: its
+    addressable shards of replica 0 (every element of a global array is in one of them on exactly one
+    process), adjacent ones joined; a numpy or single-process array whole."""
+    if not isinstance(a, jax.Array):
+        return [(0, np.asarray(a).reshape(-1))]
+    pieces: list[tuple[int, np.ndarray]] = []
+    for start, data in sorted((s.index[0].start or 0, np.asarray(s.data).reshape(-1))
+                              for s in a.addressable_shards if s.replica_id == 0):
+        if pieces and pieces[-1][0] + pieces[-1][1].size == start:
+            pieces[-1] = (pieces[-1][0], np.concatenate([pieces[-1][1], data]))
+        else:
+            pieces.append((start, data))
+    return pieces
 
 
-def compute_checksums(state: Mapping[str, Any], layout: ChunkLayout) -> dict[str, Any] | None:
-    """The ``meta.checksums`` record of a ``state`` tree saved with ``layout``
-    (:meth:`CheckpointMeta.checksums_of_arrays`); ``None`` when an array is not fully addressable from
-    this process (multi-host), and readers then skip verification."""
-    host = _host_arrays(state)
-    return None if host is None else CheckpointMeta(step=0, layout=layout).checksums_of_arrays(host)
+def _units(meta: CheckpointMeta, path: tuple[str, ...], unit: int) -> list[tuple[int, int, int, int]]:
+    """``(saving rank, block, lo, hi)`` of every checksum unit of array ``path``: blocks of ``unit``
+    elements of each saved shard, or (``unit == 0``) each saved shard whole."""
+    out = []
+    for q, a, e in meta.saved_shards(path):
+        u = unit or max(1, e - a)
+        out += [(q, k, lo, min(lo + u, e)) for k, lo in enumerate(range(a, e, u))]
+    return out
+
+
+def block_checksums_everywhere(state: Mapping[str, Any], meta: CheckpointMeta,
+                               units: Mapping[tuple[str, ...], int]) -> dict[str, dict[int, dict[int, str]]]:
+    """``{checksum_key: {saving rank: {block: checksum}}}`` of the arrays of ``state`` (any sharding, on
+    one process or many), the same on every process.
+
+    Each process checksums the blocks (``units[path]`` elements; ``0``: whole saved shards) that lie
+    within one of its pieces (:func:`_owned_pieces`); the pieces of a block that straddles pieces
+    (another world size than the saving one) travel as bytes. One JSON all-gather when there are
+    several processes (:func:`jax_backend.processes.all_gather_json`; never pickled): a collective,
+    every process must call it with the same arrays.
+    """
+    import base64
+
+    from .processes import all_gather_json
+
+    whole: dict[str, str] = {}
+    parts: list[list] = []  # [key, q, k, offset in the block, base64 bytes]
+    for path, a in flat_arrays(state).items():
+        key, units_of = checksum_key(path), _units(meta, path, units[path])
+        for start, data in _owned_pieces(a):
+            stop = start + data.size
+            for q, k, lo, hi in units_of:
+                if hi <= start or lo >= stop:
+                    continue
+                if start <= lo and hi <= stop:
+                    whole[f"{key}|{q}|{k}"] = shard_checksum(data[lo - start:hi - start])
+                else:
+                    piece = np.ascontiguousarray(data[max(lo, start) - start:min(hi, stop) - start])
+                    parts.append([key, q, k, max(lo, start) - lo, base64.b64encode(piece.tobytes()).decode("ascii")])
+    out: dict[str, dict[int, dict[int, str]]] = {}
+    straddling: dict[tuple[str, int, int], list[tuple[int, bytes]]] = {}
+    for sums, pieces in all_gather_json([whole, parts]):
+        for name, value in sums.items():
+            key, q, k = name.split("|")
+            out.setdefault(key, {}).setdefault(int(q), {}).setdefault(int(k), value)
+        for key, q, k, offset, data in pieces:
+            straddling.setdefault((key, q, k), []).append((offset, base64.b64decode(data)))
+    for (key, q, k), pieces in straddling.items():
+        joined = b"".join(data for _, data in sorted(pieces))  # contiguous, disjoint: replica 0's pieces only
+        out.setdefault(key, {}).setdefault(q, {})[k] = shard_checksum(np.frombuffer(joined, np.uint8))
+    return out
+
+
+def compute_checksums(state: Mapping[str, Any], layout: ChunkLayout) -> dict[str, Any]:
+    """The ``meta.checksums`` record of a ``state`` tree saved with ``layout``: the checksum of every
+    storage block of every saved shard, and each shard's combined (as
+    :meth:`CheckpointMeta.checksums_of_arrays`), at any number of processes — a collective
+    (:func:`block_checksums_everywhere`)."""
+    meta = CheckpointMeta(step=0, layout=layout)
+    paths = flat_arrays(state)
+    units = {p: meta.storage_block_numel(p) for p in paths}
+    sums = block_checksums_everywhere(state, meta, units)
+    blocks: dict[str, list[list[str]]] = {}
+    for p in paths:
+        key, per_rank = checksum_key(p), {}
+        for q, k, _, _ in _units(meta, p, units[p]):
+            per_rank.setdefault(q, []).append(sums[key][q][k])
+        blocks[key] = [per_rank[q] for q in sorted(per_rank)]
+    return meta.record_of_blocks(blocks)
 
 
 def verify_checksums(state: Mapping[str, Any], meta: CheckpointMeta, where: str) -> bool:
-    """Check restored arrays against ``meta.checksums`` (written at ``meta.layout``'s world size).
-
-    The saved shards' element ranges are the same in the restored arrays (only padding changes with
-    the world size), so each saved shard's checksum is recomputed from the restored data.
+    """Check restored arrays (any sharding, one process or many) against ``meta.checksums`` (written at
+    ``meta.layout``'s world size): each storage block of each saved shard (whole shards for a checkpoint
+    written before blocks) is checksummed from the restored data — its element ranges are the same at
+    every world size, only the padding differs. A collective when there are several processes, and every
+    process reaches the same verdict.
 
     Returns:
-        ``False`` when nothing could be verified (no checksums, or arrays not fully addressable).
+        ``False`` when the checkpoint has no checksums (nothing verified; the restore warned).
 
     Raises:
-        CheckpointError: a shard's checksum differs (names the array, the saving rank and the range).
+        CheckpointError: a block's checksum differs (names the array, the step directory, the saving
+            rank and the element range).
         CheckpointFormatError: an array has no checksum in a checkpoint that has them.
     """
-    host = _host_arrays(state) if meta.checksums else None
-    if host is None:
+    if not meta.checksums:
         return False
-    for path, a in host.items():
-        for q, start, stop in meta.saved_shards(path):
-            meta.verify_shard(path, q, a[start:stop], step_dir=where)
+    paths = flat_arrays(state)
+    for p in paths:
+        if checksum_key(p) not in meta.checksums["arrays"]:
+            raise CheckpointFormatError(f"{Path(where) / META_ITEM}: no checksum for array {array_name(p)!r}")
+    units = {p: meta.verification_unit(p) for p in paths}
+    got = block_checksums_everywhere(state, meta, units)
+    for p in paths:
+        key = checksum_key(p)
+        blocks = (meta.checksums.get("blocks") or {}).get(key)
+        for q, k, lo, hi in _units(meta, p, units[p]):
+            want = blocks["sums"][q][k] if blocks is not None else meta.checksums["arrays"][key][q]
+            if got[key][q][k] != want:
+                meta.raise_corrupted(p, q, lo, hi, got[key][q][k], want, where)
+        for q, a, e in meta.saved_shards(p):  # and each whole shard's (what readers before blocks verify)
+            whole = combine_checksums([got[key][q][k] for k in sorted(got[key][q])])
+            if whole != meta.checksums["arrays"][key][q]:
+                meta.raise_corrupted(p, q, a, e, whole, meta.checksums["arrays"][key][q], where)
     return True
 
 
@@ -167,6 +257,7 @@ def _restore(path, mesh: Mesh, axis: str, step: int | None, *, params: bool, opt
         raise CheckpointError(f"{step_dir}: checkpoint has no EMA (saved without a ZeroEMA)")
     meta.check_saved_arrays(orbax_store.read_array_metadata(step_dir), source=str(step_dir), with_optimizer=optimizer,
                             with_ema=ema)
+    meta.warn_if_unverified(step_dir)
     layout = meta.layout.relayout(n)
     tree, args = abstract_state(layout, mesh, axis=axis, state_keys=tuple(meta.optimizer.state_keys) if optimizer else (),
                                 ema=ema)
@@ -273,8 +364,9 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
             ``state_keys``, ``step``); its ``state_keys`` must be the keys of ``opt_state_chunks``.
         mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (the compute precision torch resumes with).
         loss_scaler, model_config, data_position, rng_states, extra: JSON-able, stored in ``meta``.
-        checksums: record ``meta.checksums`` per saved shard (as the torch backend does, so its loader
-            verifies what it reads); skipped when an array is not fully addressable (multi-host).
+        checksums: record ``meta.checksums`` per storage block of each saved shard (as the torch backend
+            does, so every loader verifies what it reads), at any number of processes; each process
+            checksums the shards it writes and the sums are gathered as JSON (:func:`compute_checksums`).
         options: ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep``,
             ``multiprocessing_options`` …).
         timeout_s: the longest, in seconds, any wait for the other JAX processes may take (each Orbax
@@ -320,15 +412,15 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
         model_config=model_config, data_position=data_position, rng_states=rng_states, extra=extra,
     )
     state = state_tree(arrays)
-    host = _host_arrays(state) if checksums else None
-    if host is not None:
-        meta.checksums = meta.checksums_of_arrays(host)
+    if checksums:
+        meta.checksums = compute_checksums(state, layout)
     return orbax_store.save_step(directory, meta, state, options=options, timeout_s=timeout_s)
 
 
 __all__ = [
     "RestoredCheckpoint",
     "abstract_state",
+    "block_checksums_everywhere",
     "compute_checksums",
     "restore_checkpoint",
     "restore_chunks",

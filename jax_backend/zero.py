@@ -40,7 +40,7 @@ from chunkzero.errors import ConfigError, LayoutError
 from chunkzero.layout import ChunkLayout
 
 from . import checkpoint as jax_checkpoint
-from .blocks import Program, gpt_program
+from .blocks import Program, gpt_program, hf_program
 from .collectives import reduce_scatter_sum
 from .gpt import GPTConfig
 from .layout import check_chunks
@@ -169,7 +169,7 @@ class ZeroTrainer(ShardedTrainer):
             path, step: a checkpoint root or step directory, and the step (default: the latest).
             mesh, axis: where to train; the layout is the saved one relaid out for ``mesh.shape[axis]``.
             program: the model as stages (default: the GPT of the checkpoint's ``model_config``; a Hugging
-                Face GPT-2 config, ``model_type`` ``"gpt2"``, gives its HF-named, ``Conv1D``-shaped program).
+                Face config, with a ``model_type``, gives its HF-named program: :func:`jax_backend.blocks.hf_program`).
             kwargs: more :class:`ZeroTrainer` arguments (``donate`` …); ``mixed_precision`` and
                 ``max_norm`` override the saved ones.
 
@@ -188,10 +188,8 @@ class ZeroTrainer(ShardedTrainer):
         if program is None:
             if not meta.model_config:
                 raise ConfigError(f"checkpoint {str(restored.path)!r} has no model_config: pass program=")
-            if meta.model_config.get("model_type") == "gpt2":  # a Hugging Face GPT-2: HF names, Conv1D shapes
-                from .convert import hf_gpt2_config
-
-                program = gpt_program(hf_gpt2_config(meta.model_config), "hf-gpt2", hf_conv1d=True)
+            if "model_type" in meta.model_config:  # a Hugging Face config.json: HF names and shapes
+                program = hf_program(meta.model_config)
             else:
                 program = gpt_program(GPTConfig.from_dict(meta.model_config))
         if meta.mixed_precision == "fp16" and "mixed_precision" not in kwargs:

@@ -7,10 +7,13 @@ while the engine is chunkzero's:
 
 - **model**: the LightningModule is wrapped in :class:`~torch_backend.ZeroDDP` (the strategy's arguments
   are ZeroDDP's options); ``training_step`` and ``validation_step`` run inside ZeroDDP's forward, so their
-  chunks are gathered on use. The parameters keep the LightningModule's names.
+  chunks are gathered on use. The parameters keep the LightningModule's names. ``shard_group_size=S``
+  is hybrid sharding (each chunk sharded over ``S`` ranks, replicated ``devices / S`` times).
 - **optimizer**: the one optimizer ``configure_optimizers`` returns becomes a
   :class:`~torch_backend.ZeroOptimizer` of the same class, param groups and hyper-parameters (kernel flags
   left at ``None`` take ZeroOptimizer's defaults, fused Adam/AdamW); its LR schedulers are pointed at it.
+  Automatic or manual optimization; several optimizers are refused by name (one ZeroOptimizer owns every
+  trainable chunk's master shard: give them param groups of one optimizer).
 - **precision**: ``Trainer(precision="bf16-mixed" | "16-mixed" | "32-true")`` becomes ZeroDDP's
   ``mixed_precision="bf16" | "fp16" | "fp32"`` (low-precision chunks, fp32 masters; fp16 with
   ZeroOptimizer's dynamic loss scale) instead of autocast.
@@ -21,7 +24,9 @@ while the engine is chunkzero's:
   chunkzero checkpoint directory (sharded Orbax, each rank its own shards; step = ``global_step``);
   the rest of Lightning's checkpoint (loops, callbacks, LR schedulers, hyper-parameters) goes into its
   JSON item (:mod:`torch_backend.lightning_state`). ``fit(ckpt_path=path)`` resumes it at any world
-  size or chunk size (:func:`~torch_backend.load_checkpoint`, ``mode="resume"``).
+  size, shard group size or chunk size (:func:`~torch_backend.load_checkpoint`, ``mode="resume"``).
+- **EMA**: :class:`~torch_backend.lightning_ema.ZeroEMACallback` keeps a sharded
+  :class:`~torch_backend.ZeroEMA`, saved in the checkpoint's ``ema`` item.
 
 Requires ``lightning`` (``pip install 'chunkzero[lightning]'``).
 """
@@ -162,6 +167,21 @@ def zero_optimizer_from(model: ZeroDDP, optimizer: torch.optim.Optimizer, *, max
     return zero
 
 
+def _checked_shard_group_size(shard_group_size) -> int | None:
+    if shard_group_size is not None and (isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int)
+                                         or shard_group_size < 1):
+        raise ConfigError(f"ZeroStrategy(shard_group_size=...) must be a positive int (ranks) or None, "
+                          f"got {shard_group_size!r}")
+    return shard_group_size
+
+
+def _check_divides(shard_group_size: int | None, world_size: int) -> None:
+    if shard_group_size is not None and world_size % shard_group_size:
+        raise ConfigError(f"ZeroStrategy(shard_group_size={shard_group_size}) does not divide the {world_size} devices "
+                          f"(ranks = shard_group_size x replicas: pick one of "
+                          f"{[s for s in range(1, world_size + 1) if world_size % s == 0]})")
+
+
 def _is_chunkzero_checkpoint(path: Path) -> bool:
     return path.is_dir() and (is_step_dir(path) or latest_step(path) is not None)
 
@@ -172,16 +192,18 @@ class ZeroStrategy(DDPStrategy):
 
     Args:
         chunk_size, prefetch, placement, offload_optim_frac, offload_param_frac, keep_gathered,
-        find_unused_parameters: ZeroDDP's options of the same names (chunk size in elements; default
-            searched). The mixed precision comes from ``Trainer(precision=...)``.
+        find_unused_parameters, shard_group_size: ZeroDDP's options of the same names (chunk size in
+            elements, default searched; ``shard_group_size`` in ranks, ``None`` = all of them, flat
+            ZeRO-3). The mixed precision comes from ``Trainer(precision=...)``.
         checkpoint_timeout_s: the longest wait, in seconds, of a checkpoint save for the other ranks.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, process_group_backend, timeout,
         start_method: as ``DDPStrategy``'s (Lightning sets most of them from the Trainer).
 
     Raises:
-        ConfigError: at ``fit``: more than one optimizer, a precision ZeroDDP cannot train in
-            (:func:`mixed_precision_of`), ``gradient_clip_algorithm="value"``, ``storage_options`` given to a
-            save; any ZeroDDP / ZeroOptimizer option error.
+        ConfigError: ``shard_group_size`` not a positive int; at set-up: a ``shard_group_size`` that does
+            not divide the number of devices (ranks); at ``fit``: more than one optimizer, a precision
+            ZeroDDP cannot train in (:func:`mixed_precision_of`), ``gradient_clip_algorithm="value"``,
+            ``storage_options`` given to a save; any ZeroDDP / ZeroOptimizer option error.
         CheckpointError: ``ckpt_path`` or a save path that is not a chunkzero checkpoint directory.
     """
 
@@ -197,6 +219,7 @@ class ZeroStrategy(DDPStrategy):
         offload_param_frac: float | None = None,
         keep_gathered=None,
         find_unused_parameters: bool = False,
+        shard_group_size: int | None = None,
         checkpoint_timeout_s: float = orbax_store.DEFAULT_TIMEOUT_S,
         accelerator=None,
         parallel_devices=None,
@@ -211,7 +234,8 @@ class ZeroStrategy(DDPStrategy):
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         self.zero_options = dict(chunk_size=chunk_size, prefetch=prefetch, placement=placement,
                                  offload_optim_frac=offload_optim_frac, offload_param_frac=offload_param_frac,
-                                 keep_gathered=keep_gathered, find_unused_parameters=find_unused_parameters)
+                                 keep_gathered=keep_gathered, find_unused_parameters=find_unused_parameters,
+                                 shard_group_size=_checked_shard_group_size(shard_group_size))
         """ZeroDDP's keyword arguments (besides ``mixed_precision``)."""
         self.checkpoint_timeout_s = orbax_store.check_timeout(checkpoint_timeout_s)
         self.zero_model: ZeroDDP | None = None
@@ -228,6 +252,7 @@ class ZeroStrategy(DDPStrategy):
         self.precision_plugin = _ZeroPrecision(precision, self)
         module = self.lightning_module
         if self.zero_model is None or self.zero_model.module is not module:
+            _check_divides(self.zero_options["shard_group_size"], self.world_size)
             module.to(self.root_device)
             self.zero_model = ZeroDDP(module, mixed_precision=mixed_precision, **self.zero_options)
         elif self.zero_model.mixed_precision != mixed_precision:
@@ -243,7 +268,9 @@ class ZeroStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)  # configure_optimizers: torch optimizers and scheduler configs
         if len(self.optimizers) != 1:
-            raise ConfigError(f"ZeroStrategy trains with one optimizer; configure_optimizers returned {len(self.optimizers)}")
+            raise ConfigError(f"ZeroStrategy trains with one optimizer (one ZeroOptimizer owns every trainable chunk's "
+                              f"master shard); configure_optimizers returned {len(self.optimizers)}: put the parameters "
+                              "in param groups of one optimizer")
         original = self.optimizers[0]
         clip = trainer.gradient_clip_val
         zero = zero_optimizer_from(self.zero_model, original, max_norm=float(clip) if clip else None)
@@ -332,10 +359,12 @@ class ZeroStrategy(DDPStrategy):
         chunkzero checkpoint directory of any world size; return Lightning's part of it.
 
         Raises:
-            CheckpointError: ``checkpoint_path`` is not a chunkzero checkpoint (a Lightning ``.ckpt``
+            CheckpointError: ``checkpoint_path`` does not exist, or is not a chunkzero checkpoint (a Lightning ``.ckpt``
                 file of another strategy is not read: it is a pickle), or holds no Lightning state.
         """
         path = Path(checkpoint_path)
+        if not path.exists():
+            raise CheckpointError(f"ckpt_path {str(path)!r} does not exist")
         if not _is_chunkzero_checkpoint(path):
             raise CheckpointError(f"{str(path)!r} is not a chunkzero checkpoint directory (ZeroStrategy saves and "
                                   "resumes those; a .ckpt file of another strategy is a pickle and is not read)")

@@ -20,7 +20,7 @@ imported by the functions that need them.
 """
 
 from ..errors import CheckpointError, CheckpointFormatError  # the format's errors, importable with its names
-from .checksums import CHECKSUM_ALGORITHM, STORAGE_BLOCK_BYTES, checksum_key, shard_checksum
+from .checksums import CHECKSUM_ALGORITHM, STORAGE_BLOCK_BYTES, checksum_key, combine_checksums, shard_checksum
 from .meta import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
@@ -35,6 +35,7 @@ from .meta import (
     CheckpointMeta,
     EmaMeta,
     OptimizerMeta,
+    UnverifiedCheckpointWarning,
     array_name,
     chunk_index,
     chunk_key,
@@ -67,6 +68,7 @@ __all__ = [
     "check_compatible",
     "compare_layouts",
     "checksum_key",
+    "combine_checksums",
     "chunk_index",
     "chunk_key",
     "flat_arrays",
@@ -80,6 +82,7 @@ __all__ = [
     "resolve_step_dir",
     "saved_tensor",
     "shard_arrays",
+    "UnverifiedCheckpointWarning",
     "shard_checksum",
     "state_tree",
 ]

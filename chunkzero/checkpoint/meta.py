@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -437,16 +438,16 @@ class CheckpointMeta:
                 if key not in per_rank[q]:
                     raise CheckpointError(f"rank {q} computed no checksum for array {array_name(path)!r}; the ranks disagree on what they save")
             blocks[key] = [list(per_rank[q][key]) for q in ranks]
-        return self._record(blocks)
+        return self.record_of_blocks(blocks)
 
     def checksums_of_arrays(self, arrays: Mapping[ArrayPath, Any]) -> dict[str, Any]:
         """The ``checksums`` record of whole arrays (``path -> 1-D host array`` at this layout's world
         size): the block checksums of each saved shard's range, and each shard's combined."""
-        return self._record({checksum_key(p): [block_checksums(np.asarray(a)[s:e], self.storage_block_numel(p))
+        return self.record_of_blocks({checksum_key(p): [block_checksums(np.asarray(a)[s:e], self.storage_block_numel(p))
                                                for _, s, e in self.saved_shards(p)] for p, a in arrays.items()})
 
-    def _record(self, blocks: Mapping[str, list[list[str]]]) -> dict[str, Any]:
-        numel = {checksum_key(p): self.storage_block_numel(p) for p in self.expected_arrays()}
+    def record_of_blocks(self, blocks: Mapping[str, list[list[str]]]) -> dict[str, Any]:
+        numel = {k: self.storage_block_numel(tuple(k.split("/"))) for k in blocks}  # k: checksum_key(path)
         return {"algorithm": CHECKSUM_ALGORITHM,
                 "arrays": {k: [combine_checksums(b) for b in per_shard] for k, per_shard in blocks.items()},
                 "blocks": {k: {"block_numel": numel[k], "sums": [list(b) for b in per_shard]} for k, per_shard in blocks.items()}}
@@ -489,7 +490,7 @@ class CheckpointMeta:
         for k, got in enumerate(block_checksums(data, unit)):
             if got != sums[first + k]:
                 lo = start + k * unit
-                self._corrupted(path, rank, lo, min(lo + unit, e), got, sums[first + k], step_dir)
+                self.raise_corrupted(path, rank, lo, min(lo + unit, e), got, sums[first + k], step_dir)
         return True
 
     def verify_shard(self, path: ArrayPath, rank: int, data: Any, *, step_dir: str | Path) -> bool:
@@ -515,14 +516,29 @@ class CheckpointMeta:
         got = shard_checksum(data)
         if got != sums[rank]:
             _, start, stop = self.saved_shards(path)[rank]
-            self._corrupted(path, rank, start, stop, got, sums[rank], step_dir)
+            self.raise_corrupted(path, rank, start, stop, got, sums[rank], step_dir)
         return True
 
-    def _corrupted(self, path: ArrayPath, rank: int, start: int, stop: int, got: str, want: str, step_dir) -> None:
+    def warn_if_unverified(self, step_dir: str | Path) -> bool:
+        """Warn (once, :class:`UnverifiedCheckpointWarning`) that the data of ``step_dir`` cannot be verified
+        when the checkpoint records no checksums (written by a multi-process JAX run before they were
+        recorded at every process count, or by hand). Returns whether it warned."""
+        if self.checksums is not None:
+            return False
+        warnings.warn(f"{step_dir}: this checkpoint records no checksums (written before they were recorded at every "
+                      "process count, or saved without them), so its data is loaded unverified", UnverifiedCheckpointWarning,
+                      stacklevel=3)
+        return True
+
+    def raise_corrupted(self, path: ArrayPath, rank: int, start: int, stop: int, got: str, want: str, step_dir) -> None:
         raise CheckpointError(
             f"array {array_name(path)!r} in {str(Path(step_dir) / STATE_ITEM)!r} is corrupted: elements [{start}, {stop}) "
             f"saved by rank {rank} have checksum {got}, the metadata recorded {want}"
         )
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint's data is loaded without checksums to verify it against."""
 
 
 def _valid_numels(layout: ChunkLayout) -> dict[str, tuple[int, ...]]:

@@ -13,8 +13,9 @@ the process's exit waits for its commit. Read-only managers are built per read.
 back before anything is written; the step must be new and after the latest committed step (nothing is
 overwritten); Orbax writes into a temporary directory and renames it once every process has finished
 (the atomic commit), so a save killed midway leaves the previous step as the latest; ``max_to_keep``
-deletes older steps after a commit. Each process writes the shards its ``jax.Array`` s hold (OCDBT, one
-data sub-tree per process); a replicated array is written once.
+deletes older steps after a commit, never the newest one saved with a finite loss (:func:`_keep_policy`).
+Each process writes the shards its ``jax.Array`` s hold (OCDBT, one data sub-tree per process); a
+replicated array is written once.
 
 **Restores** with target shardings (:func:`restore_arrays`) serve JAX; the torch ranks read with
 TensorStore through :mod:`chunkzero.checkpoint.reader`, opened with Orbax's own read spec
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -38,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, CheckpointFormatError, ConfigError
-from .meta import META_ITEM, STATE_ITEM, ArrayPath, CheckpointMeta, array_name
+from .meta import META_FILENAME, META_ITEM, STATE_ITEM, ArrayPath, CheckpointMeta, array_name
 from .steps import list_steps, resolve_step_dir
 from .tree import flat_arrays, state_tree
 
@@ -63,6 +66,8 @@ def _ocp():
 class _Managed:
     manager: Any
     options: Any
+    pending_step: int | None = None
+    """The step of the asynchronous save handed over last (what a failure of its commit names)."""
 
 
 _MANAGERS: dict[str, _Managed] = {}
@@ -93,9 +98,11 @@ def whole_seconds(timeout_s: float) -> int:
     return max(1, math.ceil(timeout_s))
 
 
-def _manager_options(max_to_keep: int | None, options: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+def _manager_options(max_to_keep: int | None, options: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     directory: Path | None = None) -> Any:
     """The write options of a root: the caller's ``CheckpointManagerOptions`` (default: asynchronous
-    saves) with ``max_to_keep`` applied and every barrier bounded by ``timeout_s``.
+    saves) with ``max_to_keep`` applied (:func:`_keep_policy`: never the newest finite step of ``directory``)
+    and every barrier bounded by ``timeout_s``.
 
     Orbax waits for the other processes in two kinds of barrier. The commit of an asynchronous save
     (``async_write_complete`` / ``async_commit_complete``) waits at most ``AsyncOptions.timeout_secs``,
@@ -117,7 +124,56 @@ def _manager_options(max_to_keep: int | None, options: Any = None, *, timeout_s:
     waits = dataclasses.replace(options.async_options or ocp.AsyncOptions(), timeout_secs=whole_seconds(timeout_s))
     options = dataclasses.replace(options, read_only=False, create=False, multiprocessing_options=processes,
                                   async_options=waits)
-    return options if max_to_keep is None else dataclasses.replace(options, max_to_keep=max_to_keep)
+    if max_to_keep is None and options.preservation_policy is None:
+        max_to_keep = options.max_to_keep  # (a caller's CheckpointManagerOptions(max_to_keep=N): the same rule)
+    if max_to_keep is None:
+        return options
+    return dataclasses.replace(options, max_to_keep=None, preservation_policy=_keep_policy(max_to_keep, directory))
+
+
+FINITE_KEY = "finite"
+"""``meta.extra[FINITE_KEY]``: whether the step was saved with a finite training loss (a step without it
+counts as finite). :func:`save_step`'s ``max_to_keep`` never deletes the newest finite step."""
+
+
+def saved_finite(step_dir: str | os.PathLike) -> bool:
+    """Whether committed step ``step_dir`` was saved with a finite loss (``meta.extra``'s :data:`FINITE_KEY`;
+    absent counts as finite); ``False`` when its metadata cannot be read."""
+    try:
+        doc = json.loads((Path(step_dir) / META_ITEM / META_FILENAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    extra = doc.get("extra") if isinstance(doc, dict) else None
+    return not isinstance(extra, dict) or extra.get(FINITE_KEY, True) is not False
+
+
+def _keep_policy(max_to_keep: int, directory: Path | None) -> Any:
+    """Orbax's preservation of a root: its newest ``max_to_keep`` steps, and the newest finite one
+    (:func:`saved_finite`) however old, so a run gone non-finite never rotates out its last good step."""
+    ocp = _ocp()
+    managers = ocp.checkpoint_managers
+    policies = [managers.LatestN(n=max_to_keep)]
+    if directory is not None:
+        policies.append(_newest_finite_policy()(str(directory)))
+    return managers.AnyPreservationPolicy(policies)
+
+
+@functools.cache
+def _newest_finite_policy() -> type:
+    """The Orbax ``PreservationPolicy`` that keeps the newest finite step of a root (built on first use:
+    Orbax is imported lazily)."""
+    managers = _ocp().checkpoint_managers
+
+    @dataclasses.dataclass(frozen=True)
+    class NewestFinite(managers.PreservationPolicy):
+        root: str
+
+        def should_preserve(self, checkpoints, *, context):
+            finite = [c.step for c in checkpoints if saved_finite(Path(self.root) / str(c.step))]
+            newest = max(finite, default=None)
+            return [c.step == newest for c in checkpoints]
+
+    return NewestFinite
 
 
 @contextmanager
@@ -154,6 +210,7 @@ def _manager(directory: Path, options: Any):
             m.manager.close()
         _register_exit_hook()
         logging.getLogger("absl").addFilter(_without_small_chunk_warning)  # (kept once however often added)
+        logging.getLogger("absl").addFilter(_without_orbax_thread_errors)
         # ``state`` through the PyTree handler: the on-disk format of ``StandardSave``, and subsets restore
         handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS), META_ITEM: ocp.JsonCheckpointHandler()}
         manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
@@ -183,7 +240,8 @@ def wait_until_finished(directory: str | os.PathLike | None = None) -> None:
                     if _MANAGERS.get(key) is m:
                         del _MANAGERS[key]
                 timeout_s = m.options.async_options.timeout_secs if m.options.async_options else DEFAULT_TIMEOUT_S
-                raise CheckpointError(f"a pending save under {key!r} failed: {_orbax_failure(e, timeout_s)}") from e
+                what = f"step {m.pending_step}" if m.pending_step is not None else "a pending save"
+                raise CheckpointError(_not_saved(what, Path(key), e, timeout_s, m.pending_step)) from e
 
 
 def committed_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
@@ -266,7 +324,8 @@ def save_step(
             (each process writes the shards it holds) or numpy arrays (written by the primary process),
             or a function returning it, called once the arguments are checked.
         async_save: return once Orbax holds the arrays; the commit completes in the background.
-        max_to_keep: keep only the newest ``max_to_keep`` steps (``None``: keep all, or as ``options`` says).
+        max_to_keep: keep only the newest ``max_to_keep`` steps, and the newest step saved with a finite loss
+            (``meta.extra["finite"]`` not ``False``) however old (``None``: keep all, or as ``options`` says).
         options: ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``multiprocessing_options`` …).
         timeout_s: the longest, in seconds, that any wait for the other processes may take — each of
             Orbax's barriers, and the background write plus its commit (:func:`_manager_options`); a
@@ -293,15 +352,16 @@ def save_step(
     tree = state() if callable(state) else state
 
     ocp = _ocp()
-    where = f"step {step} to {str(directory)!r}"
     with _HANDOVER_LOCK, _barrier_timeout(timeout_s):
         try:
             directory.mkdir(parents=True, exist_ok=True)  # by every process: Orbax does not with active_processes
             wait_until_finished(directory)  # an earlier save's failure surfaces here, before this one starts
-            manager = _manager(directory, _manager_options(max_to_keep, options, timeout_s=timeout_s))
-        except Exception as e:
-            why = e if isinstance(e, CheckpointError) else _orbax_failure(e, timeout_s)  # the manager's barriers
-            raise CheckpointError(f"step {step} was not saved under {str(directory)!r}: {why}") from e
+            manager = _manager(directory, _manager_options(max_to_keep, options, timeout_s=timeout_s,
+                                                                 directory=directory))
+        except CheckpointError:
+            raise  # an earlier save's: it names its step
+        except Exception as e:  # the manager's barriers, or the root cannot be created
+            raise CheckpointError(_not_saved(f"step {step}", directory, e, timeout_s, step)) from e
         existing = list_steps(directory)
         if sorted(manager.all_steps()) != existing:  # the root changed outside this manager
             manager.reload()
@@ -313,10 +373,13 @@ def save_step(
         try:
             items = {STATE_ITEM: ocp.args.PyTreeSave(tree, save_args=_save_args(meta, tree)), META_ITEM: ocp.args.JsonSave(doc)}
             saved = manager.save(step, args=ocp.args.Composite(**items), force=True)
+            with _MANAGERS_LOCK:
+                if (m := _MANAGERS.get(str(directory))) is not None:
+                    m.pending_step = step
             if saved and not async_save:
                 manager.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(f"saving {where} failed: {_orbax_failure(e, timeout_s)}") from e
+            raise CheckpointError(_not_saved(f"step {step}", directory, e, timeout_s, step)) from e
     if not saved:
         raise CheckpointError(f"Orbax declined to save step {step} under {str(directory)!r}")
     return directory / str(step)
@@ -326,6 +389,15 @@ def _without_small_chunk_warning(record: logging.LogRecord) -> bool:
     """Drop Orbax's "target_byte_size too small" warning: the small storage blocks are chosen on purpose
     (a resume reads only the blocks it owns)."""
     return "target_byte_size too small" not in record.getMessage()
+
+
+def _without_orbax_thread_errors(record: logging.LogRecord) -> bool:
+    """Drop the errors Orbax's save threads log with their tracebacks (every process, every thread, one
+    failure): the save raises :class:`CheckpointError` once, in one line (:func:`_not_saved`)."""
+    if record.levelno < logging.ERROR:
+        return True
+    # absl reports its own file as the caller; Orbax starts its messages with "[process=N]"
+    return f"{os.sep}orbax{os.sep}" not in record.pathname and not record.getMessage().startswith("[process=")
 
 
 _EXPECTED_ABSL_WARNINGS = (
@@ -347,6 +419,38 @@ def _save_args(meta: CheckpointMeta, tree: Mapping[str, Any]) -> dict[str, Any]:
     ocp = _ocp()
     return state_tree({p: ocp.SaveArgs(chunk_byte_size=meta.storage_block_numel(p) * np.dtype(a.dtype).itemsize)
                        for p, a in flat_arrays(tree).items()})
+
+
+def _disk_full(e: BaseException, directory: Path) -> str | None:
+    """``"the disk holding DIR is full (…)"`` when the failure ``e`` (or what caused it) says so (ENOSPC), or
+    the disk holding ``directory`` has less room than its latest step takes (another process's write may
+    have hit it, and this one only timed out waiting); else ``None``."""
+    texts, seen = [], e
+    while seen is not None and len(texts) < 8:
+        texts.append(f"{seen} {getattr(seen, 'errno', '')}")
+        seen = seen.__cause__ or seen.__context__
+    said = any("No space left on device" in t or "os_error_code='28'" in t or "Errno 28" in t for t in texts)
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    steps = list_steps(directory)
+    need = sum(f.stat().st_size for f in (directory / str(steps[-1])).rglob("*") if f.is_file()) if steps else 0
+    if not said and (free is None or free >= need):
+        return None
+    room = f"{free / 2**20:.1f} MiB free" if free is not None else "no room"
+    size = f"; a step takes {need / 2**20:.1f} MiB" if need else ""
+    return f"the disk holding {directory} is full ({room}{size})"
+
+
+def _not_saved(what: str, directory: Path, e: BaseException, timeout_s: float, step: int | None) -> str:
+    """The one line of a save that failed: the step, why (a full disk said so, not its traceback), and the
+    newest committed step before it, which is intact."""
+    why = _disk_full(e, directory) or _orbax_failure(e, timeout_s)
+    before = [s for s in list_steps(directory) if step is None or s < step]
+    kept = (f"step {before[-1]}, the previous checkpoint, is intact" if before
+            else "no earlier checkpoint is saved under it")
+    return f"{what} was not saved under {str(directory)!r}: {why}; {kept}"
 
 
 def _orbax_failure(e: BaseException, timeout_s: float) -> str:

@@ -92,6 +92,7 @@ class ChunkReader:
         """Bytes of array data :meth:`read_into` asked TensorStore for (whole storage blocks), in total."""
         self._index = orbax_store.array_index(self.item_dir)
         meta.check_saved_arrays(dict.fromkeys(self._index.paths), source=str(self.item_dir / "_METADATA"))
+        meta.warn_if_unverified(self.step_dir)
 
     def _where(self, path: ArrayPath) -> str:
         return f"array {array_name(path)!r} in {str(self.item_dir)!r}"

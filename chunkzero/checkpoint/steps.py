@@ -8,6 +8,8 @@ holding both items are committed steps.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointFormatError, ConfigError
@@ -28,6 +30,23 @@ def list_steps(root: str | os.PathLike) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if is_step_dir(p))
+
+
+_UNCOMMITTED = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
+"""The name Orbax writes a step under until its commit renames it (``<step>.orbax-checkpoint-tmp[-<n>]``)."""
+
+
+def remove_uncommitted(root: str | os.PathLike) -> list[str]:
+    """Remove the temporaries of saves that died before their commit (``kill -9`` mid-save) directly under
+    checkpoint root ``root``; returns their names. Only Orbax's step temporaries, never a committed step.
+    Call it only where no save to ``root`` can be running: a run's process 0 at its start."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    stale = sorted(p for p in root.iterdir() if _UNCOMMITTED.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
 
 
 def latest_step(root: str | os.PathLike) -> int | None:

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from chunkzero.configs import GPT_CONFIGS, ModelConfig, model_specs
+from chunkzero.configs import GPT_CONFIGS, HF_LLAMA_DEFAULTS, ModelConfig, hf_llama_config, model_specs
 from chunkzero.errors import ConfigError
 from chunkzero.layout import TensorSpec
 from chunkzero.train_config import TrainConfig
@@ -77,8 +77,9 @@ def model_block_size(model: str) -> tuple[str, int, int]:
 
 def model_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
     """The model's parameters as :class:`chunkzero.TensorSpec` (names in ``named_parameters()`` order, tied
-    names as aliases, shapes) from its config alone: a byte-level GPT, or a Hugging Face GPT-2 directory
-    (``Conv1D`` ``(in, out)`` weights). ``cfg.model_kind`` must be resolved.
+    names as aliases, shapes) from its config alone: a byte-level GPT, a Hugging Face GPT-2 directory
+    (``Conv1D`` ``(in, out)`` weights) or a Llama-family one (``model_type`` llama, mistral, qwen2:
+    :func:`chunkzero.configs.hf_llama_config`). ``cfg.model_kind`` must be resolved.
 
     Raises:
         ConfigError: a Hugging Face model of another ``model_type`` (its engine gives its own specs).
@@ -86,6 +87,8 @@ def model_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
     if cfg.model_kind != "hf":
         return model_specs(cfg.model)
     c = hf_config(cfg.model)
+    if c["model_type"] in HF_LLAMA_DEFAULTS:
+        return model_specs(hf_llama_config(c))
     if c["model_type"] != "gpt2":
         raise ConfigError(f"--model {cfg.model}: the tensors of a {c['model_type']!r} model come from its engine")
     shape = ModelConfig("hf-gpt2", c["vocab_size"], c["n_positions"], c["n_layer"], c["n_head"], c["n_embd"],

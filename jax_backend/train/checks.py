@@ -17,6 +17,8 @@ from chunkzero.job.models import hf_config, load_run_corpus, model_block_size, m
 from chunkzero.train_config import TrainConfig, with_device_defaults
 from chunkzero.workers import available_cpu_cores, check_cpu_workers
 
+from ..blocks import HF_MODEL_TYPES
+
 
 def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | None = None):
     """The resolved config and the corpus; ``world_size`` = processes × ``--devices-per-process``.
@@ -55,9 +57,10 @@ HF_DROPOUT_KEYS = ("embd_pdrop", "attn_pdrop", "resid_pdrop")
 
 
 def check_hf_model(cfg: TrainConfig) -> None:
-    """Refuse a Hugging Face ``--model`` directory the JAX engine cannot train as the torch engine does: any
-    ``model_type`` but ``"gpt2"``, a GPT-2 variant the JAX GPT does not compute, dropout (torch trains with
-    it, the JAX program has none), or tensors other than the torch engine's (names, shapes, tied names).
+    """Refuse a Hugging Face ``--model`` directory the JAX engine cannot train as the torch engine does: a
+    ``model_type`` without a JAX program (:data:`jax_backend.blocks.HF_MODEL_TYPES`), a variant the program
+    does not compute (:func:`jax_backend.blocks.hf_program`), dropout (torch trains with it, the JAX program
+    has none), or tensors other than the torch engine's (names, shapes, tied names).
 
     Raises:
         ConfigError: one line naming the directory and the field at fault.
@@ -65,9 +68,10 @@ def check_hf_model(cfg: TrainConfig) -> None:
     from .engine import run_program
 
     c = hf_config(cfg.model)
-    if c["model_type"] != "gpt2":
-        raise ConfigError(f"--backend jax trains the byte-level GPTs and Hugging Face GPT-2 directories; --model "
-                          f"{cfg.model} is a {c['model_type']!r} model, which only --backend torch trains")
+    if c["model_type"] not in HF_MODEL_TYPES:
+        raise ConfigError(f"--backend jax trains the byte-level GPTs and Hugging Face {', '.join(HF_MODEL_TYPES)} "
+                          f"directories; --model {cfg.model} is a {c['model_type']!r} model, which only --backend "
+                          "torch trains")
     dropout = {k: c.get(k, 0.0) for k in HF_DROPOUT_KEYS if c.get(k, 0.0)}
     if dropout:
         raise ConfigError(f"--backend jax trains without dropout; --model {cfg.model} sets "
@@ -82,5 +86,5 @@ def check_hf_model(cfg: TrainConfig) -> None:
     if torch_specs != jax_specs:
         i = next(i for i in range(max(len(torch_specs), len(jax_specs)))
                  if torch_specs[i:i + 1] != jax_specs[i:i + 1])
-        raise ConfigError(f"--backend jax: --model {cfg.model} has tensors the JAX GPT-2 does not (tensor {i}: "
+        raise ConfigError(f"--backend jax: --model {cfg.model} has tensors the JAX program does not (tensor {i}: "
                           f"torch {torch_specs[i:i + 1] or 'none'}, JAX {jax_specs[i:i + 1] or 'none'})")

@@ -3,8 +3,8 @@ engine, behind the interface the loop and :class:`chunkzero.job.report.Report` r
 
 The same run as torch's: the model initialised from the same bytes (:func:`initial_params`: the core's
 numpy initialization, or a directory's safetensors read with numpy; no torch) — a byte-level GPT, or a Hugging
-Face GPT-2 directory under HF's own tensor names and ``Conv1D`` ``(in, out)`` shapes
-(:func:`jax_backend.blocks.gpt_program` with ``hf_conv1d``), so its checkpoints are the torch run's — the chunk layout of
+Face GPT-2 or Llama-family (Llama, Mistral, Qwen2) directory under HF's own tensor names and shapes
+(:func:`jax_backend.blocks.hf_program`), so its checkpoints are the torch run's — the chunk layout of
 :class:`torch_backend.ZeroDDP` (the core search over the same tensor specs, in the compute dtype),
 AdamW with betas (0.9, 0.95), eps 1e-8, the two param groups of
 :func:`torch_backend.train.adapter.decay_groups` (weight decay on tensors of 2 or more dimensions),
@@ -30,19 +30,19 @@ from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from chunkzero.checkpoint import chunk_key
+from chunkzero.checkpoint import chunk_key, latest_step
 from chunkzero.configs import GPT_CONFIGS
-from chunkzero.errors import ConfigError
+from chunkzero.errors import CheckpointError, ConfigError
 from chunkzero.job.guards import NonFiniteStop
 from chunkzero.job.init import gpt_initial_params
 from chunkzero.job.models import hf_config
 from chunkzero.layout import ChunkLayout
+from chunkzero.run_dir import resume_failed
 from chunkzero.search import search_chunk_size
 from chunkzero.train_config import TrainConfig
 
-from ..blocks import Program, gpt_program
+from ..blocks import Program, gpt_program, hf_program
 from ..checkpoint import restore_checkpoint
-from ..convert import hf_gpt2_config
 from ..optim import adamw_meta, param_groups_adamw
 from ..zero import ZeroTrainer
 
@@ -68,13 +68,13 @@ def lr_schedule(cfg: TrainConfig):
 
 def run_program(cfg: TrainConfig) -> Program:
     """The staged program of ``cfg.model``: a byte-level GPT by name, or (``cfg.model_kind == "hf"``) the
-    Hugging Face GPT-2 of that directory under HF's tensor names and shapes.
+    Hugging Face GPT-2 or Llama-family model of that directory under HF's tensor names and shapes.
 
     Raises:
-        ConfigError: a Hugging Face config this GPT does not compute (:func:`jax_backend.convert.hf_gpt2_config`).
+        ConfigError: a Hugging Face config no program computes (:func:`jax_backend.blocks.hf_program`).
     """
     if cfg.model_kind == "hf":
-        return gpt_program(hf_gpt2_config(hf_config(cfg.model)), "hf-gpt2", hf_conv1d=True)
+        return hf_program(hf_config(cfg.model))
     return gpt_program(GPT_CONFIGS[cfg.model])
 
 
@@ -155,7 +155,10 @@ class JaxEngine:
         self.program = run_program(cfg)
         self.meta = None
         if resume_from is not None:
-            restored = restore_checkpoint(resume_from, mesh, with_optimizer=True)
+            try:
+                restored = restore_checkpoint(resume_from, mesh, step=cfg.resume_step, with_optimizer=True)
+            except CheckpointError as e:
+                raise resume_failed(resume_from, cfg.resume_step or latest_step(resume_from), e) from None
             layout, self.meta = restored.layout, restored.meta
         else:
             layout = build_layout(cfg, self.world)

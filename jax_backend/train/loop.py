@@ -16,14 +16,16 @@ RNG states are ignored here; the loss scaler is saved as a passthrough (bf16 and
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from chunkzero.checkpoint.orbax_store import FINITE_KEY
 from chunkzero.errors import ChunkZeroError
 from chunkzero.job.guards import warn_dropped_ema
 from chunkzero.resume_check import run_settings, sampler_position
-from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
+from chunkzero.run_dir import CHECKPOINT_DIR
 from chunkzero.train_config import TrainConfig, lr_at
 
 log = logging.getLogger("chunkzero.train")
@@ -53,9 +55,7 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
         sizes = sorted({c.size * 4 for c in build_layout(cfg, world).chunks if not c.keep_gathered})
         check_reduce_scatter(mesh, sizes)
     ckpt_root = Path(cfg.out) / CHECKPOINT_DIR
-    resume_from = None
-    if cfg.resume:  # its latest step, or --resume-step's
-        resume_from = ckpt_root if cfg.resume_step is None else ckpt_root / str(cfg.resume_step)
+    resume_from = ckpt_root if cfg.resume else None  # its latest step, or --resume-step's
     error = None
     try:
         engine = JaxEngine(cfg, mesh, resume_from=resume_from)
@@ -107,8 +107,9 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
             report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
                 sampler = next(iter(samplers.values()))
-                engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=CHECKPOINTS_KEPT,
-                            extra={**settings, "counters": report.counters(), "backend": "jax"})
+                engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=cfg.keep,
+                            extra={**settings, "counters": report.counters(), "backend": "jax",
+                                   FINITE_KEY: math.isfinite(float(loss))})
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = engine.evaluate(val)
                 report.val(step, val_loss, train_loss=loss)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError
 from chunkzero.train_config import TrainConfig
-from chunkzero.workers import COORDINATOR_ENV, WorkerFailure, launch_processes
+from chunkzero.workers import COORDINATOR_ENV, Stopped, WorkerFailure, launch_processes
 
 from .checks import validate
 
@@ -69,10 +69,14 @@ def main(cfg: TrainConfig) -> int:
         cfg_path.write_text(json.dumps(cfg.to_dict()), encoding="utf-8")
         try:
             results = launch_processes([sys.executable, "-m", "jax_backend.train.worker", str(cfg_path)], cfg.nproc,
-                                       tmp, env=env, finish_timeout_s=max(60.0, 2 * cfg.timeout_s))
+                                       tmp, env=env, finish_timeout_s=max(60.0, 2 * cfg.timeout_s),
+                                       peer_timeout_s=cfg.timeout_s)
         except WorkerFailure as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_FAILED
+        except Stopped as e:  # the workers are stopped; the temp directory goes with this block
+            print(f"\n{PROG}: {e}", file=sys.stderr)  # on a line of its own, after a progress bar
+            return 128 + e.signum
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED

@@ -7,7 +7,8 @@ with them (all train or all stop with one message) and runs :func:`jax_backend.t
 builds the engine and loads a resumed checkpoint before :func:`open_out` first writes into ``--out``
 (process 0 prepares it; every process writes ``pids/process<i>.pid``). A collective that fails because
 another process vanished ends it with :data:`chunkzero.workers.EXIT_PEER_LOST`, a consequence the
-launcher never names as the cause.
+launcher never names as the cause. SIGTERM, SIGINT and SIGHUP end the process at once, and so does its
+launcher's end (:func:`chunkzero.workers.exit_on_stop_signals`, :func:`~chunkzero.workers.watch_launcher`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from chunkzero.job.guards import stop_message
 from chunkzero.process_exit import exit_without_finalization
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
-from chunkzero.workers import EXIT_PEER_LOST, write_result
+from chunkzero.workers import EXIT_PEER_LOST, exit_on_stop_signals, watch_launcher, write_result
 
 log = logging.getLogger("chunkzero.train")
 
@@ -96,19 +97,24 @@ def worker_main(cfg: TrainConfig) -> dict:
     (the run cannot make progress, :class:`chunkzero.job.guards.NonFiniteStop`: exit 1); exits with
     :data:`~chunkzero.workers.EXIT_PEER_LOST` when another process vanished mid-run."""
     from chunkzero.job.report import setup_logging
-    from jax_backend.processes import compilation_cache_dir, join_processes, process_place, use_compilation_cache
+    from jax_backend.processes import (all_gather_json, compilation_cache_dir, join_processes, process_place,
+                                       use_compilation_cache)
 
     place = process_place()
     setup_logging(place.process_id, None)
+    exit_on_stop_signals()
+    watch_launcher()
     try:
         join_processes(cfg.devices_per_process, cfg.timeout_s, place)
         use_compilation_cache(compilation_cache_dir())  # a restarted run loads its step instead of compiling it
+        exit_on_stop_signals()  # again: jax.distributed.initialize installed its preemption notifier's SIGTERM handler
         error, cfg, corpus = _check_together(cfg, place)
         if error is not None:
             return {"status": "error", "message": error}
         from .loop import train
 
         summary = train(cfg, corpus, place, open_out=lambda error: open_out(cfg, corpus, place.process_id, error))
+        all_gather_json(None)  # process 0 wrote the outputs: all reach jax.distributed's shutdown barrier together
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
         return {"status": "failed", "message": stop_message(e, cfg)}

@@ -1,7 +1,7 @@
 """``chunkzero train``'s input checks that need no worker (issue 32): every numeric option's bounds named by
 its flag, ``--out`` apart from the ``--model`` directory, ``--resume``'s comparison of the settings that
-shape the data stream, ``--schedule keep`` after a run that ended in its warm-up, the hint naming older
-steps, and the CPU-oversubscription check both engines share."""
+shape the data stream, ``--schedule keep`` after a run that ended in its warm-up, ``--resume-step``'s later
+steps set aside, and the CPU-oversubscription check both engines share."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from chunkzero.errors import ConfigError
-from chunkzero.resume_check import (check_resume_changes, older_steps_hint, resume_changes, run_settings,
-                                    sampler_position)
+from chunkzero.resume_check import check_resume_changes, resume_changes, run_settings, sampler_position
 from chunkzero.run_dir import check_out_dir
 from chunkzero.train_config import TrainConfig, lr_at, option_fields, option_kind, resumed_schedule_steps, \
     warn_schedule_change
@@ -215,21 +214,13 @@ def test_schedule_notices_warn_only_when_the_lr_leaves_the_saved_schedule(caplog
     assert r.levelno == logging.WARNING and r.getMessage().startswith("warning: --resume with --steps 40 (was 20)")
 
 
-# ================================================================================ --resume-step's hint
+# ================================================================================ --resume-step
 
 def _steps(root: Path, *steps: int) -> Path:
     for s in steps:
         for item in ("meta", "state"):
             (root / str(s) / item).mkdir(parents=True)
     return root
-
-
-def test_older_steps_hint_lists_the_steps_present(tmp_path):
-    root = _steps(tmp_path / "checkpoints", 5, 10, 15)
-    (root / "20.orbax-checkpoint-tmp").mkdir()  # an unfinished save is no step
-    assert older_steps_hint(root, 15) == "resume from an older step with --resume-step N (steps present: 5, 10, 15)"
-    assert older_steps_hint(root, 5) == ("no older step is present to resume from with --resume-step N "
-                                         "(steps present: 5, 10, 15)")
 
 
 def test_later_steps_are_set_aside_not_deleted(tmp_path):

@@ -225,7 +225,8 @@ def test_a_corrupted_checkpoint_found_by_a_worker_leaves_out_unchanged(backend, 
     proc = run_train("--data", str(corpus), *SMALL, "--steps", "6", "--sample-tokens", "0", *workers,
                      "--resume", "--backend", backend, "--out", str(out), cwd=tmp_path)
     assert proc.returncode != 0, describe(proc)
-    assert "corrupted" in proc.stderr.strip().splitlines()[-1], describe(proc)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "corrupted" in last and "--resume-step 2" in last, describe(proc)
     assert tree_hash(out) == before
 
 

@@ -129,10 +129,10 @@ def test_hf_checkpoint_resumes_in_the_other_engine(runs, source, backend):
 
 def test_hf_models_jax_cannot_train_are_refused_by_name(tmp_path):
     dropout = _hf_dir(tmp_path / "dropout", resid_pdrop=0.1)
-    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, max_position_embeddings=64).save_pretrained(tmp_path / "llama")
+    transformers.GPTNeoXConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=2, max_position_embeddings=64).save_pretrained(tmp_path / "neox")
     for model, message in ((dropout, "--backend jax trains without dropout; --model .* sets resid_pdrop=0.1"),
-                           (tmp_path / "llama", "is a 'llama' model, which only --backend torch trains")):
+                           (tmp_path / "neox", "is a 'gpt_neox' model, which only --backend torch trains")):
         p = run_train("--backend", "jax", "--model", str(model), "--seq-len", "32", "--out", str(tmp_path / "o"),
                       cwd=tmp_path)
         assert p.returncode == 2, describe(p)

@@ -222,3 +222,43 @@ def test_jax_save_writes_torch_compatible_checksums(torch_run, tmp_path):
     assert ours["algorithm"] == r.meta.checksums["algorithm"]
     if torch_run.writer == "torch_backend.save_checkpoint":
         assert ours["arrays"] == r.meta.checksums["arrays"]
+
+
+@pytest.mark.parametrize("flags, kept", [
+    ([True, True, False, False, False, False], [2, 4, 5, 6]),  # the newest finite step outlives keep-last-3
+    ([None] * 6, [4, 5, 6]),  # checkpoints without the flag count as finite: plain keep-last-3
+    # a step counts once committed: the finite step 3 is released by the save after finite step 6
+    ([True] * 3 + [False] * 2 + [True], [3, 4, 5, 6]),
+    ([True] * 3 + [False] * 2 + [True, True], [5, 6, 7]),
+])
+def test_keep_last_n_never_deletes_the_newest_finite_step(tmp_path, flags, kept):
+    """``max_to_keep`` (``--keep``) rotates out old steps, except the newest one saved with a finite loss
+    (``meta.extra["finite"]``), as the training loops of both engines save them (``orbax_store.save_step``)."""
+    layout = ChunkLayout.build([TensorSpec("a", (100,))], 128, 1)
+    for step, finite in enumerate(flags, start=1):
+        extra = {} if finite is None else {"finite": finite}
+        jb.save_checkpoint(tmp_path, {"chunk_0000": np.zeros(layout.chunks[0].size, np.float32)}, layout, step=step, extra=extra,
+                           options=ocp.CheckpointManagerOptions(max_to_keep=3))
+    assert ckpt.list_steps(tmp_path) == kept
+
+
+def test_a_checkpoint_without_checksums_loads_with_one_warning(tmp_path):
+    """Multi-process JAX checkpoints written before checksums were gathered have ``"checksums": null``: a
+    restore (JAX) and a read (torch's loader and ``export`` go through ChunkReader) say once that nothing
+    is verified, and still load."""
+    import warnings
+
+    from chunkzero.checkpoint import UnverifiedCheckpointWarning
+    from chunkzero.checkpoint.reader import ChunkReader
+
+    layout = ChunkLayout.build([TensorSpec("a", (100,))], 128, 1)
+    jb.save_checkpoint(tmp_path, {"chunk_0000": np.ones(layout.chunks[0].size, np.float32)}, layout, step=1,
+                       checksums=False)
+    assert ckpt.read_meta(tmp_path).checksums is None
+    for load in (lambda: jb.restore_chunks(tmp_path, jb.make_mesh(1)),
+                 lambda: ChunkReader(tmp_path / "1", ckpt.read_meta(tmp_path)).read(("params", "chunk_0000"), 0, 100)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            load()
+        said = [w for w in caught if issubclass(w.category, UnverifiedCheckpointWarning)]
+        assert len(said) == 1 and "records no checksums" in str(said[0].message) and "unverified" in str(said[0].message)

@@ -51,3 +51,19 @@ def test_a_failing_process_is_named(tmp_path):
     assert e.value.rank == 1 and e.value.exitcode == 1
     assert "process 1" in str(e.value) and "ValueError: boom" in str(e.value)
     assert "then process(es) 0, 2 stopped" in str(e.value)
+
+
+def test_checkpoint_checksums_at_two_processes(tmp_path):
+    """A checkpoint saved by 2 processes × 2 devices records the checksums a single process computes from
+    the whole arrays (each process checksums the shards it writes; JSON gathered), and a restore verifies
+    them on every process: at 4 and 3 devices it loads, and after one flipped byte in an optimizer-state
+    array every process refuses with the same error naming that array."""
+    results = launch_processes([sys.executable, str(HERE / "mp_checksums.py"), str(tmp_path / "ckpt")], 2,
+                               tmp_path, env=_env())
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["record_is_reference"]
+        assert r["restored"] == {"4": 4, "3": 3}
+        assert r["refused"] and "array 'optim.exp_avg_sq.chunk_0000'" in r["refused"] and "/1/state" in r["refused"] \
+            and "is corrupted" in r["refused"], r
+    assert results[0]["refused"] == results[1]["refused"]

@@ -7,6 +7,11 @@
 - its ``Trainer.save_checkpoint`` is a chunkzero checkpoint: ``fit(ckpt_path=)`` at W = 1 restores the
   weights, optimizer step and LR exactly, and its next 2 steps equal a plain ZeroDDP loop that loads the
   same checkpoint with ``load_checkpoint``;
+- ``ZeroStrategy(shard_group_size=2)`` at 4 devices equals Lightning's own ``DDPStrategy`` within fp32 noise
+  over 5 steps (losses and final weights); its checkpoint records 2 replicas and resumes flat at 2 devices;
+- ``ZeroEMACallback`` equals torch's ``AveragedModel`` with ``get_ema_multi_avg_fn`` on a single-process
+  plain-torch run of the same global batches, at 2 devices and after a resume at 1; validation on the EMA
+  weights gives the AveragedModel's losses, and training goes on from the live weights;
 - the pieces without a Trainer: precision mapping, the optimizer conversion, Lightning's state as JSON.
 """
 
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("lightning")
 
+from chunkzero.checkpoint import read_meta  # noqa: E402
 from chunkzero.errors import CheckpointError, ConfigError  # noqa: E402
 from torch_backend import ZeroDDP, ZeroOptimizer  # noqa: E402
 from torch_backend._testing import run_distributed  # noqa: E402
@@ -149,6 +155,127 @@ def test_lightning_checkpoint_resumes_at_world_size_one(trained):
         assert torch.equal(res["state"][k], want[k]), k
 
 
+# ------------------------------------------------------------------ hybrid sharding against Lightning's DDPStrategy
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    assert sorted(got) == sorted(want)
+    return max(float((got[k] - want[k]).abs().max()) for k in want)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lightning_hybrid")
+    _script("ddp4", out)
+    _script("hybrid4", out)
+    return out, [_result(out, f"ddp4_rank{r}") for r in range(4)], [_result(out, f"hybrid4_rank{r}") for r in range(4)]
+
+
+@pytest.mark.slow
+def test_hybrid_zero_strategy_equals_lightning_ddp_at_four_devices(hybrid):
+    out, ddp, zero = hybrid
+    assert [z["world_size"] for z in zero] == [4] * 4 and [z["replicas"] for z in zero] == [2] * 4
+    assert zero[0]["global_step"] == ddp[0]["global_step"] == 5
+    for d, z in zip(ddp, zero):
+        assert z["seen"] == d["seen"] and len(z["losses"]) == 5 * run.ACCUM
+        assert np.abs(np.subtract(z["losses"], d["losses"])).max() < 1e-5, (z["losses"], d["losses"])
+    first = ddp[0]["losses"][0]
+    assert zero[0]["losses"][0] == pytest.approx(first, abs=1e-6)  # the same initial weights
+    assert _max_diff(zero[0]["state"], ddp[0]["state"]) < 1e-5
+    assert _max_diff(zero[0]["state"], _initial_state()) > 1e-2  # the weights moved: the comparison can fail
+    meta = read_meta(out / "hybrid_ckpt" / "5")
+    assert meta.replicas == 2 and meta.layout.world_size == 2  # each shard once, by replica 0's 2 ranks
+
+
+@pytest.mark.slow
+def test_hybrid_checkpoint_resumes_flat_at_two_devices(hybrid):
+    out, _, zero = hybrid
+    _script("hybrid_resume2", out)
+    res = [_result(out, f"hybrid_resume2_rank{r}") for r in (0, 1)]
+    restored = res[0]["restored"]
+    assert res[0]["world_size"] == 2 and res[0]["replicas"] == 1
+    assert restored["global_step"] == 5 and restored["optim_steps"] == 5
+    for k, v in zero[0]["state"].items():  # the 4-device hybrid run's weights, exactly
+        assert torch.equal(restored["state"][k], v), k
+    assert res[0]["global_step"] == 6
+
+
+def _initial_state() -> dict:
+    return Holder().state_dict()
+
+
+# ------------------------------------------------------------------ the EMA callback against AveragedModel
+
+
+def _averaged_reference(steps: list[list[int]]):
+    """Plain torch, one process: AdamW over the same global batches (sample ids per step), clipping and
+    schedule, and an ``AveragedModel`` with ``get_ema_multi_avg_fn`` updated after each step."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = Holder()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                            lr=run.LR, eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, run.warmup)
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(run.DECAY), use_buffers=False)
+    averaged.update_parameters(model)  # the first update copies: the EMA starts at the initial weights
+    for ids in steps:
+        run.loss_of(model, torch.stack([run.sample(i) for i in ids])).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), run.CLIP)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        averaged.update_parameters(model)
+    return model, averaged.module
+
+
+def _global_steps(ranks: list[dict]) -> list[list[int]]:
+    """Each optimizer step's samples over all ranks and micro-batches."""
+    n = len(ranks[0]["seen"]) // run.ACCUM
+    return [[i for r in ranks for b in r["seen"][s * run.ACCUM:(s + 1) * run.ACCUM] for i in b] for s in range(n)]
+
+
+def _check_validation(vals, ema_model, live_model) -> float:
+    """The validation losses against the EMA model's; returns the largest difference."""
+    assert vals
+    worst = 0.0
+    with torch.no_grad():
+        for ids, loss in vals:
+            x = torch.stack([run.sample(i) for i in ids])
+            want = run.loss_of(ema_model, x).item()
+            assert abs(loss - run.loss_of(live_model, x).item()) > 1e-3  # not the live weights
+            worst = max(worst, abs(loss - want))
+    return worst
+
+
+@pytest.mark.slow
+def test_ema_callback_equals_averaged_model_at_two_devices_and_after_a_resume_at_one(tmp_path):
+    _script("ema2", tmp_path)
+    ema2 = [_result(tmp_path, f"ema2_rank{r}") for r in (0, 1)]
+    _script("ema_resume1", tmp_path)
+    ema1 = _result(tmp_path, "ema_resume1_rank0")
+    first, second = _global_steps(ema2), _global_steps([ema1])
+    assert len(first) == 3 and len(second) == 2 and ema2[0]["ema_updates"] == 3 and ema1["ema_updates"] == 5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        live, averaged = _averaged_reference(first)
+        assert _max_diff(ema2[0]["ema_state"], averaged.state_dict()) < 1e-6
+        assert _max_diff(ema2[0]["state"], live.state_dict()) < 1e-5  # validation left the live weights in place
+        assert _max_diff(ema2[0]["ema_state"], live.state_dict()) > 1e-3  # the EMA is not the weights
+        assert _check_validation(ema2[0]["vals"] + ema2[1]["vals"], averaged, live) < 1e-5
+        assert sorted(i for r in ema2 for ids, _ in r["vals"] for i in ids) == list(run.VAL_IDS)
+
+        for k, v in ema2[0]["state"].items():  # the checkpoint held the live weights, not the EMA
+            assert torch.equal(ema1["restored"]["state"][k], v), k
+        live, averaged = _averaged_reference(first + second)
+        assert _max_diff(ema1["ema_state"], averaged.state_dict()) < 1e-6
+        assert _check_validation(ema1["vals"], averaged, live) < 1e-5  # trainer.validate after fit
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------------------ the pieces, without a Trainer
 
 
@@ -206,3 +333,54 @@ def test_ckpt_path_that_is_not_a_chunkzero_checkpoint(tmp_path):
     pickle_file.write_bytes(b"not read")
     with pytest.raises(CheckpointError, match="last.ckpt"):
         ZeroStrategy().load_checkpoint(pickle_file)
+
+
+def test_manual_optimization_takes_the_steps_of_automatic_optimization(tmp_path):
+    _script("manual1", tmp_path)
+    res = _result(tmp_path, "manual1_rank0")
+    auto, manual = res["auto"], res["manual"]
+    assert auto["global_step"] == manual["global_step"] == 4 and len(manual["losses"]) == 4
+    assert manual["losses"] == auto["losses"] and manual["lrs"] == auto["lrs"]  # the same kernels: the same bits
+    assert manual["losses"][0] != manual["losses"][-1]
+    for k, v in auto["state"].items():
+        assert torch.equal(manual["state"][k], v), k
+
+
+def test_hybrid_and_several_optimizers_and_ema_refusals():
+    from types import SimpleNamespace
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from chunkzero.lightning import ZeroEMACallback, ZeroStrategy
+    from torch_backend.lightning import _check_divides
+
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ConfigError, match="shard_group_size"):
+            ZeroStrategy(shard_group_size=bad)
+    with pytest.raises(ConfigError, match=r"shard_group_size=4\) does not divide the 6 devices"):
+        _check_divides(4, 6)
+    _check_divides(3, 6)
+    with pytest.raises(ConfigError, match="ZeroStrategy"):
+        ZeroEMACallback(0.9).setup(SimpleNamespace(strategy=DDPStrategy()), None, "fit")
+    for bad in (1.0, -0.1, "0.9"):
+        with pytest.raises(ConfigError, match="decay"):
+            ZeroEMACallback(bad)
+    with pytest.raises(ConfigError, match="no EMA before trainer.fit"):
+        ZeroEMACallback(0.9, validate_on_ema=True).on_validation_start(None, None)
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+            self.automatic_optimization = False  # Lightning's condition for several optimizers
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.a.parameters()), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(), logger=False)
+    module = TwoOptimizers()
+    module.trainer = trainer
+    trainer.strategy.connect(module)
+    with pytest.raises(ConfigError, match="one optimizer .* returned 2"):
+        trainer.strategy.setup_optimizers(trainer)

@@ -50,7 +50,7 @@ def running_under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def describe_failure(failures: dict[int, Any]) -> WorkerFailure:
+def describe_failure(failures: dict[int, Any], timeout_s: float | None = None) -> WorkerFailure:
     """One message naming the rank that failed first, from elastic's ``{global rank: ProcessFailure}``.
 
     A rank that exited with :data:`EXIT_PEER_LOST` only saw another one vanish, so it is never the
@@ -61,7 +61,7 @@ def describe_failure(failures: dict[int, Any]) -> WorkerFailure:
         return (f.exitcode == EXIT_PEER_LOST, f.timestamp, rank)
 
     rank, f = min(failures.items(), key=key)
-    msg = f"worker rank {rank} (local rank {f.local_rank}, pid {f.pid}) {_describe_exit(f.exitcode)}"
+    msg = f"worker rank {rank} (local rank {f.local_rank}, pid {f.pid}) {_describe_exit(f.exitcode, timeout_s)}"
     detail = ""
     if f.exitcode > 0 and f.exitcode != EXIT_PEER_LOST:
         message = getattr(f, "message", "")
@@ -77,17 +77,24 @@ def describe_failure(failures: dict[int, Any]) -> WorkerFailure:
 
 
 def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_interval_s: float = 0.5,
-           shutdown_timeout_s: int = 10) -> dict[int, Any]:
+           shutdown_timeout_s: int = 10, timeout_s: float | None = None) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` in ``nproc`` local worker processes; ``{rank: return value}``.
 
     ``entrypoint`` must be a module-level function (workers are started with ``spawn``). Each worker
     finds ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in its environment.
 
+    ``timeout_s``: the workers' collective timeout (``--timeout``), named when the only failure is a lost peer.
+
     Raises:
         WorkerFailure: a worker failed; the message names the first failing rank.
     """
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from chunkzero.workers import launch_env
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, once
@@ -95,6 +102,10 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
     # would warn about it at exit; the failure is already reported above.
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     worker_malloc_env(os.environ)  # the workers inherit it (this process's allocator has started already)
+    # elastic's log and error files go to a temp directory of ours, removed after the run (elastic's default,
+    # torchelastic_*, is never removed); should this process die first, worker 0 removes it
+    logs = tempfile.TemporaryDirectory(prefix="chunkzero-torch-")
+    os.environ.update(launch_env(logs.name))
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -105,10 +116,13 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
         max_restarts=0,
         monitor_interval=monitor_interval_s,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=logs.name),
     )
     if hasattr(config, "shutdown_timeout"):
         config.shutdown_timeout = shutdown_timeout_s
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        raise describe_failure(e.failures) from None
+        raise describe_failure(e.failures, timeout_s) from None
+    finally:
+        logs.cleanup()

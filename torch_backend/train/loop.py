@@ -22,6 +22,7 @@ step, on every rank, once the step's metrics, checkpoint and evaluation are done
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,11 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chunkzero.errors import ChunkZeroError
+from chunkzero.checkpoint.orbax_store import FINITE_KEY
+from chunkzero.errors import CheckpointError, ChunkZeroError
 from chunkzero.job import data as data_mod
 from chunkzero.job.report import Report, peak_memory_mib
 from chunkzero.resume_check import run_settings, sampler_position
-from chunkzero.run_dir import CHECKPOINT_DIR, CHECKPOINTS_KEPT
+from chunkzero.run_dir import CHECKPOINT_DIR, resume_failed
 from chunkzero.train_config import TrainConfig, lr_at
 
 from ..zero.collectives import all_gather_json, all_mean, world_group
@@ -100,17 +102,18 @@ def evaluate_ema(engine: Engine, batches, device: torch.device, group) -> float 
 
 
 def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, counters: dict,
-              settings: dict) -> None:
+              settings: dict, finite: bool = True) -> None:
     """An asynchronous Orbax checkpoint of step ``step`` in ``<out>/checkpoints/<step>`` (the newest
-    ``CHECKPOINTS_KEPT`` are kept), with the data position, the run's ``settings``
-    (:func:`chunkzero.resume_check.run_settings`, which ``--resume`` compares) and cumulative ``counters``
-    (:meth:`Report.counters`), so ``--resume`` continues exactly here, at any world size. Every wait of
+    ``--keep`` are kept, and the newest saved with a finite loss: ``finite``, the step's), with the data
+    position, the run's ``settings`` (:func:`chunkzero.resume_check.run_settings`, which ``--resume``
+    compares) and cumulative ``counters`` (:meth:`Report.counters`), so ``--resume`` continues exactly here,
+    at any world size. Every wait of
     the save for the other ranks is bounded by ``--timeout`` (``cfg.timeout_s``)."""
     from torch_backend import save_checkpoint
 
     save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim, step=step, async_save=True,
-                    max_to_keep=CHECKPOINTS_KEPT, timeout_s=cfg.timeout_s, data_position={"sampler": sampler.state_dict()},
-                    extra={**settings, "counters": counters})
+                    max_to_keep=cfg.keep, timeout_s=cfg.timeout_s, data_position={"sampler": sampler.state_dict()},
+                    extra={**settings, "counters": counters, FINITE_KEY: finite})
 
 
 def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, rank: int) -> tuple[int, dict | None]:
@@ -127,7 +130,10 @@ def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, ran
     saved = read_meta(resolve_step_dir(root, cfg.resume_step))  # metadata only: the EMA settings, said once below
     if engine.ema is not None and saved.ema is not None:  # load_checkpoint then replaces nothing
         engine.ema.decay, engine.ema.warmup = saved.ema.decay, saved.ema.warmup
-    meta = load_checkpoint(root, engine.model, engine.optim, step=saved.step)
+    try:
+        meta = load_checkpoint(root, engine.model, engine.optim, step=saved.step)
+    except CheckpointError as e:
+        raise resume_failed(root, saved.step, e) from None
     sampler.load_state_dict(sampler_position(meta, cfg))
     log.info("resumed from step %d (%s/%s/%d)", meta.step, cfg.out, CHECKPOINT_DIR, meta.step)
     resume_ema_settings(engine, meta, cfg, rank)
@@ -214,7 +220,7 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
             loss = all_mean(loss_sum / cfg.grad_accum, group)  # also a sync point, so the timing is honest
             report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
-                save_step(step, engine, sampler, cfg, report.counters(), settings)
+                save_step(step, engine, sampler, cfg, report.counters(), settings, finite=math.isfinite(float(loss)))
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = evaluate(engine, val, device, group)
                 report.val(step, val_loss, train_loss=loss, ema_val_loss=evaluate_ema(engine, val, device, group))

@@ -31,6 +31,7 @@ from chunkzero.job.models import load_run_corpus
 from chunkzero.job.report import setup_logging
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
+from chunkzero.workers import exit_on_stop_signals
 
 from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
@@ -131,6 +132,7 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
     ``on_step_end``: hooks for :func:`torch_backend.train.loop.train`."""
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank, None)
+    exit_on_stop_signals()  # SIGTERM/SIGINT (also the launcher's death: spawn's PR_SET_PDEATHSIG) end it quietly
     try:
         rank, world, _, device = init_distributed(cfg)
         group = world_group()

@@ -1,0 +1,105 @@
+"""Stopping ``chunkzero train`` from outside, on both engines: every worker dies with its launcher.
+
+The launcher is stopped as a user does — ``kill`` (SIGTERM, also what ``timeout`` sends), Ctrl-C
+(SIGINT to the terminal's process group) or ``kill -9`` — once the run is training. Afterwards no worker
+may be running, nothing may write into ``--out``, and no temp directory of the run is left in
+``$TMPDIR``. A launcher that could handle the signal exits ``128 + signal`` with one last line naming it,
+the same on both engines, and no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import SMALL, chunkzero_cmd, clean_env, make_corpus, read_metrics
+
+RUN_TEMP_PREFIXES = ("chunkzero-", "torchelastic_")
+"""A run's temp directories: the launchers' (``chunkzero-jax-*``, ``chunkzero-torch-*``), and torch elastic's
+default log directory, which chunkzero no longer uses (torch's caches, ``torchinductor_*``, are kept on purpose)."""
+STOP_BOUND_S = 60.0
+"""The longest the workers may outlive their launcher (the launcher's grace before SIGKILL is 5 s)."""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has stopped; only its parent's wait is missing
+
+
+def _train_until_running(engine: str, corpus: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, list[int]]:
+    """A long run started in its own session; returns once it has logged steps: (launcher, --out, worker pids)."""
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = chunkzero_cmd("train", "--backend", engine, "--nproc", "2", "--data", str(corpus), *SMALL,
+                        "--steps", "100000", "--eval-interval", "100000", "--save-interval", "3",
+                        "--sample-tokens", "0", "--out", str(out))
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(TMPDIR=str(tmp)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pid_files = [out / "pids" / (f"process{i}.pid" if engine == "jax" else f"rank{i}.pid") for i in range(2)]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if all(p.exists() for p in pid_files) and (out / "metrics.jsonl").exists() \
+                and len(read_metrics(out)[0]) >= 2:
+            break
+        time.sleep(0.2)
+    if proc.poll() is not None:
+        pytest.fail("the run ended before it could be stopped:\n" + proc.stderr.read()[-3000:])
+    return proc, out, [int(p.read_text()) for p in pid_files]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill", "ctrl-c", "kill -9"])
+@pytest.mark.parametrize("engine", ["torch", "jax"])
+def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path):
+    proc, out, workers = _train_until_running(engine, corpus, tmp_path)
+    try:
+        if how == "kill":
+            os.kill(proc.pid, signal.SIGTERM)
+        elif how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # a terminal sends it to its foreground process group
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=STOP_BOUND_S)
+        deadline = time.monotonic() + STOP_BOUND_S
+        while time.monotonic() < deadline and any(map(_alive, workers)):
+            time.sleep(0.2)
+        left = [pid for pid in workers if _alive(pid)]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    assert not left, f"workers {left} outlived their launcher ({how})"
+    lines = (out / "metrics.jsonl").read_text()
+    time.sleep(2)
+    assert (out / "metrics.jsonl").read_text() == lines, "something still writes into --out"
+    left_tmp = [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(RUN_TEMP_PREFIXES)]
+    assert left_tmp == [], f"temp directories of the run were left: {left_tmp}"
+    if how != "kill -9":
+        sig = signal.SIGTERM if how == "kill" else signal.SIGINT
+        assert proc.returncode == 128 + sig, stderr[-3000:]
+        last = stderr.strip().splitlines()[-1]
+        assert last == f"chunkzero train: stopped by {signal.Signals(sig).name}{' (Ctrl-C)' if how == 'ctrl-c' else ''}; " \
+                       "every worker was stopped (checkpoints saved before are intact)", stderr[-3000:]
+        assert "Traceback" not in stderr and "SavedView" not in stderr, stderr[-3000:]
+        assert not re.search(r"^[FE]\d{4} \d\d:", stderr, re.M), stderr[-3000:]  # absl's fatal and error lines
