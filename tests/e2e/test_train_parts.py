@@ -333,4 +333,6 @@ def test_checkpoint_saves_wait_at_most_timeout(monkeypatch, tmp_path):
     cfg = TrainConfig(out=str(tmp_path), timeout_s=7.5)
     save_step(5, SimpleNamespace(model=None, optim=None), sampler, cfg, counters, {"seed": 1337})
     assert [(c["step"], c["timeout_s"], c["data_position"]) for c in calls] == [(5, 7.5, {"sampler": {"position": 3}})]
-    assert calls[0]["extra"] == {"seed": 1337, "counters": counters}
+    from chunkzero.checkpoint.orbax_store import FINITE_KEY
+
+    assert calls[0]["extra"] == {"seed": 1337, "counters": counters, FINITE_KEY: True}
