@@ -40,8 +40,22 @@ def run_settings(cfg: TrainConfig, world_size: int, data_summary: dict | None) -
     schedule's settings (``steps``, ``schedule_steps``, ``warmup``, ``lr``, ``min_lr_ratio``), the data
     stream's (:data:`STREAM_KEYS`, ``batch_size``, ``world_size``) and the data's identity
     (:func:`data_identity`)."""
-    keys = ("model", "steps", "schedule_steps", "warmup", "lr", "min_lr_ratio", "batch_size", *STREAM_KEYS)
+    keys = ("model", "steps", "schedule_steps", "warmup", "lr", "min_lr_ratio", "batch_size", "val_sequences",
+            *STREAM_KEYS)
     return {**{k: getattr(cfg, k) for k in keys}, "world_size": world_size, "data": data_identity(data_summary)}
+
+
+def validation_sequences(cfg: TrainConfig, previous: dict | None = None) -> int:
+    """The run's validation set, in sequences: ``--eval-batches × --batch-size ×`` world size at its first
+    session, and kept by every resume (the checkpointed run's ``val_sequences``, or for older checkpoints
+    that product of its settings), so the validation loss is of the same sequences at any world size."""
+    p = previous or {}
+    if isinstance(p.get("val_sequences"), int) and p["val_sequences"] > 0:
+        return p["val_sequences"]
+    try:
+        return int(p["eval_batches"]) * int(p["batch_size"]) * int(p["world_size"])
+    except (KeyError, TypeError, ValueError):
+        return cfg.eval_batches * cfg.batch_size * cfg.world_size
 
 
 def _flag(key: str) -> str:

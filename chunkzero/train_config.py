@@ -201,8 +201,9 @@ class TrainConfig:
                                     "checkpoints)", "reporting")
     eval_interval: int = option(100, "validation loss every K steps, and at step 0 and the last step",
                                 "reporting", metavar="K", minimum=1)
-    eval_batches: int = option(8, "the fixed validation set: N × --batch-size sequences in all, whatever the world "
-                                  "size, split across the workers", "reporting", metavar="N", minimum=1)
+    eval_batches: int = option(8, "validation micro-batches per worker at the run's first session: its set of N × "
+                                  "--batch-size × workers sequences stays the run's at every resume, at any world "
+                                  "size", "reporting", metavar="N", minimum=1)
     prompt: str = option("def ", "prompt of the text sample at the end", "reporting", metavar="TEXT")
     sample_tokens: int = option(200, "tokens to sample at the end; 0 skips the sample", "reporting", metavar="N",
                                 minimum=0)
@@ -237,6 +238,8 @@ class TrainConfig:
     block_size: int | None = resolved("the model's longest sequence, in tokens")
     schedule_steps: int | None = resolved("the steps the LR schedule's warm-up + cosine decay span (``steps`` "
                                           "unless ``--resume --schedule keep`` kept a checkpoint's)")
+    val_sequences: int | None = resolved("the run's validation set, in sequences: fixed at its first session "
+                                         "(``chunkzero.resume_check.validation_sequences``)")
     resume_changes: list[str] | None = resolved("with ``--resume --allow-change``: each setting changed against the "
                                                 "checkpointed run, as ``--seq-len 16 (was 32)``")
 

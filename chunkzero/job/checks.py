@@ -13,7 +13,7 @@ from chunkzero.checkpoint.plan import check_compatible
 from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
 from chunkzero.layout import ChunkLayout, TensorSpec
 from chunkzero.run_dir import CHECKPOINT_DIR, check_out_dir, check_resume, fresh_run_dir, previous_settings
-from chunkzero.resume_check import check_resume_changes
+from chunkzero.resume_check import check_resume_changes, validation_sequences
 from chunkzero.train_config import TrainConfig, resumed_schedule_steps, warn_schedule_change
 
 from .models import model_tensor_specs
@@ -61,12 +61,14 @@ def check_run_out(cfg: TrainConfig, tensor_specs: TensorSpecs = model_tensor_spe
         cfg.out = str(fresh_run_dir(Path("runs")))
     check_out_dir(cfg)
     cfg.schedule_steps = cfg.steps
+    cfg.val_sequences = validation_sequences(cfg)
     if not cfg.resume:
         return None
     meta = check_resume(cfg)
     check_resume_model(cfg, meta, tensor_specs)
     previous, source = previous_settings(cfg, meta)
     cfg.schedule_steps = resumed_schedule_steps(cfg, previous)
+    cfg.val_sequences = validation_sequences(cfg, previous)
     cfg.resume_changes = check_resume_changes(cfg, previous, source, data_summary) or None
     warn_schedule_change(previous, source, cfg, meta.step)
     return meta

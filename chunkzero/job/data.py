@@ -396,17 +396,18 @@ class BatchSampler:
 
 
 def val_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int,
-                n_batches: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                n_sequences: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """This rank's share of the run's fixed validation set, the same at every evaluation: ``(x, y, w)``
     micro-batches, ``x`` and ``y`` ``int64[b, seq_len]``, ``w`` ``float32[b]`` (1 for a row of the set, 0 for
     a padding row whose loss must not count).
 
-    The set is ``n_batches · batch_size`` windows drawn from ``default_rng([seed, VAL_STREAM])``, whatever
-    the world size (so validation losses compare across a resume at another world size). Global row ``g``
+    The set is ``n_sequences`` windows drawn from ``default_rng([seed, VAL_STREAM])``, whatever the world
+    size (the run fixes it at its first session: :func:`chunkzero.resume_check.validation_sequences`, so
+    validation losses compare across a resume at another world size). Global row ``g``
     goes to rank ``g mod world_size``; every rank gets ``ceil(set / world_size)`` rows, the last ranks'
     extra ones padding (weight 0), in micro-batches of at most ``batch_size`` rows, the same shapes on every
     rank (their forwards are collective)."""
-    total = n_batches * batch_size
+    total = n_sequences
     starts = np.random.default_rng([seed, VAL_STREAM]).integers(0, tokens.size - seq_len, size=total)
     per_rank = -(-total // world_size)
     rows = np.arange(per_rank) * world_size + rank  # this rank's global rows

@@ -78,7 +78,8 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
         start = meta.step + 1
         counters = extra.get("counters") if isinstance(extra.get("counters"), dict) else None
     val_rows = {r: data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
-                                        world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
+                                        world_size=world, seed=cfg.seed,
+                                        n_sequences=cfg.val_sequences or cfg.eval_batches * cfg.batch_size * world)
                 for r, _ in engine.local_ranks}
     n_val = len(next(iter(val_rows.values())))  # the same on every rank
     val = [engine.global_batch({r: rows[k] for r, rows in val_rows.items()}) for k in range(n_val)]

@@ -59,10 +59,10 @@ def _check_together(cfg: TrainConfig, place):
             cfg, corpus = validate(cfg, check_out=place.process_id == 0, num_processes=place.num_processes)
     except ChunkZeroError as e:
         error = str(e)
-    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps, cfg.resume_changes])
+    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps, cfg.resume_changes, cfg.val_sequences])
     errors = [v[0] for v in verdicts if v[0] is not None]
     if not errors:
-        cfg.out, cfg.schedule_steps, cfg.resume_changes = verdicts[0][1:]
+        cfg.out, cfg.schedule_steps, cfg.resume_changes, cfg.val_sequences = verdicts[0][1:]
     return (errors[0] if errors else None), cfg, corpus
 
 

@@ -168,6 +168,16 @@ def test_a_change_is_refused_in_one_line_or_accepted_and_named(caplog):
     assert check_resume_changes(_cfg(), None, "config.json", DATA) == []  # nothing recorded: nothing to compare
 
 
+def test_the_validation_set_is_fixed_at_the_first_session():
+    from chunkzero.resume_check import validation_sequences
+
+    cfg = _cfg(eval_batches=2, batch_size=4, world_size=3)
+    assert validation_sequences(cfg) == 24  # a fresh run: --eval-batches × --batch-size × workers
+    assert validation_sequences(cfg, _saved(val_sequences=8)) == 8  # a resume keeps the checkpointed run's
+    assert validation_sequences(cfg, {"eval_batches": 2, "batch_size": 4, "world_size": 1}) == 8  # older ones
+    assert run_settings(_cfg(val_sequences=8), 2, DATA)["val_sequences"] == 8
+
+
 def test_an_accepted_seed_change_continues_the_data_position_in_the_new_stream():
     meta = SimpleNamespace(data_position={"sampler": {"seed": 1337, "index": 12}})
     assert sampler_position(meta, _cfg(seed=7)) == {"seed": 1337, "index": 12}  # refused by the sampler

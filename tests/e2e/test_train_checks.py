@@ -261,17 +261,28 @@ def test_jax_warns_of_oversubscribed_cores_and_refuses_beyond_the_limit(corpus, 
 
 # ============================================================== the validation set, whatever the world size
 
+def _val_at_resumed_step_2(checkpointed: Path, corpus: Path, tmp_path: Path, *workers: str) -> float:
+    """The validation loss a resume from ``checkpointed``'s step 2 (not evaluated there before) logs at step 2."""
+    out = _copy(checkpointed, tmp_path)
+    proc = run_train("--data", str(corpus), *SMALL, "--steps", "3", "--eval-interval", "100", "--sample-tokens", "0",
+                     "--resume", "--resume-step", "2", "--allow-change", *workers, "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    return {r["step"]: r["val_loss"] for r in read_metrics(out)[1]}[2]
+
+
+@pytest.fixture(scope="module")
+def val_on_one_worker(checkpointed, corpus, tmp_path_factory) -> float:
+    return _val_at_resumed_step_2(checkpointed, corpus, tmp_path_factory.mktemp("val1"), "--nproc", "1")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_validation_loss_is_the_same_at_another_world_size(backend, corpus, checkpointed, tmp_path):
-    """The validation set grew with the world size (a fixed number of micro-batches per worker): the
-    step-0 loss of the same initial weights differed between 1 and 3 workers. Now it is one set of
-    ``--eval-batches`` × ``--batch-size`` sequences split across the workers: the same loss."""
-    out = tmp_path / "run"
-    # 3 workers: the 8 sequences of SMALL's set split 3 + 3 + 2, and one padding row
+def test_the_validation_loss_is_the_same_at_another_world_size(backend, corpus, checkpointed, val_on_one_worker,
+                                                                tmp_path):
+    """The validation set grew with the world size (a fixed number of micro-batches per worker): a resume on
+    3 workers evaluated 3 times the sequences of the 1-worker run. Now the run's first session fixes the set
+    (8 sequences here), and a resume on 3 workers splits it 3 + 3 + 2 (one padding row of weight 0): the
+    same loss of the same weights."""
     workers = ["--nproc", "3"] if backend == "torch" else ["--nproc", "1", "--devices-per-process", "3"]
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "1", "--eval-interval", "1", "--sample-tokens", "0",
-                     *workers, "--backend", backend, "--out", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, describe(proc)
-    single = read_metrics(checkpointed)[1][0]
-    assert single["step"] == 0 and read_metrics(out)[1][0]["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
+    val = _val_at_resumed_step_2(checkpointed, corpus, tmp_path, *workers, "--backend", backend)
+    assert val == pytest.approx(val_on_one_worker, rel=1e-5)

@@ -245,22 +245,22 @@ def test_batches_are_deterministic_and_differ_per_rank():
     assert all((a == b).all() for a, b in zip(resumed.next(), expected))
     with pytest.raises(DataError, match="seed"):
         resumed.load_state_dict({"seed": 6, "index": 0})
-    v1 = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_batches=3)
-    v1b = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_batches=3)
+    v1 = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_sequences=6)
+    v1b = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_sequences=6)
     assert len(v1) == 2 and all((a[0] == b[0]).all() for a, b in zip(v1, v1b))  # 3 of the 6 rows: 2 + 1
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 7, 9])
 def test_the_validation_set_is_the_same_at_every_world_size(world):
     """Issue 32: the validation set grew with the world size (a fixed number of batches per worker). Now it
-    is ``n_batches · batch_size`` sequences in all: the rows of weight 1 over every rank are exactly the
+    is ``n_sequences`` in all (the run's first session fixes it): the rows of weight 1 over every rank are exactly the
     single worker's, each once; every rank runs the same micro-batch shapes (padding rows weigh 0)."""
     from collections import Counter
 
     from chunkzero.job.data import val_batches
 
     tokens = np.arange(1000, dtype=np.uint16)
-    kw = dict(seq_len=8, batch_size=4, seed=5, n_batches=3)
+    kw = dict(seq_len=8, batch_size=4, seed=5, n_sequences=12)
     [(x1, y1, w1), *more] = [b for b in val_batches(tokens, rank=0, world_size=1, **kw)]
     single = Counter(tuple(r) for x, _, w in [(x1, y1, w1), *more] for r, wr in zip(x, w) if wr == 1)
     assert sum(single.values()) == 12

@@ -190,7 +190,8 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
         error = str(e)
     open_out(error)
     val = data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
-                               world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
+                               world_size=world, seed=cfg.seed,
+                               n_sequences=cfg.val_sequences or cfg.eval_batches * cfg.batch_size * world)
     report = Report(cfg, rank=rank, world_size=world, device_type=device.type, backend=backend, start=start,
                     tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
     report.begin(params, corpus, engine)

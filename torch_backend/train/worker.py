@@ -95,10 +95,10 @@ def _check_together(cfg: TrainConfig, rank: int, group):
             cfg, corpus = validate(cfg, check_out=rank == 0)
     except ChunkZeroError as e:
         error = str(e)
-    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps, cfg.resume_changes], group)
+    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps, cfg.resume_changes, cfg.val_sequences], group)
     errors = [v[0] for v in verdicts if v[0] is not None]
     if not errors:  # rank 0 resolved them (with the checkpoint)
-        cfg.out, cfg.schedule_steps, cfg.resume_changes = verdicts[0][1:]
+        cfg.out, cfg.schedule_steps, cfg.resume_changes, cfg.val_sequences = verdicts[0][1:]
     return (errors[0] if errors else None), cfg, corpus
 
 
