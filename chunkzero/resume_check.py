@@ -38,8 +38,8 @@ def data_identity(summary: dict | None) -> dict | None:
 def run_settings(cfg: TrainConfig, world_size: int, data_summary: dict | None) -> dict[str, Any]:
     """What a checkpoint of this run records in its ``extra`` about the run (JSON): the model, the LR
     schedule's settings (``steps``, ``schedule_steps``, ``warmup``, ``lr``, ``min_lr_ratio``), the data
-    stream's (:data:`STREAM_KEYS`, ``batch_size``, ``world_size``) and the data's identity
-    (:func:`data_identity`)."""
+    stream's (:data:`STREAM_KEYS`, ``batch_size``, ``world_size``), the data's identity
+    (:func:`data_identity`) and the validation set's size (``val_sequences``: :func:`validation_sequences`)."""
     keys = ("model", "steps", "schedule_steps", "warmup", "lr", "min_lr_ratio", "batch_size", "val_sequences",
             *STREAM_KEYS)
     return {**{k: getattr(cfg, k) for k in keys}, "world_size": world_size, "data": data_identity(data_summary)}
