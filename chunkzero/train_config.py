@@ -46,9 +46,6 @@ GPU_DEFAULTS = {"model": "gpt2", "mixed_precision": "bf16", "lr": 6e-4}
 (12 layers, width 768; 86 M parameters with the 256-token vocabulary) in bf16, at GPT-2's learning rate."""
 SEED_MAX = 2**63 - 1
 """The largest ``--seed``: each rank seeds torch with ``seed + 1 + rank``, which must stay below 2**64."""
-TIMEOUT_MIN_S = 1.0
-"""The shortest ``--timeout``: below a second, joining the workers and a checkpoint's barriers time out on a
-busy machine, and the run would stop reading as if a worker were lost."""
 GROUPS = ("data", "model", "optimization", "workers", "reporting", "checkpoints")
 """The option groups of ``chunkzero train --help``, in order."""
 
@@ -193,7 +190,7 @@ class TrainConfig:
     timeout_s: float = option(
         45.0, "collective timeout: a worker waiting longer for the others (in a collective, or in a checkpoint "
               "save's barriers and commit) gives up, so a dead worker ends the run", "workers", flag="--timeout", metavar="SECONDS",
-        minimum=TIMEOUT_MIN_S)
+        above=0)
     # reporting
     out: str | None = option(None, "output directory; refused if it holds another run unless --overwrite",
                              "reporting", metavar="DIR", default_help="a fresh runs/<YYYYmmdd-HHMMSS>")

@@ -27,7 +27,7 @@ BAD_VALUES = [  # (field, value, flag, the reason's text)
     ("max_norm", -1.0, "--max-norm", "must be >= 0"),
     ("seed", -1, "--seed", "must be >= 0"),
     ("seed", 2**64, "--seed", "must be <= 9223372036854775807"),
-    ("timeout_s", 0.001, "--timeout", "must be >= 1.0"),
+    ("timeout_s", 0.0, "--timeout", "must be > 0"),
     ("val_fraction", 0.0, "--val-fraction", "must be > 0"),
     ("val_fraction", 1.0, "--val-fraction", "must be < 1"),
     ("ema_decay", 1.0, "--ema-decay", "must be < 1"),
