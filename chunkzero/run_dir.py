@@ -63,6 +63,7 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ConfigError(f"--out {out} cannot be created: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out} cannot be written: no write permission on {existing}")
+    check_out_apart_from_model(out, cfg.model)
     if cfg.resume:
         if latest_step(out / CHECKPOINT_DIR) is None:
             raise ConfigError(f"--resume: --out {out} holds no checkpoint ({CHECKPOINT_DIR}/<step>); "
@@ -75,12 +76,54 @@ def check_out_dir(cfg: TrainConfig) -> None:
                               "to continue it, or --overwrite to replace it")
 
 
+def check_out_apart_from_model(out: Path, model: str | None) -> None:
+    """``--out`` must not be a ``--model`` directory, nor inside one, nor hold one: a run writes its
+    ``config.json`` and checkpoints there, and ``--overwrite`` removes :data:`RUN_OUTPUTS`, which would
+    replace or delete the model's own files.
+
+    Raises:
+        ConfigError: naming both paths.
+    """
+    if not model or not Path(model).is_dir():
+        return
+    o, m = out.resolve(), Path(model).resolve()
+    where = ("is" if o == m else "is inside" if m in o.parents else "contains" if o in m.parents else None)
+    if where is not None:
+        raise ConfigError(f"--out {out} {where} the --model directory {model}: the run would write its config.json "
+                          "and outputs among the model's files; choose an --out apart from the model")
+
+
+def set_aside_later_steps(root: Path, step: int) -> Path | None:
+    """Move the checkpoint steps after ``step`` under ``root`` into ``root/after-<step>/`` (``-2``, ``-3`` …
+    appended while that exists), where no reader looks for a step: ``--resume-step`` continues the run from
+    ``step``, so the later steps belong to the run it abandons; a later ``--resume`` must not take them for
+    the latest, and this run's saves must not collide with them. Kept, not deleted. Returns the folder, or
+    ``None`` when there was no later step."""
+    later = [s for s in list_steps(root) if s > step]
+    if not later:
+        return None
+    aside, n = root / f"after-{step}", 2
+    while aside.exists():
+        aside, n = root / f"after-{step}-{n}", n + 1
+    aside.mkdir()
+    for s in later:
+        os.replace(root / str(s), aside / str(s))
+    return aside
+
+
 def prepare_out_dir(cfg: TrainConfig) -> Path:
     """Create ``--out``; with ``--overwrite`` remove the earlier run's outputs (only :data:`RUN_OUTPUTS`);
-    remove the temporaries of checkpoint saves that died before their commit (:func:`remove_uncommitted`:
-    no save of this run has started yet)."""
+    with ``--resume-step`` set the later checkpoint steps aside (:func:`set_aside_later_steps`); remove the
+    temporaries of checkpoint saves that died before their commit (:func:`remove_uncommitted`: no save of
+    this run has started yet)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.resume and cfg.resume_step is not None:
+        aside = set_aside_later_steps(out / CHECKPOINT_DIR, cfg.resume_step)
+        if aside is not None:
+            log.info(
+                "--resume-step %d: the later checkpoint steps (%s) are kept in %s, where --resume does not look",
+                cfg.resume_step, ", ".join(sorted((p.name for p in aside.iterdir()), key=int)), aside)
     if cfg.overwrite:
         for name in RUN_OUTPUTS:
             p = out / name
@@ -94,24 +137,14 @@ def prepare_out_dir(cfg: TrainConfig) -> Path:
     return out
 
 
-def write_run_config(cfg: TrainConfig, corpus, world_size: int) -> dict | None:
+def write_run_config(cfg: TrainConfig, corpus, world_size: int) -> None:
     """Prepare ``--out`` (:func:`prepare_out_dir`) and write ``--out/config.json``: ``cfg`` with
-    ``world_size`` and ``data_summary`` (``corpus.summary()``). Rank / process 0 of either backend runs it.
-
-    Returns:
-        With ``--resume``, the ``config.json`` it replaced (the checkpointed run's settings), or ``None``
-        when that is missing or not JSON; ``None`` without ``--resume``.
-    """
+    ``world_size`` and ``data_summary`` (``corpus.summary()``). Rank / process 0 of either backend runs it,
+    the first write of a run into ``--out``: only once every check passed on every rank, the checkpoint
+    of a ``--resume`` included (loaded and agreed), so a refused run leaves ``--out`` as it was."""
     out = prepare_out_dir(cfg)
-    previous_config = None
-    if cfg.resume:
-        try:
-            previous_config = json.loads((out / "config.json").read_text())
-        except (OSError, ValueError):
-            previous_config = None
     (out / "config.json").write_text(json.dumps(
         {**cfg.to_dict(), "world_size": world_size, "data_summary": corpus.summary()}, indent=2) + "\n")
-    return previous_config
 
 
 def check_resume(cfg: TrainConfig) -> CheckpointMeta:
@@ -127,8 +160,11 @@ def check_resume(cfg: TrainConfig) -> CheckpointMeta:
             cannot be read (the message names the checkpoint).
     """
     root = Path(cfg.out) / CHECKPOINT_DIR
+    if cfg.resume_step is not None and cfg.resume_step not in list_steps(root):
+        raise ConfigError(f"--resume-step {cfg.resume_step}: {root} holds no checkpoint of that step (steps present: "
+                          f"{', '.join(map(str, list_steps(root)))})")
     try:
-        meta = read_meta(root)
+        meta = read_meta(root, cfg.resume_step)
     except ChunkZeroError as e:
         raise ConfigError(f"--resume: cannot read the checkpoint in {root}: {e}") from None
     if meta.step >= cfg.steps:
@@ -139,16 +175,22 @@ def check_resume(cfg: TrainConfig) -> CheckpointMeta:
 
 def previous_settings(cfg: TrainConfig, meta: CheckpointMeta) -> tuple[dict | None, str]:
     """The checkpointed run's settings and where they were read: the checkpoint's ``extra`` when it records
-    the schedule, else ``--out/config.json`` (older checkpoints); ``(None, ...)`` when neither has them."""
+    the schedule (over ``--out/config.json``'s, for what older checkpoints' ``extra`` lacks), else
+    ``--out/config.json``; with the precision and world size of the checkpoint's metadata. ``(None, ...)``
+    when neither has them."""
     extra = dict(meta.extra or {})
-    if "steps" in extra:
-        return extra, f"checkpoint {meta.step}"
     source = Path(cfg.out) / "config.json"
     try:
         doc = json.loads(source.read_text())
     except (OSError, ValueError):
+        doc = None
+    doc = doc if isinstance(doc, dict) else {}
+    if "steps" not in extra and not doc:
         return None, str(source)
-    return (doc if isinstance(doc, dict) else None), str(source)
+    facts = {"mixed_precision": meta.mixed_precision, "world_size": meta.world_size * meta.replicas}
+    if "steps" in extra:
+        return {**doc, **facts, **extra}, f"checkpoint {meta.step}"
+    return {**doc, **facts}, str(source)
 
 
 def resume_failed(root: Path, step: int, error: Exception) -> CheckpointError:

@@ -44,6 +44,8 @@ GPT of 1.7 M parameters (2 layers, width 256) that spans 8 chunks at the searche
 GPU_DEFAULTS = {"model": "gpt2", "mixed_precision": "bf16", "lr": 6e-4}
 """... and with ``--device cuda`` (or ``auto`` on a machine with a GPU): the byte-level GPT-2 124M shape
 (12 layers, width 768; 86 M parameters with the 256-token vocabulary) in bf16, at GPT-2's learning rate."""
+SEED_MAX = 2**63 - 1
+"""The largest ``--seed``: each rank seeds torch with ``seed + 1 + rank``, which must stay below 2**64."""
 GROUPS = ("data", "model", "optimization", "workers", "reporting", "checkpoints")
 """The option groups of ``chunkzero train --help``, in order."""
 
@@ -59,7 +61,9 @@ class Option:
         metavar: the value's placeholder in ``--help``.
         choices: the allowed values, if only some are.
         minimum: the smallest allowed value (inclusive), for numbers.
+        maximum: the largest allowed value (inclusive), for numbers.
         above: the value must be greater than this (exclusive bound), for numbers.
+        below: the value must be less than this (exclusive bound), for numbers.
         default_help: how ``--help`` names the default when the value alone would not say it
             (a ``None`` that means "searched", "one per GPU" ...).
     """
@@ -70,7 +74,9 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     minimum: float | None = None
+    maximum: float | None = None
     above: float | None = None
+    below: float | None = None
     default_help: str | None = None
 
     def problem(self, value: Any) -> str | None:
@@ -81,8 +87,12 @@ class Option:
             return f"must be one of {', '.join(self.choices)}, got {value!r}"
         if self.minimum is not None and value < self.minimum:
             return f"must be >= {self.minimum}, got {value}"
+        if self.maximum is not None and value > self.maximum:
+            return f"must be <= {self.maximum}, got {value}"
         if self.above is not None and not value > self.above:
             return f"must be > {self.above}, got {value}"
+        if self.below is not None and not value < self.below:
+            return f"must be < {self.below}, got {value}"
         return None
 
 
@@ -111,7 +121,8 @@ class TrainConfig:
               "pre-tokenized uint16 .bin file (nanoGPT format; a train.bin uses a val.bin beside it)",
         "data", metavar="PATH", default_help="the *.py files of Python's standard library, about 12 MB")
     val_fraction: float = option(
-        0.05, "fraction of files (by a hash of their path) held out for validation", "data", metavar="F")
+        0.05, "fraction of files (by a hash of their path) held out for validation", "data", metavar="F", above=0,
+        below=1)
     # model
     model: str | None = option(
         None, "byte-level GPT size (gpt-tiny, gpt-mini, gpt-small, gpt2, gpt2-medium) or a local Hugging Face "
@@ -143,9 +154,11 @@ class TrainConfig:
                               default_help=f"{CPU_DEFAULTS['lr']:g} on CPU, {GPU_DEFAULTS['lr']:g} on a GPU")
     warmup: int = option(30, "linear warm-up steps, then cosine decay to lr × --min-lr-ratio", "optimization",
                          metavar="N", minimum=0)
-    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr", "optimization", metavar="F")
-    weight_decay: float = option(0.1, "AdamW weight decay", "optimization", metavar="F")
-    max_norm: float = option(1.0, "gradient clipping by global norm; 0 disables", "optimization", metavar="F")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr", "optimization", metavar="F",
+                                 minimum=0, maximum=1)
+    weight_decay: float = option(0.1, "AdamW weight decay", "optimization", metavar="F", minimum=0)
+    max_norm: float = option(1.0, "gradient clipping by global norm; 0 disables", "optimization", metavar="F",
+                             minimum=0)
     max_skipped_steps: int = option(
         10, "stop the run with an error after this many steps in a row skipped for non-finite gradients at the "
             "minimum loss scale (fp16 that cannot make progress; bf16 and fp32 always run at scale 1, their "
@@ -155,14 +168,14 @@ class TrainConfig:
               "checkpointed), evaluate it beside the live weights at each evaluation and plot both; with --resume "
               "this value replaces the checkpoint's decay (its EMA weights are kept), and without it the "
               "checkpoint's EMA is dropped",
-        "optimization", metavar="F", minimum=0, default_help="no EMA")
+        "optimization", metavar="F", minimum=0, below=1, default_help="no EMA")
     ema_warmup: bool = option(
         False, "with --ema-decay: warm the EMA up, using min(decay, (1 + n) / (10 + n)) at its n-th update (ZeroEMA's "
                "warmup=True), so the early weights, close to the random initialization, fade out fast",
         "optimization")
     seed: int = option(1337, "seed of the initialisation and the data stream; the same seed and world size give "
                              "the same loss sequence, bit for bit, on the same kind of machine (CPU model or GPU, "
-                             "torch build)", "optimization", metavar="N")
+                             "torch build)", "optimization", metavar="N", minimum=0, maximum=SEED_MAX)
     # workers
     nproc: int | None = option(None, "workers to launch on this machine (ignored under torchrun)", "workers",
                                metavar="N", minimum=1, default_help="one per GPU, or 2 on CPU")
@@ -176,7 +189,8 @@ class TrainConfig:
         metavar="K", minimum=1)
     timeout_s: float = option(
         45.0, "collective timeout: a worker waiting longer for the others (in a collective, or in a checkpoint "
-              "save's barriers and commit) gives up, so a dead worker ends the run", "workers", flag="--timeout", metavar="SECONDS", above=0)
+              "save's barriers and commit) gives up, so a dead worker ends the run", "workers", flag="--timeout", metavar="SECONDS",
+        above=0)
     # reporting
     out: str | None = option(None, "output directory; refused if it holds another run unless --overwrite",
                              "reporting", metavar="DIR", default_help="a fresh runs/<YYYYmmdd-HHMMSS>")
@@ -184,7 +198,9 @@ class TrainConfig:
                                     "checkpoints)", "reporting")
     eval_interval: int = option(100, "validation loss every K steps, and at step 0 and the last step",
                                 "reporting", metavar="K", minimum=1)
-    eval_batches: int = option(8, "fixed validation micro-batches per worker", "reporting", metavar="N", minimum=1)
+    eval_batches: int = option(8, "validation micro-batches per worker at the run's first session: its set of N × "
+                                  "--batch-size × workers sequences stays the run's at every resume, at any world "
+                                  "size", "reporting", metavar="N", minimum=1)
     prompt: str = option("def ", "prompt of the text sample at the end", "reporting", metavar="TEXT")
     sample_tokens: int = option(200, "tokens to sample at the end; 0 skips the sample", "reporting", metavar="N",
                                 minimum=0)
@@ -201,8 +217,17 @@ class TrainConfig:
                                  "the total and must exceed the checkpoint's step", "checkpoints")
     schedule: str = option(
         "keep", "with --resume and a larger --steps: keep follows the checkpointed run's LR schedule (warm-up + "
-                "cosine decay over its steps, then its final LR, constant); stretch re-stretches the decay to the "
-                "new --steps (the LR jumps up at the resumed step)", "checkpoints", choices=SCHEDULES)
+                "cosine decay over its steps, then its final LR, constant; a schedule that ended inside its warm-up "
+                "goes on to the peak and decays over the new --steps); stretch re-stretches the decay to the new "
+                "--steps (the LR jumps up at the resumed step)", "checkpoints", choices=SCHEDULES)
+    resume_step: int | None = option(
+        None, "with --resume: resume from this checkpoint step instead of the latest (an older one; the later steps "
+              "are moved to checkpoints/after-N/, kept)", "checkpoints", metavar="N", minimum=1, default_help="the latest")
+    allow_change: bool = option(
+        False, "with --resume: accept settings that change the run's data stream or numbers (--data, --batch-size, "
+               "--seq-len, --grad-accum, --mixed-precision, --seed, --val-fraction, or tokens per step through the "
+               "world size), which are otherwise refused; each change is named, and recorded in metrics.jsonl and "
+               "on loss.png", "checkpoints")
     # resolved on the machine (torch_backend.train.resolve.validate); a worker that finds ``validated`` skips the checks
     validated: bool = resolved("whether the run was checked on its machine (the launcher did)", False)
     world_size: int | None = resolved("workers of the run, all nodes together")
@@ -210,6 +235,10 @@ class TrainConfig:
     block_size: int | None = resolved("the model's longest sequence, in tokens")
     schedule_steps: int | None = resolved("the steps the LR schedule's warm-up + cosine decay span (``steps`` "
                                           "unless ``--resume --schedule keep`` kept a checkpoint's)")
+    val_sequences: int | None = resolved("the run's validation set, in sequences: fixed at its first session "
+                                         "(``chunkzero.resume_check.validation_sequences``)")
+    resume_changes: list[str] | None = resolved("with ``--resume --allow-change``: each setting changed against the "
+                                                "checkpointed run, as ``--seq-len 16 (was 32)``")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -242,8 +271,6 @@ class TrainConfig:
             raise ConfigError("--backend jax runs on CPU only (--device cpu or auto)")
         if self.backend == "torch" and self.devices_per_process != 1:
             raise ConfigError("--devices-per-process is for --backend jax (a torch worker drives one device)")
-        if self.ema_decay is not None and not 0 <= self.ema_decay < 1:
-            raise ConfigError(f"--ema-decay must be in [0, 1), got {self.ema_decay}")
         if self.ema_decay is not None and self.engine == "ddp":
             raise ConfigError("--ema-decay needs --engine zero (the EMA is kept beside ZeroOptimizer's state)")
         if self.ema_warmup and self.ema_decay is None:
@@ -259,6 +286,9 @@ class TrainConfig:
                     f"--shard-group-size {self.shard_group_size} (hybrid sharding) is for --backend torch: "
                     f"--backend jax trains flat ZeRO-3 over all {world} devices (jax_backend.hybrid is not wired "
                     f"into chunkzero train); drop the option or pass --shard-group-size {world}")
+        for name, flag in (("resume_step", "--resume-step"), ("allow_change", "--allow-change")):
+            if getattr(self, name) not in (None, False) and not self.resume:
+                raise ConfigError(f"{flag} needs --resume (it says how to continue the run in --out)")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
 
@@ -349,21 +379,31 @@ def saved_schedule_steps(previous: dict) -> int | None:
     return None
 
 
+def ends_in_warmup(schedule_steps: int, warmup: int) -> bool:
+    """Whether a schedule over ``schedule_steps`` never decays: its last step is still in (or ends) the
+    ``warmup``-step warm-up, so keeping it would hold the LR below (or at) its peak for good."""
+    return schedule_steps - 1 <= warmup
+
+
 def resumed_schedule_steps(cfg: TrainConfig, previous: dict | None) -> int:
     """``schedule_steps`` of a run resumed from a checkpoint with settings ``previous`` (its ``extra``, or
-    the run's ``config.json``): with ``--schedule keep``, the checkpoint's; with ``stretch`` (or unknown
-    settings), ``--steps``."""
+    the run's ``config.json``): with ``--schedule keep``, the checkpoint's, unless that schedule ends in its
+    warm-up (:func:`ends_in_warmup`), which keep then continues to the peak and decays over ``--steps``;
+    with ``stretch`` (or unknown settings), ``--steps``."""
     saved = saved_schedule_steps(previous or {})
-    return saved if cfg.schedule == "keep" and saved is not None else cfg.steps
+    if cfg.schedule != "keep" or saved is None or ends_in_warmup(saved, cfg.warmup):
+        return cfg.steps
+    return saved
 
 
 def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, step: int) -> None:
     """Say (logger ``chunkzero.train``) what ``--resume`` at ``step`` does to the LR schedule when its
     settings (``--steps``, ``--warmup``, ``--lr``, ``--min-lr-ratio``) differ from the checkpointed run's
     ``previous`` ones, read from ``source``. With ``--schedule keep`` and only ``--steps`` grown the LR
-    goes on as saved (an info line, naming the choice); with ``stretch`` or another changed setting the LR
-    jumps at the resumed step (a warning, naming both LRs and the choice). Silent when nothing changed or
-    ``previous`` is unknown."""
+    goes on as saved (an info line, naming the choice); a warning when the LR of step ``step + 1`` differs
+    from what the saved schedule gives it (``stretch`` after the warm-up, or another changed setting), or
+    when keep continues a saved schedule that ended in its warm-up (:func:`ends_in_warmup`). Silent when
+    nothing changed or ``previous`` is unknown."""
     if not previous:
         return
     changed = [f"--{k.replace('_', '-')} {getattr(cfg, k):g} (was {previous[k]:g})" for k in SCHEDULE_KEYS
@@ -375,7 +415,12 @@ def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, s
     before = lr_at(step - 1, old) if step >= 1 else 0.0
     after = lr_at(step, cfg)
     span = cfg.schedule_steps or cfg.steps
-    if cfg.schedule == "keep":
+    saved = old.schedule_steps or old.steps
+    continued = cfg.schedule == "keep" and span != saved and ends_in_warmup(saved, cfg.warmup)
+    if continued:
+        choice = (f"--schedule keep: the saved schedule over {saved} steps ends inside its {cfg.warmup}-step warm-up, "
+                  f"so the warm-up goes on to the peak {cfg.lr:g} and the cosine decay spans the new {cfg.steps} steps")
+    elif cfg.schedule == "keep":
         choice = (f"--schedule keep: the LR follows the saved warm-up + cosine decay over {span} steps"
                   + (f", then stays at its final {lr_at(span - 1, cfg):.3g} to step {cfg.steps}"
                      if cfg.steps > span else "")
@@ -383,9 +428,9 @@ def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, s
     else:
         choice = (f"--schedule stretch: the LR schedule (warm-up + cosine decay) is re-stretched to the new total "
                   f"of {cfg.steps} steps (--schedule keep would follow the saved one)")
-    jumps = not math.isclose(before, after, rel_tol=0.05)
+    warn = continued or not math.isclose(lr_at(step, old), after, rel_tol=0.05)  # step + 1's LR, either schedule
     logging.getLogger("chunkzero.train").log(
-        logging.WARNING if jumps else logging.INFO,
+        logging.WARNING if warn else logging.INFO,
         "%s--resume with %s differs from the checkpointed run's settings (%s); %s: the LR goes from %.3g at step %d "
-        "to %.3g at step %d", "warning: " if jumps else "", ", ".join(changed), source, choice, before, step, after,
+        "to %.3g at step %d", "warning: " if warn else "", ", ".join(changed), source, choice, before, step, after,
         step + 1)

@@ -26,6 +26,7 @@ Imports the standard library only.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -38,7 +39,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import ChunkZeroError
+from .errors import ChunkZeroError, ConfigError
 
 EXIT_PEER_LOST = 3
 """A worker exits with this when a collective failed because another worker vanished (a consequence,
@@ -378,3 +379,37 @@ def _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_time
             raise WorkerFailure(f"process {i} (pid {pids[i]}) did not finish within {finish_timeout_s:g} s of "
                                 "the first one; the run was stopped", rank=i, exitcode=None)
         time.sleep(poll_s)
+
+
+# ================================================================================ CPU workers per core
+
+MAX_WORKERS_PER_CORE = 8
+"""CPU workers (torch ranks, JAX CPU devices) beyond the cores run oversubscribed, up to this many per core."""
+
+
+def available_cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_cpu_workers(workers: int, what: str, *, cores: int, threads_each: int | None = None) -> None:
+    """Refuse more than :data:`MAX_WORKERS_PER_CORE` CPU workers per core; warn (logger ``chunkzero.train``,
+    one line) when there are more workers than ``cores``. Both engines' launchers call it: ``what`` names
+    the options that asked for them (``"--nproc 3"``); ``threads_each``: each worker's intra-op threads,
+    when the engine sets them.
+
+    Raises:
+        ConfigError: naming ``what`` and the limit.
+    """
+    limit = MAX_WORKERS_PER_CORE * cores
+    if workers > limit:
+        raise ConfigError(f"{what} is more than this machine allows: at most {limit} CPU workers allowed "
+                          f"({MAX_WORKERS_PER_CORE} per available core)")
+    if workers > cores:
+        threads = f", {threads_each} thread each," if threads_each is not None else ""
+        logging.getLogger("chunkzero.train").warning(
+            "warning: %s on %d CPU core(s): the workers run oversubscribed%s and share the cores (slower per step, "
+            "same results)", what, cores, threads)

@@ -119,7 +119,8 @@ class Program:
         return self.head_logits({n: params[n] for n in self.stages[-1].tensors}, h)
 
     def loss_sum(self, params: Mapping[str, jax.Array], batch: Batch) -> jax.Array:
-        """Sum of token cross-entropies of ``batch`` with full-shaped ``params`` (all stages composed)."""
+        """Sum of token cross-entropies of ``batch`` with full-shaped ``params`` (all stages composed); with
+        ``batch["weights"]`` (``f32[B]``), each row's weighted."""
         h = None
         for s in self.stages:
             h = s.fn({n: params[n] for n in s.tensors}, h, batch)
@@ -140,8 +141,10 @@ class Program:
             raise ConfigError(f"sequence length {np.shape(batch['idx'])[1]} exceeds {self.max_seq_len} of {self.name}")
 
 
-def _cross_entropy_sum(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).sum()
+def _cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Sum of the token cross-entropies; with ``weights`` (``f32[B]``), each row's weighted (0 drops a row)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return (ce if weights is None else ce * weights[:, None]).sum()
 
 
 def random_batch(program: Program, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, jax.Array]:
@@ -214,7 +217,7 @@ def gpt_program(config: Any, name: str | None = None, *, hf_conv1d: bool = False
         return jnp.dot(ln(h), t["transformer.wte.weight"].T)  # nnx.Embed.attend: tied output head
 
     def head(t, h, batch):
-        return _cross_entropy_sum(head_logits(t, h), batch["targets"])
+        return _cross_entropy_sum(head_logits(t, h), batch["targets"], batch.get("weights"))
 
     names = [s.name for s in specs]
     stages = [Stage("embed", ("transformer.wte.weight", "transformer.wpe.weight"), embed)]
@@ -348,7 +351,7 @@ def llama_program(config: ModelConfig | str, name: str | None = None, *, rms_nor
         return _rms_norm(x, t["model.norm.weight"], rms_norm_eps) @ t[head_weight].T
 
     def head(t, x, batch):
-        return _cross_entropy_sum(head_logits(t, x), batch["targets"])
+        return _cross_entropy_sum(head_logits(t, x), batch["targets"], batch.get("weights"))
 
     names = [s.name for s in specs]
     stages = [Stage("embed", ("model.embed_tokens.weight",), embed)]

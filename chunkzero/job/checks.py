@@ -1,5 +1,5 @@
-"""A run's checks that need no framework: ``--out`` and, with ``--resume``, the checkpoint's step and
-tensors against ``--model`` (from the checkpoint's metadata and the model's tensor specs: no array is
+"""A run's checks that need no framework: ``--out`` and, with ``--resume``, the checkpoint's step,
+data-stream settings and tensors against ``--model`` (from the checkpoint's metadata and the model's tensor specs: no array is
 read). Both engines' launchers call :func:`check_run_out`.
 """
 
@@ -13,7 +13,8 @@ from chunkzero.checkpoint.plan import check_compatible
 from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
 from chunkzero.layout import ChunkLayout, TensorSpec
 from chunkzero.run_dir import CHECKPOINT_DIR, check_out_dir, check_resume, fresh_run_dir, previous_settings
-from chunkzero.train_config import TrainConfig, resumed_schedule_steps
+from chunkzero.resume_check import check_resume_changes, validation_sequences
+from chunkzero.train_config import TrainConfig, resumed_schedule_steps, warn_schedule_change
 
 from .models import model_tensor_specs
 
@@ -40,11 +41,15 @@ def check_resume_model(cfg: TrainConfig, meta: CheckpointMeta, tensor_specs: Ten
                           f"{trained}): {e}") from None
 
 
-def check_run_out(cfg: TrainConfig, tensor_specs: TensorSpecs = model_tensor_specs) -> CheckpointMeta | None:
+def check_run_out(cfg: TrainConfig, tensor_specs: TensorSpecs = model_tensor_specs, *,
+                  data_summary: dict | None = None) -> CheckpointMeta | None:
     """Resolve and check ``--out`` in place, for either backend's launcher: ``runs/<timestamp>`` when
     unset, usable (:func:`chunkzero.run_dir.check_out_dir`), and ``cfg.schedule_steps`` set to
     ``--steps`` or, with ``--resume``, to the kept schedule of a checkpoint whose step is below
-    ``--steps`` and whose tensors are the model's (:func:`check_resume_model`, with ``tensor_specs``).
+    ``--steps`` and whose tensors are the model's (:func:`check_resume_model`, with ``tensor_specs``),
+    whose data stream this run's settings and corpus (``data_summary``) keep, or ``--allow-change``
+    (``cfg.resume_changes``: :func:`chunkzero.resume_check.check_resume_changes`); what the resume does to
+    the LR schedule is said here, once (:func:`chunkzero.train_config.warn_schedule_change`).
 
     Returns:
         The checkpoint's metadata with ``--resume``, else ``None``.
@@ -56,9 +61,14 @@ def check_run_out(cfg: TrainConfig, tensor_specs: TensorSpecs = model_tensor_spe
         cfg.out = str(fresh_run_dir(Path("runs")))
     check_out_dir(cfg)
     cfg.schedule_steps = cfg.steps
+    cfg.val_sequences = validation_sequences(cfg)
     if not cfg.resume:
         return None
     meta = check_resume(cfg)
     check_resume_model(cfg, meta, tensor_specs)
-    cfg.schedule_steps = resumed_schedule_steps(cfg, previous_settings(cfg, meta)[0])
+    previous, source = previous_settings(cfg, meta)
+    cfg.schedule_steps = resumed_schedule_steps(cfg, previous)
+    cfg.val_sequences = validation_sequences(cfg, previous)
+    cfg.resume_changes = check_resume_changes(cfg, previous, source, data_summary) or None
+    warn_schedule_change(previous, source, cfg, meta.step)
     return meta

@@ -396,11 +396,24 @@ class BatchSampler:
 
 
 def val_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int,
-                n_batches: int):
-    """The fixed validation micro-batches of this rank: ``n_batches`` numpy pairs ``(x, y)``
-    (``int64[batch_size, seq_len]``), the same at every evaluation."""
+                n_sequences: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """This rank's share of the run's fixed validation set, the same at every evaluation: ``(x, y, w)``
+    micro-batches, ``x`` and ``y`` ``int64[b, seq_len]``, ``w`` ``float32[b]`` (1 for a row of the set, 0 for
+    a padding row whose loss must not count).
+
+    The set is ``n_sequences`` windows drawn from ``default_rng([seed, VAL_STREAM])``, whatever the world
+    size (the run fixes it at its first session: :func:`chunkzero.resume_check.validation_sequences`, so
+    validation losses compare across a resume at another world size). Global row ``g``
+    goes to rank ``g mod world_size``; every rank gets ``ceil(set / world_size)`` rows, the last ranks'
+    extra ones padding (weight 0), in micro-batches of at most ``batch_size`` rows, the same shapes on every
+    rank (their forwards are collective)."""
+    total = n_sequences
+    starts = np.random.default_rng([seed, VAL_STREAM]).integers(0, tokens.size - seq_len, size=total)
+    per_rank = -(-total // world_size)
+    rows = np.arange(per_rank) * world_size + rank  # this rank's global rows
+    weights = (rows < total).astype(np.float32)
     sampler = BatchSampler(tokens, seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size,
                            seed=seed)
-    rng = np.random.default_rng([seed, VAL_STREAM])
-    starts = rng.integers(0, tokens.size - seq_len, size=(n_batches, world_size * batch_size))
-    return [sampler.arrays_at(row[rank * batch_size:(rank + 1) * batch_size]) for row in starts]
+    x, y = (np.ascontiguousarray(a) for a in sampler.arrays_at(starts[rows % total]))
+    return [(x[i:i + batch_size], y[i:i + batch_size], weights[i:i + batch_size])
+            for i in range(0, per_rank, batch_size)]

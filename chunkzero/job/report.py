@@ -69,7 +69,8 @@ class Report:
             history = [r for r in history if not (r.get("kind") == "session" and r["step"] == start - 1)]
         self.metrics = Metrics(path if self.is_main else None, history)
         if self.is_main:  # where each session (the first, every resume) began, and on how many workers
-            self.metrics.write({"kind": "session", "step": start - 1, "world_size": world_size})
+            self.metrics.write({"kind": "session", "step": start - 1, "world_size": world_size,
+                                **({"changes": cfg.resume_changes} if cfg.resume_changes else {})})
         if counters is None:
             last = next((r for r in reversed(history or []) if r.get("kind") == "train" and r["step"] == start - 1), {})
             counters = {"tokens": last.get("tokens", (start - 1) * tokens_per_step),
@@ -245,6 +246,7 @@ class Metrics:
         self.ema_val: list[tuple[int, float]] = []
         """``(step, validation loss of the EMA weights)``, with ``--ema-decay``."""
         self.sessions: list[tuple[int, int]] = []  # (step the session began after, world size)
+        self.changes: dict[int, list[str]] = {}  # step a session began after: what --allow-change accepted
         for r in history or ():
             self._record(r)
         if path is not None and history is not None:
@@ -263,6 +265,8 @@ class Metrics:
                 self.ema_val.append((record["step"], record["ema_val_loss"]))
         elif record.get("kind") == "session" and isinstance(record.get("world_size"), int):
             self.sessions.append((record["step"], record["world_size"]))
+            if isinstance(record.get("changes"), list):
+                self.changes[record["step"]] = [str(c) for c in record["changes"]]
 
     def val_at(self, step: int) -> float | None:
         """The logged validation loss at ``step``, if any."""
@@ -303,8 +307,9 @@ def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
 def loss_figure(metrics: Metrics, title: str):
     """The loss curve (a matplotlib figure, Agg): training loss per step (and its running mean) and validation loss points (of the
     live weights, and of the EMA weights when the run keeps an EMA); a dashed
-    line where each resumed session began, labelled with its world size (and the first session's); a red
-    cross at the foot of the plot at each step whose training or validation loss was not finite."""
+    line where each resumed session began, labelled with its world size (and the first session's) and the
+    settings ``--allow-change`` changed there; a red cross at the foot of the plot at each step whose
+    training or validation loss was not finite."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,7 +338,7 @@ def loss_figure(metrics: Metrics, title: str):
         label = f"{world} worker{'s' if world != 1 else ''}"
         if step > 0:  # a resume from the checkpoint of ``step``
             ax.axvline(step + 0.5, color="0.35", ls="--", lw=0.9)
-            label = f"resume at {step}: {label}"
+            label = f"resume at {step}: {label}" + "".join(f"; {c}" for c in metrics.changes.get(step, ()))
         ax.annotate(label, xy=(step + 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
                     textcoords="offset points", ha="left", va="top", fontsize=7, color="0.25", rotation=90)
     ax.set_xlabel("optimizer step")

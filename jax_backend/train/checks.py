@@ -1,7 +1,8 @@
 """Checking a ``chunkzero train --backend jax`` run before any process starts (the launcher's check, and
 each process's under an external launcher), as :func:`torch_backend.train.resolve.validate` does for torch;
 what a machine cannot change is :meth:`chunkzero.train_config.TrainConfig.check`'s: CPU only, ``--nproc``
-processes × ``--devices-per-process`` devices, the CPU defaults, the model (a byte-level GPT, or a Hugging
+processes × ``--devices-per-process`` devices (as many CPU workers as torch allows, with its
+oversubscription warning: :func:`chunkzero.workers.check_cpu_workers`), the CPU defaults, the model (a byte-level GPT, or a Hugging
 Face GPT-2 directory: :func:`check_hf_model`) and ``--seq-len``, ``--out``, ``--resume``'s checkpoint (its
 step and tensors, :func:`chunkzero.job.checks.check_run_out`) and the corpus.
 """
@@ -14,6 +15,7 @@ from chunkzero.errors import ConfigError
 from chunkzero.job.checks import check_run_out
 from chunkzero.job.models import hf_config, load_run_corpus, model_block_size, model_tensor_specs
 from chunkzero.train_config import TrainConfig, with_device_defaults
+from chunkzero.workers import available_cpu_cores, check_cpu_workers
 
 from ..blocks import HF_MODEL_TYPES
 
@@ -33,17 +35,19 @@ def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | N
     nproc = num_processes if num_processes is not None else (cfg.nproc or 2)
     cfg.nproc = nproc
     cfg.world_size = nproc * cfg.devices_per_process
+    check_cpu_workers(cfg.world_size, f"--nproc {nproc}" + (f" × --devices-per-process {cfg.devices_per_process} "
+                      f"({cfg.world_size} devices)" if cfg.devices_per_process > 1 else ""), cores=available_cpu_cores())
     cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
     if cfg.model_kind == "hf":
         check_hf_model(cfg)
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
+    corpus = load_run_corpus(cfg)
     if check_out:
-        meta = check_run_out(cfg)
+        meta = check_run_out(cfg, data_summary=corpus.summary())
         if meta is not None and meta.mixed_precision == "fp16":
             raise ConfigError(f"--resume: the checkpoint in {cfg.out} was trained in fp16, which --backend jax "
                               "does not run")
-    corpus = load_run_corpus(cfg)
     cfg.validated = True
     return cfg, corpus
 

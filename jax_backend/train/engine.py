@@ -156,9 +156,9 @@ class JaxEngine:
         self.meta = None
         if resume_from is not None:
             try:
-                restored = restore_checkpoint(resume_from, mesh, with_optimizer=True)
+                restored = restore_checkpoint(resume_from, mesh, step=cfg.resume_step, with_optimizer=True)
             except CheckpointError as e:
-                raise resume_failed(resume_from, latest_step(resume_from), e) from None
+                raise resume_failed(resume_from, cfg.resume_step or latest_step(resume_from), e) from None
             layout, self.meta = restored.layout, restored.meta
         else:
             layout = build_layout(cfg, self.world)
@@ -186,14 +186,15 @@ class JaxEngine:
         self.local_ranks = [(order.index(d), d) for d in mesh.local_devices]
 
     # ------------------------------------------------------------------ batches
-    def global_batch(self, rows: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, jax.Array]:
+    def global_batch(self, rows: dict[int, tuple[np.ndarray, ...]]) -> dict[str, jax.Array]:
         """``{"idx", "targets"}`` int32 ``[W·b, T]`` sharded on the batch, from this process's devices' rows
-        ``{rank: (x, y)}`` (``int[b, T]`` each)."""
+        ``{rank: (x, y)}`` (``int[b, T]`` each); with rows ``(x, y, w)`` also ``"weights"`` f32 ``[W·b]``."""
         out = {}
-        for k, j in (("idx", 0), ("targets", 1)):
-            parts = [jax.device_put(np.asarray(rows[r][j], np.int32), d) for r, d in self.local_ranks]
-            b, t = parts[0].shape
-            out[k] = jax.make_array_from_single_device_arrays((self.world * b, t), self._batch_sharding, parts)
+        keys = [("idx", 0, np.int32), ("targets", 1, np.int32), ("weights", 2, np.float32)]
+        for k, j, dtype in keys[:len(next(iter(rows.values())))]:
+            parts = [jax.device_put(np.asarray(rows[r][j], dtype), d) for r, d in self.local_ranks]
+            shape = (self.world * parts[0].shape[0], *parts[0].shape[1:])
+            out[k] = jax.make_array_from_single_device_arrays(shape, self._batch_sharding, parts)
         return out
 
     # ------------------------------------------------------------------ step, evaluation
@@ -218,12 +219,16 @@ class JaxEngine:
 
     def _eval_loss(self, chunks, batch):
         tensors = {t.name: chunks[chunk_key(t.chunk)][t.offset:t.end].reshape(t.shape) for t in self.layout.tensors}
-        return self.program.loss(tensors, batch)
+        return self.program.loss_sum(tensors, batch)
 
     def evaluate(self, batches: list[dict[str, jax.Array]]) -> float:
-        """Mean validation loss over the global batches (each the same size): torch's mean over ranks."""
+        """Validation loss of the global batches with ``"weights"`` (``global_batch`` of
+        ``data.val_batches``' rows): the mean over the weighted rows of each one's mean token loss, as torch's
+        ``evaluate`` (padding rows, weight 0, left out)."""
         chunks = self.state.params if self.state.params is not None else self.state.master
-        return float(np.mean([float(np.asarray(self._eval(chunks, b).addressable_data(0))) for b in batches]))
+        total = sum(float(np.asarray(self._eval(chunks, b).addressable_data(0))) for b in batches)
+        rows = sum(float(np.asarray(self._sum(b["weights"]).addressable_data(0))) for b in batches)
+        return total / (rows * batches[0]["targets"].shape[1])
 
     # ------------------------------------------------------------------ checkpoints, weights
     def save(self, directory: Path, step: int, *, data_position: dict, extra: dict, keep: int) -> None:

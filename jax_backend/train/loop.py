@@ -18,18 +18,24 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from chunkzero.checkpoint.orbax_store import FINITE_KEY
+from chunkzero.errors import ChunkZeroError
 from chunkzero.job.guards import warn_dropped_ema
+from chunkzero.resume_check import run_settings, sampler_position
 from chunkzero.run_dir import CHECKPOINT_DIR
-from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
+from chunkzero.train_config import TrainConfig, lr_at
 
 log = logging.getLogger("chunkzero.train")
 
 
-def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) -> dict:
-    """Run the loop on this process; returns the summary (complete on process 0)."""
+def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], None]) -> dict:
+    """Run the loop on this process; returns the summary (complete on process 0). ``open_out(error)``: called
+    on every process once the engine is built (a resumed checkpoint loaded), with this process's error or
+    ``None``; it raises every process's first error, or prepares ``--out``, before anything is written there
+    (``jax_backend.train.worker.open_out``)."""
     import jax
 
     from chunkzero.job import data as data_mod
@@ -49,8 +55,13 @@ def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) 
         sizes = sorted({c.size * 4 for c in build_layout(cfg, world).chunks if not c.keep_gathered})
         check_reduce_scatter(mesh, sizes)
     ckpt_root = Path(cfg.out) / CHECKPOINT_DIR
-    resume_from = ckpt_root if cfg.resume else None  # its latest step
-    engine = JaxEngine(cfg, mesh, resume_from=resume_from)
+    resume_from = ckpt_root if cfg.resume else None  # its latest step, or --resume-step's
+    error = None
+    try:
+        engine = JaxEngine(cfg, mesh, resume_from=resume_from)
+    except ChunkZeroError as e:
+        error = str(e)
+    open_out(error)
     params = sum(t.numel for t in engine.layout.tensors)
     samplers = {r: data_mod.BatchSampler(corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
                                          world_size=world, seed=cfg.seed) for r, _ in engine.local_ranks}
@@ -58,25 +69,25 @@ def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) 
     if engine.meta is not None:
         meta = engine.meta
         for s in samplers.values():
-            s.load_state_dict((meta.data_position or {}).get("sampler", {}))
+            s.load_state_dict(sampler_position(meta, cfg))
         extra = dict(meta.extra or {})
         if rank0:
             log.info("resumed from step %d (%s/%d), saved at world size %d", meta.step, ckpt_root, meta.step,
                      meta.world_size)
-            warn_schedule_change(extra if "steps" in extra else previous_config,
-                                 f"checkpoint {meta.step}" if "steps" in extra else f"{cfg.out}/config.json", cfg, meta.step)
             warn_dropped_ema(meta, ckpt_root / str(meta.step), "--backend jax")
         start = meta.step + 1
         counters = extra.get("counters") if isinstance(extra.get("counters"), dict) else None
     val_rows = {r: data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
-                                        world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
+                                        world_size=world, seed=cfg.seed,
+                                        n_sequences=cfg.val_sequences or cfg.eval_batches * cfg.batch_size * world)
                 for r, _ in engine.local_ranks}
-    val = [engine.global_batch({r: val_rows[r][k] for r in val_rows})
-           for k in range(cfg.eval_batches)]
+    n_val = len(next(iter(val_rows.values())))  # the same on every rank
+    val = [engine.global_batch({r: rows[k] for r, rows in val_rows.items()}) for k in range(n_val)]
     backend = f"jax, {jax.process_count()} process(es) × {cfg.devices_per_process} device(s)"
     report = Report(cfg, rank=place.process_id, world_size=world, device_type="cpu", backend=backend, start=start,
                     tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
     report.begin(params, corpus, engine)
+    settings = run_settings(cfg, world, corpus.summary())
 
     val_loss = all_gather_json(report.metrics.val_at(start - 1))[0]
     if val_loss is None:
@@ -98,9 +109,7 @@ def train(cfg: TrainConfig, corpus, place, previous_config: dict | None = None) 
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
                 sampler = next(iter(samplers.values()))
                 engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=cfg.keep,
-                            extra={"model": cfg.model, "seed": cfg.seed, "world_size": world, "steps": cfg.steps,
-                                   "schedule_steps": cfg.schedule_steps, "warmup": cfg.warmup, "lr": cfg.lr,
-                                   "min_lr_ratio": cfg.min_lr_ratio, "counters": report.counters(), "backend": "jax",
+                            extra={**settings, "counters": report.counters(), "backend": "jax",
                                    FINITE_KEY: math.isfinite(float(loss))})
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = engine.evaluate(val)

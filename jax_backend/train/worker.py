@@ -3,8 +3,9 @@
 Started by :mod:`jax_backend.train.run` (``python -m jax_backend.train.worker CONFIG.json``, the place in
 the environment) or run in-process under an external launcher. The process joins the others
 (:func:`jax_backend.processes.join_processes`, every wait bounded by ``--timeout``), checks its inputs
-with them (all train or all stop with one message), prepares ``--out`` (process 0), writes
-``pids/process<i>.pid`` and runs :func:`jax_backend.train.loop.train`. A collective that fails because
+with them (all train or all stop with one message) and runs :func:`jax_backend.train.loop.train`, which
+builds the engine and loads a resumed checkpoint before :func:`open_out` first writes into ``--out``
+(process 0 prepares it; every process writes ``pids/process<i>.pid``). A collective that fails because
 another process vanished ends it with :data:`chunkzero.workers.EXIT_PEER_LOST`, a consequence the
 launcher never names as the cause. SIGTERM, SIGINT and SIGHUP end the process at once, and so does its
 launcher's end (:func:`chunkzero.workers.exit_on_stop_signals`, :func:`~chunkzero.workers.watch_launcher`).
@@ -58,11 +59,36 @@ def _check_together(cfg: TrainConfig, place):
             cfg, corpus = validate(cfg, check_out=place.process_id == 0, num_processes=place.num_processes)
     except ChunkZeroError as e:
         error = str(e)
-    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps])
-    errors = [e for e, _, _ in verdicts if e is not None]
+    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps, cfg.resume_changes, cfg.val_sequences])
+    errors = [v[0] for v in verdicts if v[0] is not None]
     if not errors:
-        cfg.out, cfg.schedule_steps = verdicts[0][1], verdicts[0][2]
+        cfg.out, cfg.schedule_steps, cfg.resume_changes, cfg.val_sequences = verdicts[0][1:]
     return (errors[0] if errors else None), cfg, corpus
+
+
+def open_out(cfg: TrainConfig, corpus, process_id: int, error: str | None) -> None:
+    """The first writes of a run into ``--out``, once every process checked everything it can (the resumed
+    checkpoint loaded): with an ``error`` on any process, every process raises it and ``--out`` is left as
+    it was; else process 0 prepares ``--out`` and writes ``config.json`` and ``train.log``, and every
+    process its pid.
+
+    Raises:
+        ChunkZeroError: the first process's error, on every process.
+    """
+    from chunkzero.job.report import setup_logging
+    from jax_backend.processes import all_gather_json
+
+    errors = [e for e in all_gather_json(error) if e is not None]
+    if errors:
+        raise ChunkZeroError(errors[0])
+    out = Path(cfg.out)
+    if process_id == 0:
+        write_run_config(cfg, corpus, cfg.world_size)
+        setup_logging(0, out)
+    all_gather_json(None)  # --out exists before anyone writes into it
+    pid_dir = out / "pids"
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"process{process_id}.pid").write_text(f"{os.getpid()}\n")
 
 
 def worker_main(cfg: TrainConfig) -> dict:
@@ -85,18 +111,9 @@ def worker_main(cfg: TrainConfig) -> dict:
         error, cfg, corpus = _check_together(cfg, place)
         if error is not None:
             return {"status": "error", "message": error}
-        out = Path(cfg.out)
-        previous_config = None
-        if place.process_id == 0:
-            previous_config = write_run_config(cfg, corpus, cfg.world_size)
-            setup_logging(0, out)
-        all_gather_json(None)  # --out exists before anyone writes into it
-        pid_dir = out / "pids"
-        pid_dir.mkdir(parents=True, exist_ok=True)
-        (pid_dir / f"process{place.process_id}.pid").write_text(f"{os.getpid()}\n")
         from .loop import train
 
-        summary = train(cfg, corpus, place, previous_config)
+        summary = train(cfg, corpus, place, open_out=lambda error: open_out(cfg, corpus, place.process_id, error))
         all_gather_json(None)  # process 0 wrote the outputs: all reach jax.distributed's shutdown barrier together
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input

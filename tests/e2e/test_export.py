@@ -262,7 +262,7 @@ def test_resume_says_what_happens_to_the_lr_schedule(caplog):
     import dataclasses
     import logging
 
-    from torch_backend.train.loop import TrainConfig, lr_at, warn_schedule_change
+    from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
 
     saved = {"steps": 200, "warmup": 10, "lr": 3e-3}
     keep = TrainConfig(steps=300, warmup=10, lr=3e-3, schedule="keep", schedule_steps=200)

@@ -207,13 +207,17 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
     args = ["--data", str(corpus), *SMALL, "--steps", "6", "--eval-interval", "6", "--sample-tokens", "0",
             "--save-interval", "2", "--out", str(out)]
     per_worker = 4 * 32  # --batch-size 4 × --seq-len 32, one micro-batch
-    for nproc, resume, dropped in (("2", (), ("4", "6")), ("1", ("--resume",), ("6",)), ("2", ("--resume",), ())):
+    resume = ("--resume", "--allow-change")  # the tokens per step change with the world size
+    for nproc, resume, dropped in (("2", (), ("4", "6")), ("1", resume, ("6",)), ("2", resume, ())):
         proc = run_train(*args, "--nproc", nproc, *resume, cwd=tmp_path)
         assert proc.returncode == 0, describe(proc)
         for step in dropped:  # as if the session had died after the checkpoint before
             shutil.rmtree(out / "checkpoints" / step)
     train, _ = read_metrics(out)
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    sessions = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"session"' in line]
+    assert [s.get("changes") for s in sessions] == [None, ["world size 1 (was 2)", "128 tokens per step (was 256)"],
+                                                    ["world size 2 (was 1)", "256 tokens per step (was 128)"]]
     workers = [2, 2, 1, 1, 2, 2]
     assert [r["tokens"] for r in train] == [per_worker * sum(workers[:i + 1]) for i in range(6)]
     times = [r["time_s"] for r in train]

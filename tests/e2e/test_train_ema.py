@@ -23,7 +23,8 @@ def test_train_with_ema_evaluates_both_and_resumes(corpus, tmp_path):
     proc = run_train(*args, "--steps", "4", "--nproc", "2", cwd=tmp_path, env=clean_env())
     assert proc.returncode == 0, describe(proc)
     assert read_meta(out / "checkpoints" / "4").ema.to_dict() == {"decay": 0.5, "update_count": 4, "warmup": False}
-    proc = run_train(*args, "--steps", "6", "--nproc", "1", "--resume", cwd=tmp_path, env=clean_env())
+    proc = run_train(*args, "--steps", "6", "--nproc", "1", "--resume", "--allow-change", cwd=tmp_path,
+                     env=clean_env())
     assert proc.returncode == 0, describe(proc)
     assert read_meta(out / "checkpoints" / "6").ema.update_count == 6
     _, val = read_metrics(out)

@@ -56,7 +56,7 @@ def test_resume_without_ema_decay_drops_the_ema_once_and_reports_no_stale_ema_lo
     out = tmp_path / "run"
     shutil.copytree(ema_run, out)
     proc = run_train("--data", str(corpus), *SMALL, "--steps", "3", "--eval-interval", "3", "--sample-tokens", "0",
-                     "--nproc", "2", "--resume", "--out", str(out), cwd=tmp_path)
+                     "--nproc", "2", "--resume", "--allow-change", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     dropped = [line for line in proc.stderr.splitlines() if "the EMA is dropped" in line]
     assert len(dropped) == 1 and "holds an EMA of the weights (decay 0.5, 2 updates)" in dropped[0], proc.stderr

@@ -86,9 +86,10 @@ def test_option_bounds_are_the_config_bounds():
             parser.parse_args([flag_of(f), str(kind(bad))])
         assert e.value.code == 2, f.name
         assert getattr(parser.parse_args([flag_of(f), str(kind(good))]), f.name) == kind(good)
+        needs = {"resume": True} if f.name == "resume_step" else {}
         with pytest.raises(ConfigError, match=f"^{flag_of(f)} must be"):
-            TrainConfig(**{f.name: kind(bad)}).check()
-        TrainConfig(**{f.name: kind(good)}).check()
+            TrainConfig(**{f.name: kind(bad)}, **needs).check()
+        TrainConfig(**{f.name: kind(good)}, **needs).check()
     for f, opt in option_fields():
         if opt.choices:
             with pytest.raises(ConfigError, match=f"^{flag_of(f)} must be one of"):
@@ -116,18 +117,24 @@ def test_lr_schedule_warmup_then_cosine():
 @pytest.mark.parametrize("warmup", [5, 30])
 def test_kept_schedule_stays_at_its_last_lr(warmup):
     """A run resumed with --schedule keep past its saved schedule (20 steps) stays at the LR of the
-    schedule's last step, also when the warm-up (30 steps) was still going on there: no climb to the
-    peak, no drop to the floor."""
+    schedule's last step, no climb to the peak, no drop to the floor; unless the warm-up (30 steps) was
+    still going on there (issue 32: the LR froze below its peak): then keep continues the warm-up to the
+    peak and decays over the new --steps."""
     import dataclasses
 
-    from chunkzero.train_config import TrainConfig, lr_at
+    from chunkzero.train_config import TrainConfig, lr_at, resumed_schedule_steps
 
     first = TrainConfig(steps=20, warmup=warmup, lr=3e-3, min_lr_ratio=0.1)
-    resumed = dataclasses.replace(first, steps=34, schedule_steps=20)
+    span = resumed_schedule_steps(dataclasses.replace(first, steps=34, resume=True), first.to_dict())
+    resumed = dataclasses.replace(first, steps=34, schedule_steps=span)
     last = lr_at(19, first)
     assert [lr_at(s, resumed) for s in range(20)] == [lr_at(s, first) for s in range(20)]
-    assert [lr_at(s, resumed) for s in range(20, 34)] == [last] * 14
-    assert last == pytest.approx(3e-4 if warmup < 20 else 3e-3 * 20 / 31)
+    if warmup < 20:
+        assert span == 20 and [lr_at(s, resumed) for s in range(20, 34)] == [last] * 14
+        assert last == pytest.approx(3e-4)
+    else:
+        assert span == 34 and lr_at(20, resumed) > last and lr_at(30, resumed) == pytest.approx(3e-3)
+        assert lr_at(33, resumed) == pytest.approx(3e-4)  # then the cosine decay over steps 31-34
 
 
 def test_defaults_follow_the_device(monkeypatch, tmp_path):
@@ -238,9 +245,30 @@ def test_batches_are_deterministic_and_differ_per_rank():
     assert all((a == b).all() for a, b in zip(resumed.next(), expected))
     with pytest.raises(DataError, match="seed"):
         resumed.load_state_dict({"seed": 6, "index": 0})
-    v1 = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_batches=3)
-    v1b = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_batches=3)
-    assert len(v1) == 3 and all((a[0] == b[0]).all() for a, b in zip(v1, v1b))
+    v1 = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_sequences=6)
+    v1b = val_batches(tokens, seq_len=8, batch_size=2, rank=1, world_size=2, seed=5, n_sequences=6)
+    assert len(v1) == 2 and all((a[0] == b[0]).all() for a, b in zip(v1, v1b))  # 3 of the 6 rows: 2 + 1
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 7, 9])
+def test_the_validation_set_is_the_same_at_every_world_size(world):
+    """Issue 32: the validation set grew with the world size (a fixed number of batches per worker). Now it
+    is ``n_sequences`` in all (the run's first session fixes it): the rows of weight 1 over every rank are exactly the
+    single worker's, each once; every rank runs the same micro-batch shapes (padding rows weigh 0)."""
+    from collections import Counter
+
+    from chunkzero.job.data import val_batches
+
+    tokens = np.arange(1000, dtype=np.uint16)
+    kw = dict(seq_len=8, batch_size=4, seed=5, n_sequences=12)
+    [(x1, y1, w1), *more] = [b for b in val_batches(tokens, rank=0, world_size=1, **kw)]
+    single = Counter(tuple(r) for x, _, w in [(x1, y1, w1), *more] for r, wr in zip(x, w) if wr == 1)
+    assert sum(single.values()) == 12
+    shares = [val_batches(tokens, rank=r, world_size=world, **kw) for r in range(world)]
+    assert len({tuple(x.shape for x, _, _ in share) for share in shares}) == 1  # the same shapes on every rank
+    assert all(x.shape[0] <= 4 and (y[:, :-1] == x[:, 1:]).all() for share in shares for x, y, _ in share)
+    kept = Counter(tuple(r) for share in shares for x, _, w in share for r, wr in zip(x, w) if wr == 1)
+    assert kept == single
 
 
 # ------------------------------------------------------------------------------------------ failures
@@ -303,6 +331,8 @@ def test_checkpoint_saves_wait_at_most_timeout(monkeypatch, tmp_path):
     sampler = SimpleNamespace(state_dict=lambda: {"position": 3})
     counters = {"tokens": 2048, "train_time_s": 1.5}
     cfg = TrainConfig(out=str(tmp_path), timeout_s=7.5)
-    save_step(5, SimpleNamespace(model=None, optim=None), sampler, cfg, counters)
+    save_step(5, SimpleNamespace(model=None, optim=None), sampler, cfg, counters, {"seed": 1337})
     assert [(c["step"], c["timeout_s"], c["data_position"]) for c in calls] == [(5, 7.5, {"sampler": {"position": 3}})]
-    assert calls[0]["extra"]["counters"] == counters
+    from chunkzero.checkpoint.orbax_store import FINITE_KEY
+
+    assert calls[0]["extra"] == {"seed": 1337, "counters": counters, FINITE_KEY: True}

@@ -30,17 +30,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from chunkzero.checkpoint.orbax_store import FINITE_KEY
-from chunkzero.errors import CheckpointError
+from chunkzero.errors import CheckpointError, ChunkZeroError
 from chunkzero.job import data as data_mod
 from chunkzero.job.report import Report, peak_memory_mib
+from chunkzero.resume_check import run_settings, sampler_position
 from chunkzero.run_dir import CHECKPOINT_DIR, resume_failed
-from chunkzero.train_config import TrainConfig, lr_at, warn_schedule_change
+from chunkzero.train_config import TrainConfig, lr_at
 
 from ..zero.collectives import all_gather_json, all_mean, world_group
 from .adapter import Engine
-from .models import build_module, lm_loss, sample_text
+from .models import build_module, lm_loss, logits_of, sample_text
 
 log = logging.getLogger("chunkzero.train")
 
@@ -76,11 +78,19 @@ def device_peak_memory_mib(device: torch.device) -> dict:
 
 @torch.no_grad()
 def evaluate(engine: Engine, batches, device: torch.device, group) -> float:
-    """Mean validation loss over this rank's fixed batches, averaged over all ranks."""
+    """Validation loss of the run's fixed validation set (this rank's share: ``(x, y, w)`` micro-batches of
+    :func:`data_mod.val_batches`): the mean over its sequences of each one's mean token loss, all ranks
+    together, padding rows (``w`` 0) left out, so the same at any world size."""
     engine.model.eval()
-    total = sum(lm_loss(engine.model(to_device(x, device)), to_device(y, device)).item() for x, y in batches)
+    total, count = 0.0, 0.0
+    for x, y, w in batches:
+        logits = logits_of(engine.model(to_device(x, device))).float()
+        tokens = F.cross_entropy(logits.reshape(-1, logits.size(-1)), to_device(y, device).reshape(-1),
+                                 reduction="none")
+        total += float(tokens.view(len(x), -1).mean(1).cpu().double() @ torch.from_numpy(w).double())
+        count += float(w.sum())
     engine.model.train()
-    return all_mean(total / len(batches), group)
+    return all_mean(total, group) / all_mean(count, group)
 
 
 def evaluate_ema(engine: Engine, batches, device: torch.device, group) -> float | None:
@@ -92,40 +102,39 @@ def evaluate_ema(engine: Engine, batches, device: torch.device, group) -> float 
 
 
 def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, counters: dict,
-              finite: bool = True) -> None:
+              settings: dict, finite: bool = True) -> None:
     """An asynchronous Orbax checkpoint of step ``step`` in ``<out>/checkpoints/<step>`` (the newest
     ``--keep`` are kept, and the newest saved with a finite loss: ``finite``, the step's), with the data
-    position and the run's cumulative ``counters`` (:meth:`Report.counters`), so ``--resume`` continues exactly here, at any world size. Every wait of
+    position, the run's ``settings`` (:func:`chunkzero.resume_check.run_settings`, which ``--resume``
+    compares) and cumulative ``counters`` (:meth:`Report.counters`), so ``--resume`` continues exactly here,
+    at any world size. Every wait of
     the save for the other ranks is bounded by ``--timeout`` (``cfg.timeout_s``)."""
     from torch_backend import save_checkpoint
 
     save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim, step=step, async_save=True,
                     max_to_keep=cfg.keep, timeout_s=cfg.timeout_s, data_position={"sampler": sampler.state_dict()},
-                    extra={"model": cfg.model, "seed": cfg.seed, "world_size": cfg.world_size,
-                           "steps": cfg.steps, "schedule_steps": cfg.schedule_steps, "warmup": cfg.warmup, "lr": cfg.lr,
-                           "min_lr_ratio": cfg.min_lr_ratio, "counters": counters, FINITE_KEY: finite})
+                    extra={**settings, "counters": counters, FINITE_KEY: finite})
 
 
-def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, rank: int,
-           previous_config: dict | None = None) -> tuple[int, dict | None]:
-    """``--resume``: load the latest checkpoint of ``<out>/checkpoints`` into the engine (parameters,
-    optimizer, loss scaler, RNG states) and the sampler's position. Returns the next step to run and
-    the run's counters at the checkpoint (``{"tokens", "train_time_s"}``; ``None`` from a checkpoint
-    that has none). ``previous_config``: the earlier run's ``config.json``, for checkpoints without the
-    schedule in their ``extra`` (rank 0 warns when the LR schedule changes, see
-    :func:`warn_schedule_change`)."""
+def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, rank: int) -> tuple[int, dict | None]:
+    """``--resume``: load the latest checkpoint of ``<out>/checkpoints`` (or ``--resume-step``'s) into the
+    engine (parameters, optimizer, loss scaler, RNG states) and the sampler's position (with
+    ``--allow-change`` and another ``--seed``, its index in the new seed's stream). Returns the next step to
+    run and the run's counters at the checkpoint (``{"tokens", "train_time_s"}``; ``None`` from a checkpoint
+    that has none). What the resume changes was checked and said before any worker started
+    (``torch_backend.train.resolve.check_run_out``)."""
     from chunkzero.checkpoint import read_meta, resolve_step_dir
     from torch_backend import load_checkpoint
 
     root = Path(cfg.out) / CHECKPOINT_DIR
-    saved = read_meta(resolve_step_dir(root))  # metadata only: the EMA settings, said once below
+    saved = read_meta(resolve_step_dir(root, cfg.resume_step))  # metadata only: the EMA settings, said once below
     if engine.ema is not None and saved.ema is not None:  # load_checkpoint then replaces nothing
         engine.ema.decay, engine.ema.warmup = saved.ema.decay, saved.ema.warmup
     try:
         meta = load_checkpoint(root, engine.model, engine.optim, step=saved.step)
     except CheckpointError as e:
         raise resume_failed(root, saved.step, e) from None
-    sampler.load_state_dict((meta.data_position or {}).get("sampler", {}))
+    sampler.load_state_dict(sampler_position(meta, cfg))
     log.info("resumed from step %d (%s/%s/%d)", meta.step, cfg.out, CHECKPOINT_DIR, meta.step)
     resume_ema_settings(engine, meta, cfg, rank)
     extra = dict(meta.extra or {})
@@ -133,10 +142,6 @@ def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, ran
         if not cfg.save_interval:
             log.info("--resume without --save-interval: this session saves no checkpoint (the latest stays step %d); "
                      "pass --save-interval N to keep saving", meta.step)
-        if "steps" in extra:
-            warn_schedule_change(extra, f"checkpoint {meta.step}", cfg, meta.step)
-        else:
-            warn_schedule_change(previous_config, f"{cfg.out}/config.json", cfg, meta.step)
     counters = extra.get("counters")
     return meta.step + 1, (counters if isinstance(counters, dict) else None)
 
@@ -160,11 +165,13 @@ def resume_ema_settings(engine: Engine, meta, cfg: TrainConfig, rank: int) -> No
                  "are kept)", ", ".join(changed), meta.step + 1, meta.ema.update_count)
 
 
-def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, device: torch.device,
-          previous_config: dict | None = None, *, on_step_end: Sequence[StepHook] = ()) -> dict:
-    """Run the training loop on this rank; returns the summary (complete on rank 0). ``previous_config``:
-    with ``--resume``, the earlier run's ``config.json`` (read before this run replaced it);
-    ``on_step_end``: hooks called after every step (:class:`StepEnd`)."""
+def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, device: torch.device, *,
+          open_out: Callable[[str | None], None], on_step_end: Sequence[StepHook] = ()) -> dict:
+    """Run the training loop on this rank; returns the summary (complete on rank 0). ``open_out(error)``:
+    called on every rank once the model is built and a resumed checkpoint loaded, with this rank's error
+    (or ``None``): it raises every rank's first error, or prepares ``--out``, before anything is written
+    there (``torch_backend.train.worker.open_out``); ``on_step_end``: hooks called after every step
+    (:class:`StepEnd`)."""
     t_start = time.perf_counter()
     group = world_group()
     backend = dist.get_backend(group) if group is not None else "none"
@@ -176,12 +183,19 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     torch.manual_seed(cfg.seed + 1 + rank)
     sampler = data_mod.BatchSampler(corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
                                     world_size=world, seed=cfg.seed)
-    start, counters = resume(engine, sampler, cfg, rank, previous_config) if cfg.resume else (1, None)  # saved RNGs win
+    error, start, counters = None, 1, None
+    try:
+        start, counters = resume(engine, sampler, cfg, rank) if cfg.resume else (1, None)  # saved RNGs win
+    except ChunkZeroError as e:
+        error = str(e)
+    open_out(error)
     val = data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
-                               world_size=world, seed=cfg.seed, n_batches=cfg.eval_batches)
+                               world_size=world, seed=cfg.seed,
+                               n_sequences=cfg.val_sequences or cfg.eval_batches * cfg.batch_size * world)
     report = Report(cfg, rank=rank, world_size=world, device_type=device.type, backend=backend, start=start,
                     tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
     report.begin(params, corpus, engine)
+    settings = run_settings(cfg, world, corpus.summary())
 
     # The evaluation at the start step, unless the earlier session logged it (before the checkpoint was
     # taken, so of the same weights). Rank 0's verdict is shared, as every rank must join evaluate().
@@ -207,7 +221,7 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
             loss = all_mean(loss_sum / cfg.grad_accum, group)  # also a sync point, so the timing is honest
             report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
-                save_step(step, engine, sampler, cfg, report.counters(), finite=math.isfinite(float(loss)))
+                save_step(step, engine, sampler, cfg, report.counters(), settings, finite=math.isfinite(float(loss)))
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = evaluate(engine, val, device, group)
                 report.val(step, val_loss, train_loss=loss, ema_val_loss=evaluate_ema(engine, val, device, group))

@@ -3,7 +3,7 @@
 :func:`validate` is the launcher's (and, under ``torchrun``, every worker's) check of every user input:
 first :meth:`chunkzero.train_config.TrainConfig.check` (what is wrong on any machine), then what needs
 this one — a CUDA device for ``--device cuda``, ``--nproc`` within the devices (or 8 per CPU core: beyond
-the cores the workers run oversubscribed, with a warning), the defaults of the device
+the cores the workers run oversubscribed, with a warning: :func:`chunkzero.workers.check_cpu_workers`), the defaults of the device
 (:func:`chunkzero.train_config.with_device_defaults`), a model that
 exists with a block size that holds ``--seq-len``, kernels for ``--mixed-precision``, a usable
 ``--out`` and a corpus of at least one sequence; with ``--resume``, a checkpoint whose step is below
@@ -31,24 +31,9 @@ from chunkzero.job.checks import check_run_out
 from chunkzero.job.models import load_run_corpus, model_block_size
 from chunkzero.layout import TensorSpec
 from chunkzero.train_config import TrainConfig, with_device_defaults
+from chunkzero.workers import available_cpu_cores, check_cpu_workers
 
 log = logging.getLogger("chunkzero.train")
-
-
-def available_cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-MAX_WORKERS_PER_CORE = 8
-"""CPU workers beyond the cores run oversubscribed (each with one thread), up to this many per core."""
-
-
-def max_cpu_workers() -> int:
-    """CPU workers allowed: :data:`MAX_WORKERS_PER_CORE` per available core."""
-    return MAX_WORKERS_PER_CORE * available_cpu_cores()
 
 
 def threads_per_worker(local_workers: int) -> int:
@@ -120,16 +105,14 @@ def resolve_workers(cfg: TrainConfig) -> int:
         if cfg.nproc is not None and int(os.environ.get("RANK", 0)) == 0:
             log.warning("--nproc %d ignored: running under torchrun with world size %d", cfg.nproc, world)
         return world
-    limit = torch.cuda.device_count() if cfg.device == "cuda" else max_cpu_workers()
-    nproc = cfg.nproc if cfg.nproc is not None else (limit if cfg.device == "cuda" else 2)
-    if nproc > limit:
-        what = (f"{limit} CUDA device(s) visible" if cfg.device == "cuda"
-                else f"at most {limit} CPU workers allowed ({MAX_WORKERS_PER_CORE} per available core)")
-        raise ConfigError(f"--nproc {nproc} is more than this machine allows: {what}")
-    cores = available_cpu_cores()
-    if cfg.device == "cpu" and nproc > cores:
-        log.warning("warning: --nproc %d on %d CPU core(s): the workers run oversubscribed, %d thread each, "
-                    "and share the cores (slower per step, same results)", nproc, cores, threads_per_worker(nproc))
+    if cfg.device == "cuda":
+        nproc = cfg.nproc if cfg.nproc is not None else torch.cuda.device_count()
+        if nproc > torch.cuda.device_count():
+            raise ConfigError(f"--nproc {nproc} is more than this machine allows: {torch.cuda.device_count()} CUDA "
+                              "device(s) visible")
+        return nproc
+    nproc = cfg.nproc if cfg.nproc is not None else 2
+    check_cpu_workers(nproc, f"--nproc {nproc}", cores=available_cpu_cores(), threads_each=threads_per_worker(nproc))
     return nproc
 
 
@@ -178,8 +161,8 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
     check_precision(cfg.mixed_precision, cfg.device)
-    if check_out:
-        check_run_out(cfg, module_tensor_specs)
     corpus = load_run_corpus(cfg)
+    if check_out:
+        check_run_out(cfg, module_tensor_specs, data_summary=corpus.summary())
     cfg.validated = True
     return cfg, corpus

@@ -3,8 +3,9 @@
 Started by :func:`torch_backend.train.launch.launch` (``nproc`` local processes) or run directly under
 ``torchrun``; either way ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
 are in the environment. The worker joins the process group (:func:`init_distributed`), checks its
-inputs with the others (all train or all stop with one message), prepares ``--out`` (rank 0), writes
-``pids/rank<r>.pid`` and runs :func:`torch_backend.train.loop.train`.
+inputs with the others (all train or all stop with one message) and runs :func:`torch_backend.train.loop.train`,
+which builds the model and loads a resumed checkpoint before :func:`open_out` first writes into ``--out``
+(rank 0 prepares it; every rank writes ``pids/rank<r>.pid``).
 
 A worker ends without interpreter finalization, where gloo's threads could abort it
 (:mod:`torch_backend.train.process_exit`): :func:`launched_worker` is the entry point the launcher starts,
@@ -94,11 +95,32 @@ def _check_together(cfg: TrainConfig, rank: int, group):
             cfg, corpus = validate(cfg, check_out=rank == 0)
     except ChunkZeroError as e:
         error = str(e)
-    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps], group)
-    errors = [e for e, _, _ in verdicts if e is not None]
-    if not errors:
-        cfg.out, cfg.schedule_steps = verdicts[0][1], verdicts[0][2]  # rank 0 resolved them (with the checkpoint)
+    verdicts = all_gather_json([error, cfg.out, cfg.schedule_steps, cfg.resume_changes, cfg.val_sequences], group)
+    errors = [v[0] for v in verdicts if v[0] is not None]
+    if not errors:  # rank 0 resolved them (with the checkpoint)
+        cfg.out, cfg.schedule_steps, cfg.resume_changes, cfg.val_sequences = verdicts[0][1:]
     return (errors[0] if errors else None), cfg, corpus
+
+
+def open_out(cfg: TrainConfig, corpus, rank: int, world: int, group, error: str | None) -> None:
+    """The first writes of a run into ``--out``, once every rank checked everything it can (the resumed
+    checkpoint loaded): with an ``error`` on any rank, every rank raises it and ``--out`` is left as it
+    was; else rank 0 prepares ``--out`` and writes ``config.json`` and ``train.log``, and every rank its pid.
+
+    Raises:
+        ChunkZeroError: the first rank's error, on every rank.
+    """
+    errors = [e for e in all_gather_json(error, group) if e is not None]
+    if errors:
+        raise ChunkZeroError(errors[0])
+    out = Path(cfg.out)
+    if rank == 0:
+        write_run_config(cfg, corpus, world)
+        setup_logging(rank, out)
+    barrier(group)
+    pid_dir = out / "pids"
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
 
 
 def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
@@ -117,16 +139,8 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
         error, cfg, corpus = _check_together(cfg, rank, group)
         if error is not None:
             return {"status": "error", "message": error}
-        out = Path(cfg.out)
-        previous_config = None
-        if rank == 0:
-            previous_config = write_run_config(cfg, corpus, world)
-            setup_logging(rank, out)
-        barrier(group)
-        pid_dir = out / "pids"
-        pid_dir.mkdir(parents=True, exist_ok=True)
-        (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()}\n")
-        summary = train(cfg, corpus, rank, world, device, previous_config, on_step_end=on_step_end)
+        summary = train(cfg, corpus, rank, world, device, on_step_end=on_step_end,
+                        open_out=lambda error: open_out(cfg, corpus, rank, world, group, error))
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
         return {"status": "failed", "message": stop_message(e, cfg)}
