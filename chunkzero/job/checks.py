@@ -12,8 +12,8 @@ from chunkzero.checkpoint import CheckpointMeta
 from chunkzero.checkpoint.plan import check_compatible
 from chunkzero.errors import CheckpointError, ConfigError, ShapeMismatchError
 from chunkzero.layout import ChunkLayout, TensorSpec
-from chunkzero.run_dir import CHECKPOINT_DIR, check_out_dir, check_resume, fresh_run_dir, previous_settings
 from chunkzero.resume_check import check_resume_changes, validation_sequences
+from chunkzero.run_dir import CHECKPOINT_DIR, check_out_dir, check_resume, fresh_run_dir, previous_settings
 from chunkzero.train_config import TrainConfig, resumed_schedule_steps, warn_schedule_change
 
 from .models import model_tensor_specs

@@ -49,8 +49,8 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
     world = int(mesh.devices.size)
     rank0 = place.process_id == 0
     if jax.process_count() > 1:  # the reduce-scatter guard, at this run's chunk sizes, before tracing the step
-        from .engine import build_layout
         from ..collectives import check_reduce_scatter
+        from .engine import build_layout
 
         sizes = sorted({c.size * 4 for c in build_layout(cfg, world).chunks if not c.keep_gathered})
         check_reduce_scatter(mesh, sizes)

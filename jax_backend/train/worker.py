@@ -97,8 +97,13 @@ def worker_main(cfg: TrainConfig) -> dict:
     (the run cannot make progress, :class:`chunkzero.job.guards.NonFiniteStop`: exit 1); exits with
     :data:`~chunkzero.workers.EXIT_PEER_LOST` when another process vanished mid-run."""
     from chunkzero.job.report import setup_logging
-    from jax_backend.processes import (all_gather_json, compilation_cache_dir, join_processes, process_place,
-                                       use_compilation_cache)
+    from jax_backend.processes import (
+        all_gather_json,
+        compilation_cache_dir,
+        join_processes,
+        process_place,
+        use_compilation_cache,
+    )
 
     place = process_place()
     setup_logging(place.process_id, None)

@@ -14,8 +14,14 @@ import pytest
 from chunkzero.errors import ConfigError
 from chunkzero.resume_check import check_resume_changes, resume_changes, run_settings, sampler_position
 from chunkzero.run_dir import check_out_dir
-from chunkzero.train_config import TrainConfig, lr_at, option_fields, option_kind, resumed_schedule_steps, \
-    warn_schedule_change
+from chunkzero.train_config import (
+    TrainConfig,
+    lr_at,
+    option_fields,
+    option_kind,
+    resumed_schedule_steps,
+    warn_schedule_change,
+)
 from chunkzero.workers import MAX_WORKERS_PER_CORE, check_cpu_workers
 
 # ============================================================================================== bounds

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn

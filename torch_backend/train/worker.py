@@ -35,9 +35,9 @@ from chunkzero.workers import exit_on_stop_signals
 
 from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
+from .loop import StepHook, train
 from .process_exit import exit_without_finalization_at_exit
 from .resolve import resolve_device, threads_per_worker, validate
-from .loop import StepHook, train
 
 log = logging.getLogger("chunkzero.train")
 
