@@ -116,7 +116,7 @@ class IdTokenizer:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def encode(self, data: bytes) -> np.ndarray:  # pragma: no cover - .bin data is never encoded
+    def encode(self, data: bytes) -> np.ndarray:  # pragma: no cover - .bin data is never encoded  # noqa: ARG002 - the tokenizer interface
         raise DataError("pre-tokenized data cannot encode text")
 
     def decode(self, ids) -> str:

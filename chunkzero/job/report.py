@@ -456,7 +456,7 @@ class _TqdmHandler(logging.StreamHandler):
             from tqdm import tqdm
 
             tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:  # pragma: no cover
+        except Exception:  # pragma: no cover  # noqa: BLE001 - logging's emit contract: handleError reports it
             self.handleError(record)
 
 

@@ -208,8 +208,8 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
             "--save-interval", "2", "--out", str(out)]
     per_worker = 4 * 32  # --batch-size 4 × --seq-len 32, one micro-batch
     resume = ("--resume", "--allow-change")  # the tokens per step change with the world size
-    for nproc, resume, dropped in (("2", (), ("4", "6")), ("1", resume, ("6",)), ("2", resume, ())):
-        proc = run_train(*args, "--nproc", nproc, *resume, cwd=tmp_path)
+    for nproc, flags, dropped in (("2", (), ("4", "6")), ("1", resume, ("6",)), ("2", resume, ())):
+        proc = run_train(*args, "--nproc", nproc, *flags, cwd=tmp_path)
         assert proc.returncode == 0, describe(proc)
         for step in dropped:  # as if the session had died after the checkpoint before
             shutil.rmtree(out / "checkpoints" / step)

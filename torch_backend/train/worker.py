@@ -159,7 +159,7 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # pragma: no cover - best effort at exit
+            except Exception:  # pragma: no cover - best effort at exit  # noqa: BLE001 - process exit: must not raise
                 pass
 
 
