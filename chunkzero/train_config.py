@@ -188,9 +188,14 @@ class TrainConfig:
         1, "--backend jax: CPU devices of each JAX process; the run's world size is --nproc × this", "workers",
         metavar="K", minimum=1)
     timeout_s: float = option(
-        45.0, "collective timeout: a worker waiting longer for the others (in a collective, or in a checkpoint "
-              "save's barriers and commit) gives up, so a dead worker ends the run", "workers", flag="--timeout", metavar="SECONDS",
-        above=0)
+        45.0,
+        "collective timeout: a worker waiting longer for the others (in a collective, or in a checkpoint "
+        "save's barriers and commit) gives up, so a dead worker ends the run",
+        "workers",
+        flag="--timeout",
+        metavar="SECONDS",
+        above=0,
+    )
     # reporting
     out: str | None = option(None, "output directory; refused if it holds another run unless --overwrite",
                              "reporting", metavar="DIR", default_help="a fresh runs/<YYYYmmdd-HHMMSS>")
@@ -221,8 +226,14 @@ class TrainConfig:
                 "goes on to the peak and decays over the new --steps); stretch re-stretches the decay to the new "
                 "--steps (the LR jumps up at the resumed step)", "checkpoints", choices=SCHEDULES)
     resume_step: int | None = option(
-        None, "with --resume: resume from this checkpoint step instead of the latest (an older one; the later steps "
-              "are moved to checkpoints/after-N/, kept)", "checkpoints", metavar="N", minimum=1, default_help="the latest")
+        None,
+        "with --resume: resume from this checkpoint step instead of the latest (an older one; the later steps "
+        "are moved to checkpoints/after-N/, kept)",
+        "checkpoints",
+        metavar="N",
+        minimum=1,
+        default_help="the latest",
+    )
     allow_change: bool = option(
         False, "with --resume: accept settings that change the run's data stream or numbers (--data, --batch-size, "
                "--seq-len, --grad-accum, --mixed-precision, --seed, --val-fraction, or tokens per step through the "

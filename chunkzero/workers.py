@@ -69,7 +69,9 @@ def describe_exit(exitcode: int, timeout_s: float | None = None) -> str:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
-        hint = " (killed by the operating system, e.g. out of memory, or by a user)" if -exitcode == signal.SIGKILL else ""
+        hint = (
+            " (killed by the operating system, e.g. out of memory, or by a user)" if -exitcode == signal.SIGKILL else ""
+        )
         return f"was killed by {name}{hint}"
     return f"exited with code {exitcode}"
 

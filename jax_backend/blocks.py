@@ -136,7 +136,9 @@ class Program:
             if k not in batch:
                 raise ConfigError(f"batch has no {k!r} (keys: {sorted(batch)})")
         if np.shape(batch["idx"]) != np.shape(batch["targets"]) or len(np.shape(batch["idx"])) != 2:
-            raise ConfigError(f"batch idx {np.shape(batch['idx'])} and targets {np.shape(batch['targets'])} must both be [B, T]")
+            raise ConfigError(
+                f"batch idx {np.shape(batch['idx'])} and targets {np.shape(batch['targets'])} must both be [B, T]"
+            )
         if self.max_seq_len and np.shape(batch["idx"])[1] > self.max_seq_len:
             raise ConfigError(f"sequence length {np.shape(batch['idx'])[1]} exceeds {self.max_seq_len} of {self.name}")
 
@@ -224,7 +226,9 @@ def gpt_program(config: Any, name: str | None = None, *, hf_conv1d: bool = False
     for i in range(cfg.n_layer):
         prefix = f"transformer.h.{i}."
         stages.append(Stage(f"h.{i}", tuple(n for n in names if n.startswith(prefix)), block))
-    stages.append(Stage("head", tuple(n for n in names if n.startswith("transformer.ln_f.")) + ("transformer.wte.weight",), head))
+    stages.append(
+        Stage("head", tuple(n for n in names if n.startswith("transformer.ln_f.")) + ("transformer.wte.weight",), head)
+    )
 
     def init(seed: int = 0) -> dict[str, jax.Array]:
         params = flax_to_torch(init_gpt(cfg, seed))

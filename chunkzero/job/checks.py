@@ -1,6 +1,6 @@
 """A run's checks that need no framework: ``--out`` and, with ``--resume``, the checkpoint's step,
-data-stream settings and tensors against ``--model`` (from the checkpoint's metadata and the model's tensor specs: no array is
-read). Both engines' launchers call :func:`check_run_out`.
+data-stream settings and tensors against ``--model`` (from the checkpoint's metadata and the model's tensor specs: no
+array is read). Both engines' launchers call :func:`check_run_out`.
 """
 
 from __future__ import annotations

@@ -303,7 +303,9 @@ def load_corpus(paths: list[str | os.PathLike] | None, *, seq_len: int, tokenize
                 notes.append(f"validation from {val_path}")
         else:
             train, val = _split_by_position(tokens, val_fraction, window, notes, "one .bin file")
-        tok = tokenizer if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer) else IdTokenizer(vocab_size)
+        tok = (
+            tokenizer if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer) else IdTokenizer(vocab_size)
+        )
         return Corpus(train, val, vocab_size, tok, str(path), 1, notes)
 
     tok = tokenizer or ByteTokenizer()

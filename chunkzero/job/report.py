@@ -60,7 +60,13 @@ class Report:
 
     def __init__(self, cfg: TrainConfig, *, rank: int, world_size: int, device_type: str, backend: str,
                  start: int, tokens_per_step: int, counters: dict | None = None):
-        self.cfg, self.rank, self.world_size, self.device_type, self.backend = cfg, rank, world_size, device_type, backend
+        self.cfg, self.rank, self.world_size, self.device_type, self.backend = (
+            cfg,
+            rank,
+            world_size,
+            device_type,
+            backend,
+        )
         self.is_main = rank == 0
         self.start, self.tokens_per_step = start, tokens_per_step
         path = Path(cfg.out) / "metrics.jsonl"
@@ -125,7 +131,9 @@ class Report:
                                       f"lr {lr:.2e} | scale {scale:g}", refresh=False)
             self.pbar.update(1)
 
-    def val(self, step: int, val_loss: float, train_loss: float | None = None, ema_val_loss: float | None = None) -> None:
+    def val(
+        self, step: int, val_loss: float, train_loss: float | None = None, ema_val_loss: float | None = None
+    ) -> None:
         """Record the validation loss after step ``step`` (and log it with the step's ``train_loss``),
         and the EMA weights' (``ema_val_loss``) when the run keeps an EMA."""
         record = {"kind": "val", "step": step, "val_loss": val_loss}
@@ -290,7 +298,8 @@ def _number(value) -> float:
 
 
 def strict_record(record: dict) -> dict:
-    """``record`` with each non-finite float replaced by ``None`` and ``"non_finite": True`` added when there was one."""
+    """``record`` with each non-finite float replaced by ``None`` and ``"non_finite": True`` added when there was
+    one."""
     bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
     return {**record, **dict.fromkeys(bad), "non_finite": True} if bad else record
 
@@ -305,11 +314,10 @@ def plot_loss(path: Path, metrics: Metrics, title: str) -> None:
 
 
 def loss_figure(metrics: Metrics, title: str):
-    """The loss curve (a matplotlib figure, Agg): training loss per step (and its running mean) and validation loss points (of the
-    live weights, and of the EMA weights when the run keeps an EMA); a dashed
-    line where each resumed session began, labelled with its world size (and the first session's) and the
-    settings ``--allow-change`` changed there; a red cross at the foot of the plot at each step whose
-    training or validation loss was not finite."""
+    """The loss curve (a matplotlib figure, Agg): training loss per step (and its running mean) and validation loss
+    points (of the live weights, and of the EMA weights when the run keeps an EMA); a dashed line where each resumed
+    session began, labelled with its world size (and the first session's) and the settings ``--allow-change`` changed
+    there; a red cross at the foot of the plot at each step whose training or validation loss was not finite."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,7 +330,9 @@ def loss_figure(metrics: Metrics, title: str):
         steps, losses = zip(*finite)
         ax.plot(steps, losses, lw=0.7, alpha=0.45, color="tab:blue", label="train (per step)")
         k = max(1, len(losses) // 50)
-        smooth = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
+        smooth = [
+            sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))
+        ]
         ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train (mean of {k})")
     if non_finite:
         plural = "s" if len(non_finite) != 1 else ""
@@ -330,7 +340,15 @@ def loss_figure(metrics: Metrics, title: str):
                    color="tab:red", zorder=3, label=f"non-finite loss ({len(non_finite)} step{plural})")
     if metrics.val:
         vs, vl = zip(*metrics.val)
-        ax.plot(vs, vl, "o-", color="tab:orange", lw=1.4, ms=4, label="validation" if not metrics.ema_val else "validation (live weights)")
+        ax.plot(
+            vs,
+            vl,
+            "o-",
+            color="tab:orange",
+            lw=1.4,
+            ms=4,
+            label="validation" if not metrics.ema_val else "validation (live weights)",
+        )
     if metrics.ema_val:
         es, el = zip(*metrics.ema_val)
         ax.plot(es, el, "s--", color="tab:green", lw=1.4, ms=4, label="validation (EMA weights)")
@@ -390,17 +408,24 @@ def chunk_rows(s: dict) -> list[tuple[str, str]]:
     if w == 1:
         over = f"{c['sharded_chunks']} kept whole on the one rank"
     elif s_ == 1:  # every rank holds every chunk whole: DDP with chunked buckets
-        over = f"{c['sharded_chunks']} replicated on each of the {w} rank(s) (shard group size 1: DDP with chunked buckets)"
+        over = (f"{c['sharded_chunks']} replicated on each of the {w} rank(s) "
+                "(shard group size 1: DDP with chunked buckets)")
     elif r_ == 1:
         over = f"{c['sharded_chunks']} sharded over {w} rank(s)"
     else:
         over = (f"{c['sharded_chunks']} sharded over S = {s_} rank(s) per shard group, replicated R = {r_} times "
                 f"(hybrid, W = {w})")
     rows = [
-        ("chunks", f"{c['chunks']}, chunk size {c['chunk_size']:,} elements ({how}; a larger tensor gets a chunk of its own), "
-                   f"{over}"),
-        ("shard per rank", f"{shard} of the {_fmt_mib(c['param_bytes'])} {s['mixed_precision']} parameters; "
-                           f"model state {state} (with gradients, fp32 masters, optimizer state)"),
+        (
+            "chunks",
+            f"{c['chunks']}, chunk size {c['chunk_size']:,} elements ({how}; a larger tensor gets a chunk of its own), "
+            f"{over}",
+        ),
+        (
+            "shard per rank",
+            f"{shard} of the {_fmt_mib(c['param_bytes'])} {s['mixed_precision']} parameters; "
+            f"model state {state} (with gradients, fp32 masters, optimizer state)",
+        ),
         ("peak gathered", f"{peak} of {c['sharded_chunks']} sharded chunks at once"),
     ]
     if "intra_sent_bytes" in c:

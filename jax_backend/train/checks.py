@@ -2,8 +2,8 @@
 each process's under an external launcher), as :func:`torch_backend.train.resolve.validate` does for torch;
 what a machine cannot change is :meth:`chunkzero.train_config.TrainConfig.check`'s: CPU only, ``--nproc``
 processes × ``--devices-per-process`` devices (as many CPU workers as torch allows, with its
-oversubscription warning: :func:`chunkzero.workers.check_cpu_workers`), the CPU defaults, the model (a byte-level GPT, or a Hugging
-Face GPT-2 directory: :func:`check_hf_model`) and ``--seq-len``, ``--out``, ``--resume``'s checkpoint (its
+oversubscription warning: :func:`chunkzero.workers.check_cpu_workers`), the CPU defaults, the model (a byte-level GPT,
+or a Hugging Face GPT-2 directory: :func:`check_hf_model`) and ``--seq-len``, ``--out``, ``--resume``'s checkpoint (its
 step and tensors, :func:`chunkzero.job.checks.check_run_out`) and the corpus.
 """
 
@@ -35,8 +35,16 @@ def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | N
     nproc = num_processes if num_processes is not None else (cfg.nproc or 2)
     cfg.nproc = nproc
     cfg.world_size = nproc * cfg.devices_per_process
-    check_cpu_workers(cfg.world_size, f"--nproc {nproc}" + (f" × --devices-per-process {cfg.devices_per_process} "
-                      f"({cfg.world_size} devices)" if cfg.devices_per_process > 1 else ""), cores=available_cpu_cores())
+    check_cpu_workers(
+        cfg.world_size,
+        f"--nproc {nproc}"
+        + (
+            f" × --devices-per-process {cfg.devices_per_process} ({cfg.world_size} devices)"
+            if cfg.devices_per_process > 1
+            else ""
+        ),
+        cores=available_cpu_cores(),
+    )
     cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
     if cfg.model_kind == "hf":
         check_hf_model(cfg)

@@ -93,7 +93,9 @@ def build_layout(cfg: TrainConfig, world: int) -> ChunkLayout:
     if cfg.chunk_size is not None:
         return ChunkLayout.build(specs, cfg.chunk_size, world)
     found = search_chunk_size(specs, world)
-    return ChunkLayout.build(specs, int(found.chunk_size), world, keep_gathered_below_numel=int(found.keep_gathered_below_numel))
+    return ChunkLayout.build(
+        specs, int(found.chunk_size), world, keep_gathered_below_numel=int(found.keep_gathered_below_numel)
+    )
 
 
 def param_groups(layout: ChunkLayout, cfg: TrainConfig) -> list[dict]:
@@ -240,7 +242,8 @@ class JaxEngine:
                                      options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
     def full_params(self) -> dict[str, np.ndarray]:
-        """Every tensor under each of its names (tied aliases too), full-shaped fp32 numpy, on every process (a collective)."""
+        """Every tensor under each of its names (tied aliases too), full-shaped fp32 numpy, on every process (a
+        collective)."""
         full = {k: np.asarray(process_allgather(v, tiled=True)) for k, v in self.state.master.items()}
         return {name: full[chunk_key(t.chunk)][t.offset:t.end].reshape(t.shape)
                 for t in self.layout.tensors for name in t.names}
@@ -248,8 +251,11 @@ class JaxEngine:
     # ------------------------------------------------------------------ what the report reads
     def describe(self) -> str:
         layout = self.layout
-        return (f"engine zero (jax): {len(layout.chunks)} chunk(s) of {layout.chunk_size:,} elements over "
-                f"{self.world} device(s), shard per device {sum(layout.shard_numel(c.index) for c in layout.chunks):,} elements")
+        return (
+            f"engine zero (jax): {len(layout.chunks)} chunk(s) of {layout.chunk_size:,} elements over "
+            f"{self.world} device(s), shard per device "
+            f"{sum(layout.shard_numel(c.index) for c in layout.chunks):,} elements"
+        )
 
     def memory_report(self) -> None:
         return None

@@ -169,7 +169,10 @@ def test_import_into_zero_ddp(trained, tmp_path):
     partial["transformer.h.9.attn.c_proj.bias"] = torch.zeros(32)
     model, _ = _zero(3)
     before = model.state_dict()
-    with pytest.raises(CheckpointError, match=r"missing keys: transformer\.h\.1\..*unexpected keys: transformer\.h\.9\.attn\.c_proj\.bias"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing keys: transformer\.h\.1\..*unexpected keys: transformer\.h\.9\.attn\.c_proj\.bias",
+    ):
         load_pretrained(model, partial)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     report = load_pretrained(model, partial, strict=False)
@@ -181,7 +184,9 @@ def test_import_into_zero_ddp(trained, tmp_path):
 
     bad = dict(want)
     bad["transformer.h.0.mlp.c_fc.weight"] = torch.zeros(32, 64)
-    with pytest.raises(ShapeMismatchError, match=r"'transformer.h.0.mlp.c_fc.weight': expected \(32, 128\), got \(32, 64\)"):
+    with pytest.raises(
+        ShapeMismatchError, match=r"'transformer.h.0.mlp.c_fc.weight': expected \(32, 128\), got \(32, 64\)"
+    ):
         load_pretrained(model, bad)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_pretrained(model, tmp_path / "nothing.safetensors")

@@ -160,7 +160,9 @@ def test_more_workers_than_cores_run_oversubscribed(tmp_path):
     out = tmp_path / "run"
     cores = sorted(os.sched_getaffinity(0))[:2]
     python, *cli = chunkzero_cmd("train", "--nproc", "3", "--steps", "2", "--sample-tokens", "0", "--out", str(out))
-    pin = f"import os, sys; os.sched_setaffinity(0, {cores!r}); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    pin = (
+        f"import os, sys; os.sched_setaffinity(0, {cores!r}); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
     proc = subprocess.run([python, "-c", pin, *cli], cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
                           timeout=600, check=False)  # pinned by exec, not preexec_fn: no fork of a threaded pytest
     assert proc.returncode == 0, describe(proc)

@@ -163,7 +163,9 @@ def test_resume_step_resumes_from_an_older_step(backend, corpus, checkpointed, t
             "--nproc", "1", "--resume", "--out", str(out)]
     before = tree_hash(out)
     line = _refused([*args, "--resume-step", "3"], backend, monkeypatch, capsys)
-    assert line.startswith("chunkzero train: error: --resume-step 3: ") and line.endswith(f"{out / 'checkpoints'} holds no checkpoint of that step (steps present: 2, 4)"), line
+    assert line.startswith("chunkzero train: error: --resume-step 3: ") and line.endswith(
+        f"{out / 'checkpoints'} holds no checkpoint of that step (steps present: 2, 4)"
+    ), line
     line = _refused([*args, "--steps", "2", "--resume-step", "2"], backend, monkeypatch, capsys)
     assert "is at step 2, and --steps 2 is the run's total" in line, line
     assert tree_hash(out) == before

@@ -1,17 +1,15 @@
 """Checking a run on this machine before any worker starts: devices, workers, precision, model, data.
 
-:func:`validate` is the launcher's (and, under ``torchrun``, every worker's) check of every user input:
-first :meth:`chunkzero.train_config.TrainConfig.check` (what is wrong on any machine), then what needs
-this one — a CUDA device for ``--device cuda``, ``--nproc`` within the devices (or 8 per CPU core: beyond
-the cores the workers run oversubscribed, with a warning: :func:`chunkzero.workers.check_cpu_workers`), the defaults of the device
-(:func:`chunkzero.train_config.with_device_defaults`), a model that
-exists with a block size that holds ``--seq-len``, kernels for ``--mixed-precision``, a usable
-``--out`` and a corpus of at least one sequence; with ``--resume``, a checkpoint whose step is below
-``--steps`` and whose tensors are the model's, by name and shape (:func:`chunkzero.job.checks.check_run_out`,
-from the checkpoint's metadata and a meta-device build of the model, :func:`module_tensor_specs`: no array
-is read). It returns the config
-with its resolved fields (``device``, ``nproc``/``world_size``, ``out``, ``model_kind``, ``block_size``,
-``schedule_steps``) and the corpus.
+:func:`validate` is the launcher's (and, under ``torchrun``, every worker's) check of every user input: first
+:meth:`chunkzero.train_config.TrainConfig.check` (what is wrong on any machine), then what needs this one — a CUDA
+device for ``--device cuda``, ``--nproc`` within the devices (or 8 per CPU core: beyond the cores the workers run
+oversubscribed, with a warning: :func:`chunkzero.workers.check_cpu_workers`), the defaults of the device
+(:func:`chunkzero.train_config.with_device_defaults`), a model that exists with a block size that holds ``--seq-len``,
+kernels for ``--mixed-precision``, a usable ``--out`` and a corpus of at least one sequence; with ``--resume``, a
+checkpoint whose step is below ``--steps`` and whose tensors are the model's, by name and shape
+(:func:`chunkzero.job.checks.check_run_out`, from the checkpoint's metadata and a meta-device build of the model,
+:func:`module_tensor_specs`: no array is read). It returns the config with its resolved fields (``device``,
+``nproc``/``world_size``, ``out``, ``model_kind``, ``block_size``, ``schedule_steps``) and the corpus.
 """
 
 from __future__ import annotations
