@@ -1,5 +1,5 @@
 # The README's two commands: `make train` and `make test`. Each sets up .venv on first use.
-# `make test-fast` is the inner loop, `make lint` runs ruff.
+# `make test` runs ruff, then the whole suite; `make test-fast` is the inner loop, `make lint` runs ruff alone.
 # `pip install torch==2.13.0` takes the CPU wheel where one is provided locally (this machine's
 # pip find-links) and PyPI's CUDA build on a GPU machine; nothing is reinstalled while the
 # stamp is newer than pyproject.toml.
@@ -26,6 +26,7 @@ train: $(STAMP)
 	$(VENV)/bin/chunkzero train $(ARGS)
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 # The inner loop: the framework-free core's tests and the engines' single-process unit tests, none
