@@ -105,7 +105,7 @@ def launch_env(launch_dir: str | os.PathLike) -> dict[str, str]:
     return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_DIR_ENV: str(launch_dir)}
 
 
-def _remove_orphaned_launch_dir(launcher_gone: bool = False) -> None:
+def remove_orphaned_launch_dir(launcher_gone: bool = False) -> None:
     """In worker 0 of a launch whose launcher is gone (``launcher_gone``, or this process has another
     parent now): remove the launcher's temp directory."""
     launcher, where = os.environ.get(LAUNCHER_PID_ENV), os.environ.get(LAUNCH_DIR_ENV)
@@ -182,7 +182,7 @@ def exit_on_stop_signals() -> None:
         return
 
     def stop(signum, frame):
-        _remove_orphaned_launch_dir()  # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT)
+        remove_orphaned_launch_dir()  # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT)
         _exit_now(128 + signum)
 
     for sig in STOP_SIGNALS:
@@ -207,7 +207,7 @@ def watch_launcher() -> bool:
                 pass
         except OSError:
             pass
-        _remove_orphaned_launch_dir(launcher_gone=True)  # (EOF can come before this process is reparented)
+        remove_orphaned_launch_dir(launcher_gone=True)  # (EOF can come before this process is reparented)
         _exit_now(128 + signal.SIGHUP)
 
     threading.Thread(target=wait_for_eof, name="chunkzero-launcher-watch", daemon=True).start()

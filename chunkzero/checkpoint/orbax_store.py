@@ -463,8 +463,9 @@ def _not_saved(what: str, directory: Path, e: BaseException, timeout_s: float, s
 
 def _orbax_failure(e: BaseException, timeout_s: float) -> str:
     """What went wrong in Orbax, in words: a timed-out wait for the other processes is said so."""
-    text = f"{type(e).__name__}: {e}"
-    if isinstance(e, TimeoutError) or "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+    full = f"{type(e).__name__}: {e}"
+    text = full.strip().splitlines()[0]  # one line: XLA's errors carry their stack traces
+    if isinstance(e, TimeoutError) or "DEADLINE_EXCEEDED" in full or "timed out" in full.lower():
         return (f"another process did not arrive within timeout_s={timeout_s:g} s (it died, hangs, or saves "
                 f"elsewhere): {text}")
     return text

@@ -25,7 +25,13 @@ from chunkzero.job.guards import stop_message
 from chunkzero.process_exit import exit_without_finalization
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
-from chunkzero.workers import EXIT_PEER_LOST, exit_on_stop_signals, watch_launcher, write_result
+from chunkzero.workers import (
+    EXIT_PEER_LOST,
+    exit_on_stop_signals,
+    remove_orphaned_launch_dir,
+    watch_launcher,
+    write_result,
+)
 
 log = logging.getLogger("chunkzero.train")
 
@@ -132,6 +138,7 @@ def worker_main(cfg: TrainConfig) -> dict:
             write_result({"status": "peer_lost", "message": str(e)})
             sys.stderr.flush()
             time.sleep(PEER_LOST_GRACE_S)
+            remove_orphaned_launch_dir()  # a peer lost because the launcher died (kill -9): its temp directory too
             os._exit(EXIT_PEER_LOST)
         raise
 

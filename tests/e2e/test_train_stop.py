@@ -94,7 +94,8 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
     time.sleep(2)
     assert (out / "metrics.jsonl").read_text() == lines, "something still writes into --out"
     left_tmp = [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(RUN_TEMP_PREFIXES)]
-    assert left_tmp == [], f"temp directories of the run were left: {left_tmp}"
+    assert left_tmp == [], f"temp directories of the run were left: {left_tmp}: " + ", ".join(
+        str(f.relative_to(tmp_path)) for d in left_tmp for f in (tmp_path / "tmp" / d).rglob("*"))
     if how != "kill -9":
         sig = signal.SIGTERM if how == "kill" else signal.SIGINT
         assert proc.returncode == 128 + sig, stderr[-3000:]

@@ -41,7 +41,7 @@ try:
     def on_mesh(path):
         c = layout.chunks[int(path[-1].split("_")[1])]
         a = host[path]
-        return jax.make_array_from_callback(a.shape, chunk_sharding(mesh, c, "dp"), lambda i: a[i])
+        return jax.make_array_from_callback(a.shape, chunk_sharding(mesh, c, "shard"), lambda i: a[i])
 
     chunks = {p[-1]: on_mesh(p) for p in host if p[0] == "params"}
     opt = {k: {p[-1]: on_mesh(p) for p in host if p[:2] == ("optim", k)} for k in ("exp_avg", "exp_avg_sq")}
@@ -52,7 +52,7 @@ try:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     restored = {}
     for n in (4, 3):
-        r = jb.restore_checkpoint(root, Mesh(np.array(devices[:n]), ("dp",)), with_optimizer=True)
+        r = jb.restore_checkpoint(root, Mesh(np.array(devices[:n]), ("shard",)), with_optimizer=True)
         restored[n] = r.layout.world_size
     target = host[("optim", "exp_avg_sq", chunk_key(0))][700:704].tobytes()  # in saved shard 2 of 4
     all_gather_json(None)
@@ -65,7 +65,7 @@ try:
         f.write_bytes(bytes(b))
     all_gather_json(None)
     try:
-        jb.restore_checkpoint(root, Mesh(np.array(devices[:3]), ("dp",)), with_optimizer=True)
+        jb.restore_checkpoint(root, Mesh(np.array(devices[:3]), ("shard",)), with_optimizer=True)
         refused = None
     except CheckpointError as e:
         refused = str(e)

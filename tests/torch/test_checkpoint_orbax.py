@@ -34,7 +34,7 @@ for key in [k for k in want.files if k != "wte"]:
     got = state["params"][rest[0]] if kind == "params" else state["optim"][rest[0]][rest[1]]
     assert isinstance(got, np.ndarray) and np.array_equal(got.astype(np.float32), want[key]), key
     sh = sharded["params"][rest[0]] if kind == "params" else sharded["optim"][rest[0]][rest[1]]
-    assert sh.sharding.spec == P("dp") and sh.shape[0] % 8 == 0 and len(sh.addressable_shards) == 8, key
+    assert sh.sharding.spec == P("shard") and sh.shape[0] % 8 == 0 and len(sh.addressable_shards) == 8, key
     full = np.asarray(sh).astype(np.float32)
     assert np.array_equal(full[: want[key].size], want[key]) and not full[want[key].size :].any(), key
 assert wte.shape == (37, 3) and np.array_equal(wte, want["wte"])

@@ -31,7 +31,7 @@ from chunkzero.job.models import load_run_corpus
 from chunkzero.job.report import setup_logging
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
-from chunkzero.workers import exit_on_stop_signals
+from chunkzero.workers import exit_on_stop_signals, remove_orphaned_launch_dir
 
 from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
@@ -153,9 +153,11 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
             # Give the agent time to see the worker that died first (it reports one failure per poll and
             # stops the rest), so the run names the cause and not this consequence.
             time.sleep(PEER_LOST_GRACE_S)
+            remove_orphaned_launch_dir()  # a peer lost because the launcher died (kill -9): its temp directory too
             os._exit(EXIT_PEER_LOST)
         raise
     finally:
+        remove_orphaned_launch_dir()  # only where the launcher is gone (kill -9), whatever ended this worker
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
