@@ -95,22 +95,22 @@ LAUNCHER_FD_ENV = "CHUNKZERO_LAUNCHER_FD"
 LAUNCHER_PID_ENV = "CHUNKZERO_LAUNCHER_PID"
 """The launcher's pid: a worker whose parent is another process outlived its launcher."""
 LAUNCH_DIR_ENV = "CHUNKZERO_LAUNCH_DIR"
-"""The launcher's temp directory, which worker 0 removes when it outlives the launcher (``kill -9``)."""
+"""The launcher's temp directory, which the workers remove when they outlive the launcher (``kill -9``)."""
 
 
 def launch_env(launch_dir: str | os.PathLike) -> dict[str, str]:
-    """What a launcher adds to its workers' environment so that worker 0 removes ``launch_dir`` (the
+    """What a launcher adds to its workers' environment so that the workers remove ``launch_dir`` (the
     launcher's temp directory) should the launcher die without doing it (:func:`exit_on_stop_signals`,
     :func:`watch_launcher`)."""
     return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_DIR_ENV: str(launch_dir)}
 
 
 def remove_orphaned_launch_dir(launcher_gone: bool = False) -> None:
-    """In worker 0 of a launch whose launcher is gone (``launcher_gone``, or this process has another
-    parent now): remove the launcher's temp directory."""
+    """In a worker of a launch whose launcher is gone (``launcher_gone``, or this process has another
+    parent now): remove the launcher's temp directory. Every worker does, as it exits: the last one out
+    removes what the others' exits left in it."""
     launcher, where = os.environ.get(LAUNCHER_PID_ENV), os.environ.get(LAUNCH_DIR_ENV)
-    first = os.environ.get(PROCESS_ID_ENV, os.environ.get("RANK")) == "0"
-    if launcher and where and first and (launcher_gone or str(os.getppid()) != launcher):
+    if launcher and where and (launcher_gone or str(os.getppid()) != launcher):
         shutil.rmtree(where, ignore_errors=True)
 
 
@@ -178,6 +178,7 @@ def exit_on_stop_signals() -> None:
     Call it again after a library installs its own handler: ``jax.distributed.initialize`` installs a
     SIGTERM handler for its preemption notifier, under which ``kill`` would not stop the process. Does
     nothing outside the main thread (Python allows handlers only there)."""
+    global _stop_signals_owned
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -187,12 +188,25 @@ def exit_on_stop_signals() -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, stop)
+    _stop_signals_owned = True
+
+
+_stop_signals_owned = False
+"""Whether this process's stop signals are :func:`exit_on_stop_signals`' (a worker of ``chunkzero train``)."""
+
+
+def reclaim_stop_signals() -> None:
+    """After a library that installs its own SIGTERM handler started (``jax.distributed.initialize`` in a
+    torch worker's first checkpoint save): :func:`exit_on_stop_signals` again, where this process is a
+    worker that had it; nothing elsewhere (a user's own process keeps its handlers)."""
+    if _stop_signals_owned:
+        exit_on_stop_signals()
 
 
 def watch_launcher() -> bool:
     """End this process when its launcher is gone: a daemon thread waits for EOF on the pipe
     :func:`launch_processes` passes (:data:`LAUNCHER_FD_ENV`), which comes when the launcher exits in any
-    way, ``kill -9`` included. Process 0 then removes the launcher's temp directory (:func:`launch_env`),
+    way, ``kill -9`` included. The process then removes the launcher's temp directory (:func:`launch_env`),
     which nobody else would remove; every process exits with status ``128 + SIGHUP``.
 
     Returns whether a launcher is watched (``False`` when not started by :func:`launch_processes`)."""

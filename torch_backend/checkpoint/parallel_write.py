@@ -34,6 +34,7 @@ import numpy as np
 from chunkzero.checkpoint import CheckpointMeta, chunk_index, orbax_store, shard_arrays, state_tree
 from chunkzero.errors import CheckpointError
 from chunkzero.layout import REPLICA_AXIS, SHARD_AXIS
+from chunkzero.workers import reclaim_stop_signals
 
 __all__ = ["ProcessMesh", "process_mesh", "write_shards"]
 
@@ -164,6 +165,7 @@ def process_mesh(rank: int, world_size: int, process_group=None, *, coordinator:
                     f"timeout_s={timeout_s:g} s: {e} (every rank must save; in a torch training process JAX must "
                     "not run computations before the first save)"
                 ) from e
+            reclaim_stop_signals()  # JAX's preemption notifier took SIGTERM: a chunkzero train worker takes it back
         _RUNTIME = ProcessMesh(rank, world_size)
         return _RUNTIME
 

@@ -103,7 +103,7 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     worker_malloc_env(os.environ)  # the workers inherit it (this process's allocator has started already)
     # elastic's log and error files go to a temp directory of ours, removed after the run (elastic's default,
-    # torchelastic_*, is never removed); should this process die first, worker 0 removes it
+    # torchelastic_*, is never removed); should this process die first, the workers remove it
     logs = tempfile.TemporaryDirectory(prefix="chunkzero-torch-")
     os.environ.update(launch_env(logs.name))
     config = LaunchConfig(
