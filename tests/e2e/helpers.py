@@ -62,3 +62,30 @@ def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
 
 def describe(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def _no_workers(*a, **k):
+    raise AssertionError("a worker was launched for a run that should have been refused")
+
+
+def refused_line(args: list[str], backend: str, monkeypatch, capsys) -> str:
+    """``chunkzero train --backend BACKEND ARGS`` in-process, with launchers that fail the test: its one
+    error line, after checking exit code 2."""
+    import jax_backend.train.run
+    import torch_backend.train.launch
+
+    monkeypatch.setattr(torch_backend.train.launch, "launch", _no_workers)
+    monkeypatch.setattr(jax_backend.train.run, "launch_processes", _no_workers)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    from chunkzero.cli import main
+
+    try:
+        code = main(["train", "--backend", backend, *args])
+    except SystemExit as e:  # argparse's own checks
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("chunkzero train: error: ")]
+    assert len(lines) == 1, err
+    return lines[0]

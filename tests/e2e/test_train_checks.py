@@ -19,7 +19,7 @@ import pytest
 
 from chunkzero.train_config import TrainConfig, lr_at
 
-from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
+from .helpers import SMALL, describe, make_corpus, read_metrics, refused_line, run_train
 from .test_train_edges import tree_hash
 
 BACKENDS = ["torch", "jax"]
@@ -42,31 +42,6 @@ def checkpointed(corpus, tmp_path_factory) -> Path:
     return out
 
 
-def _no_workers(*a, **k):
-    raise AssertionError("a worker was launched for a run that should have been refused")
-
-
-def _refused(args: list[str], backend: str, monkeypatch, capsys) -> str:
-    """``chunkzero train --backend BACKEND ARGS`` in-process, with launchers that fail the test: its one
-    error line, after checking exit code 2."""
-    import jax_backend.train.run
-    import torch_backend.train.launch
-
-    monkeypatch.setattr(torch_backend.train.launch, "launch", _no_workers)
-    monkeypatch.setattr(jax_backend.train.run, "launch_processes", _no_workers)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    from chunkzero.cli import main
-
-    try:
-        code = main(["train", "--backend", backend, *args])
-    except SystemExit as e:  # argparse's own checks
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = [line for line in err.strip().splitlines() if line.startswith("chunkzero train: error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
@@ -104,7 +79,7 @@ def test_a_resume_that_changes_the_data_stream_is_refused_before_any_worker(case
             shutil.copy(f, other / f.name)
         extra = ["--data", str(other)]
     before = tree_hash(checkpointed)
-    line = _refused(["--data", str(corpus), *SMALL, "--steps", "6", "--nproc", "1", "--resume", "--out",
+    line = refused_line(["--data", str(corpus), *SMALL, "--steps", "6", "--nproc", "1", "--resume", "--out",
                      str(checkpointed), *extra], backend, monkeypatch, capsys)
     for text in expected:
         assert text in line, line
@@ -147,7 +122,7 @@ def test_out_equal_to_the_model_directory_is_refused_and_the_model_kept(backend,
         resid_pdrop=0.0)).save_pretrained(model)
     before = tree_hash(tmp_path)
     for out in (model, model / "run"):
-        line = _refused(["--data", str(corpus), *SMALL, "--model", str(model), "--steps", "2", "--out", str(out),
+        line = refused_line(["--data", str(corpus), *SMALL, "--model", str(model), "--steps", "2", "--out", str(out),
                          "--overwrite"], backend, monkeypatch, capsys)
         assert f"--out {out} is{' inside' if out != model else ''} the --model directory {model}" in line, line
     assert tree_hash(tmp_path) == before
@@ -162,11 +137,11 @@ def test_resume_step_resumes_from_an_older_step(backend, corpus, checkpointed, t
     args = ["--data", str(corpus), *SMALL, "--steps", "4", "--eval-interval", "4", "--sample-tokens", "0",
             "--nproc", "1", "--resume", "--out", str(out)]
     before = tree_hash(out)
-    line = _refused([*args, "--resume-step", "3"], backend, monkeypatch, capsys)
+    line = refused_line([*args, "--resume-step", "3"], backend, monkeypatch, capsys)
     assert line.startswith("chunkzero train: error: --resume-step 3: ") and line.endswith(
         f"{out / 'checkpoints'} holds no checkpoint of that step (steps present: 2, 4)"
     ), line
-    line = _refused([*args, "--steps", "2", "--resume-step", "2"], backend, monkeypatch, capsys)
+    line = refused_line([*args, "--steps", "2", "--resume-step", "2"], backend, monkeypatch, capsys)
     assert "is at step 2, and --steps 2 is the run's total" in line, line
     assert tree_hash(out) == before
     proc = run_train(*args, "--resume-step", "2", "--save-interval", "2", "--backend", backend, cwd=tmp_path)
@@ -241,7 +216,7 @@ def test_jax_warns_of_oversubscribed_cores_and_refuses_beyond_the_limit(corpus, 
 
     monkeypatch.setattr(checks, "available_cpu_cores", lambda: 2)
     args = ["--data", str(corpus), *SMALL, "--steps", "2", "--out", str(tmp_path / "run")]
-    line = _refused([*args, "--nproc", "9", "--devices-per-process", "4"], "jax", monkeypatch, capsys)
+    line = refused_line([*args, "--nproc", "9", "--devices-per-process", "4"], "jax", monkeypatch, capsys)
     assert line == ("chunkzero train: error: --nproc 9 × --devices-per-process 4 (36 devices) is more than this "
                     "machine allows: at most 16 CPU workers allowed (8 per available core)")
 

@@ -19,7 +19,7 @@ import pytest
 
 from chunkzero.train_config import TrainConfig, lr_at
 
-from .helpers import SMALL, describe, read_metrics, run_train
+from .helpers import SMALL, describe, read_metrics, refused_line, run_train
 
 STEPS = 4
 WARMUP, LR = 2, 3e-3  # SMALL's
@@ -47,30 +47,6 @@ def checkpointed(corpus, tmp_path_factory) -> Path:
     return out
 
 
-def _refused(args: list[str], monkeypatch, capsys) -> str:
-    """Run ``chunkzero train ARGS`` in-process with a launcher that fails the test; return its one error line
-    after checking exit code 2."""
-    import torch_backend.train.launch
-
-    def no_workers(*a, **k):
-        raise AssertionError("a worker was launched for a run that should have been refused")
-
-    monkeypatch.setattr(torch_backend.train.launch, "launch", no_workers)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    from chunkzero.cli import main
-
-    try:
-        code = main(["train", *args])
-    except SystemExit as e:  # argparse's own checks
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = [line for line in err.strip().splitlines() if line.startswith("chunkzero train: error: ")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 RESUME_REFUSALS = {
     "steps at the checkpoint": (["--steps", str(STEPS)],
                                 [f"is at step {STEPS}, and --steps {STEPS} is the run's total",
@@ -87,8 +63,8 @@ RESUME_REFUSALS = {
 def test_refused_resume_changes_nothing_and_starts_no_worker(case, corpus, checkpointed, monkeypatch, capsys):
     extra, expected = RESUME_REFUSALS[case]
     before = tree_hash(checkpointed)
-    line = _refused(["--data", str(corpus), *SMALL, "--nproc", "1", "--resume", "--out", str(checkpointed), *extra],
-                    monkeypatch, capsys)
+    line = refused_line(["--data", str(corpus), *SMALL, "--nproc", "1", "--resume", "--out", str(checkpointed), *extra],
+                        "torch", monkeypatch, capsys)
     for text in expected:
         assert text in line, line
     assert str(checkpointed / "checkpoints") in line
@@ -106,7 +82,7 @@ def test_empty_or_unusable_out_is_refused(corpus, tmp_path, monkeypatch, capsys)
         cases.append((str(locked / "run"), f"cannot be written: no write permission on {locked}"))
     for out, expected in cases:
         before = tree_hash(tmp_path)
-        line = _refused(["--data", str(corpus), *SMALL, "--steps", "2", "--out", out], monkeypatch, capsys)
+        line = refused_line(["--data", str(corpus), *SMALL, "--steps", "2", "--out", out], "torch", monkeypatch, capsys)
         assert expected in line, (out, line)
         assert tree_hash(tmp_path) == before, out  # nothing written, in the working directory either
 
