@@ -13,26 +13,18 @@ import shutil
 import numpy as np
 import pytest
 
-from .helpers import SMALL, describe, read_metrics, run_train
+from .helpers import SMALL, describe, read_metrics, run_train, saved_tensors
 
 ARGS = [*SMALL, "--sample-tokens", "0", "--eval-interval", "2", "--save-interval", "2"]
 EMA_ATOL = 1e-6
 """One fp32 lerp of weights of magnitude below ~2 (the saved arrays are read back exactly)."""
 
 
-def _saved(step_dir, item: str) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors by name, numpy: the weights (``item="params"``) or their EMA (``"ema"``)."""
-    import jax_backend as jb
-
-    r = jb.restore_checkpoint(step_dir, jb.make_mesh(1), item=item)
-    return {k: np.asarray(v) for k, v in jb.unflatten(r.chunks, r.layout, nested=False).items()}
-
-
 def _check_next_ema_kept(root, step: int, decay: float) -> float:
     """The EMA of checkpoint ``step + 1`` is ``decay · EMA(step) + (1 − decay) · weights(step + 1)``; returns how
     far a restarted EMA (``decay · weights(step) + …``) would be, for the caller to check it is far."""
-    ema0, w0 = _saved(root / str(step), "ema"), _saved(root / str(step), "params")
-    ema1, w1 = _saved(root / str(step + 1), "ema"), _saved(root / str(step + 1), "params")
+    ema0, w0 = saved_tensors(root / str(step), "ema"), saved_tensors(root / str(step), "params")
+    ema1, w1 = saved_tensors(root / str(step + 1), "ema"), saved_tensors(root / str(step + 1), "params")
     for k in ema1:
         np.testing.assert_allclose(ema1[k], decay * ema0[k] + (1 - decay) * w1[k], rtol=0, atol=EMA_ATOL, err_msg=k)
     return max(float(np.abs(ema1[k] - (decay * w0[k] + (1 - decay) * w1[k])).max()) for k in ema1)
@@ -75,7 +67,7 @@ def test_jax_reports_the_ema_and_torch_resumes_it(corpus, jax_run, tmp_path):
     assert (engine.ema.decay, engine.ema.update_count) == (0.9, 2)
     with engine.ema.ema_weights():
         loaded = {k: v.detach().numpy().copy() for k, v in engine.model.state_dict().items()}
-    saved, weights = _saved(root / "2", "ema"), _saved(root / "2", "params")
+    saved, weights = saved_tensors(root / "2", "ema"), saved_tensors(root / "2", "params")
     for name in saved:
         np.testing.assert_array_equal(loaded[name], saved[name], err_msg=name)
         assert not np.array_equal(saved[name], weights[name]), name
@@ -111,7 +103,7 @@ def test_torch_ema_resumes_on_jax(corpus, tmp_path):
     engine = JaxEngine(cfg, jb.make_mesh(2), resume_from=root)
     assert engine.ema.update_count == 2 and engine.ema.current_decay() == pytest.approx(3 / 12)
     loaded = jb.unflatten(engine.ema.weights(engine.state), engine.layout, nested=False)
-    for name, want in _saved(root / "2", "ema").items():
+    for name, want in saved_tensors(root / "2", "ema").items():
         np.testing.assert_array_equal(np.asarray(loaded[name]), want, err_msg=name)
 
     p = run_train(*common, "--steps", "3", "--ema-warmup", "--backend", "jax", "--nproc", "1",
