@@ -31,10 +31,10 @@ from chunkzero.errors import ConfigError
 from .layout import check_chunks
 from .schedule import TrainState
 
-__all__ = ["ChunkEMA", "check_decay"]
+__all__ = ["ChunkEMA"]
 
 
-def check_decay(decay: Any) -> float:
+def _check_decay(decay: Any) -> float:
     """``decay`` as a float in ``[0, 1)``.
 
     Raises:
@@ -72,7 +72,7 @@ class ChunkEMA:
     """
 
     def __init__(self, trainer, state: TrainState, decay: float, *, warmup: bool = False):
-        self.decay = check_decay(decay)
+        self.decay = _check_decay(decay)
         self.warmup = bool(warmup)
         self.update_count = 0
         self.layout = trainer.layout

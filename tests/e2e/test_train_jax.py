@@ -27,7 +27,8 @@ LOSS_TOL = 2e-3
 step off or a lost weight-decay group moves the loss by more."""
 EMA_RTOL = 1e-4
 """The EMA weights of the switched run and of the torch-only run at the last step, normwise relative: two fp32
-engines over 6 steps (measured 1e-6 to 1e-5); an EMA restarted at a switch is off by about 1e-2."""
+engines over 6 steps (3.9e-8 measured); an EMA the JAX engine restarts at the switch fails already on the EMA's
+validation loss (0.099 nats/token off)."""
 
 
 def _losses(out):
