@@ -137,3 +137,25 @@ def test_jax_resume_says_what_it_does_with_the_ema(caplog, tmp_path):
     assert lines[1] == ("--resume: --ema-decay 0.9 (the checkpoint's: 0.5), --ema-warmup off (the checkpoint's: on): "
                         "this run's setting is used from step 5 on (the EMA's weights and its 4 updates are kept)")
     assert "holds no EMA: this run's EMA (--ema-decay) starts at the loaded weights (update count 0)" in lines[2]
+
+
+def test_a_skipped_step_leaves_the_ema(monkeypatch):
+    """A step skipped for a non-finite gradient norm changes no EMA (nor its count), as torch's ZeroEMA skips
+    an fp16 step skipped for an overflow; an applied one updates it."""
+    import jax.numpy as jnp
+
+    import jax_backend as jb
+    from chunkzero.train_config import TrainConfig, with_device_defaults
+    from jax_backend.train.engine import JaxEngine
+
+    cfg = with_device_defaults(TrainConfig(model="gpt-tiny", backend="jax", ema_decay=0.5), "cpu")
+    engine = JaxEngine(cfg, jb.make_mesh(2))
+    norm = {"value": float("nan")}
+    fake = lambda state, batch: (state, jnp.zeros((2,)), jnp.asarray(norm["value"]))  # noqa: E731
+    monkeypatch.setattr(type(engine.trainer), "step_fn", property(lambda self: fake))
+    before = {k: np.asarray(v) for k, v in engine.ema.chunks.items()}
+    assert engine.step(1, {}) == (0.0, False)
+    assert engine.ema.update_count == 0
+    assert all(np.array_equal(np.asarray(engine.ema.chunks[k]), v) for k, v in before.items())
+    norm["value"] = 1.0
+    assert engine.step(2, {}) == (0.0, True) and engine.ema.update_count == 1
