@@ -36,27 +36,32 @@ def _trainer():
                                    optimizer_meta=jb.adamw_meta(**ADAMW))
 
 
-def _train(decay: float, warmup: bool):
-    """``(trainer, state, ema, [full params at the start and after each step])``."""
+@pytest.fixture(scope="module")
+def run():
+    """``(trainer, state, {"plain": EMA 0.8, "warm": EMA 0.9 with warm-up}, [full params at the start and
+    after each step])``."""
     program, trainer = _trainer()
     state = trainer.init(program.init(0))
-    ema = jb.ChunkEMA(trainer, state, decay, warmup=warmup)
+    emas = {"plain": jb.ChunkEMA(trainer, state, 0.8), "warm": jb.ChunkEMA(trainer, state, 0.9, warmup=True)}
     seen = [trainer.full_params(state)]
     for i in range(STEPS):
         state, _ = trainer.step(state, random_batch(program, BATCH, SEQ, seed=i))
-        ema.update(state)
+        for ema in emas.values():
+            ema.update(state)
         seen.append(trainer.full_params(state))
-    return trainer, state, ema, seen
+    return trainer, state, emas, seen
 
 
-@pytest.fixture(scope="module")
-def plain():
-    return _train(0.8, warmup=False)
+@pytest.fixture()
+def plain(run):
+    trainer, state, emas, seen = run
+    return trainer, state, emas["plain"], seen
 
 
-@pytest.fixture(scope="module")
-def warm():
-    return _train(0.9, warmup=True)
+@pytest.fixture()
+def warm(run):
+    trainer, state, emas, seen = run
+    return trainer, state, emas["warm"], seen
 
 
 def _ema_params(trainer, state, ema) -> dict[str, np.ndarray]:
