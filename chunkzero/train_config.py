@@ -164,10 +164,10 @@ class TrainConfig:
             "minimum loss scale (fp16 that cannot make progress; bf16 and fp32 always run at scale 1, their "
             "minimum); 0 never stops", "optimization", metavar="N", minimum=0)
     ema_decay: float | None = option(
-        None, "keep an fp32 EMA of the weights with this decay (ZeroEMA, sharded beside the optimizer state, "
-              "checkpointed), evaluate it beside the live weights at each evaluation and plot both; with --resume "
-              "this value replaces the checkpoint's decay (its EMA weights are kept), and without it the "
-              "checkpoint's EMA is dropped",
+        None, "keep an fp32 EMA of the weights with this decay (torch's ZeroEMA, JAX's ChunkEMA: sharded beside "
+              "the optimizer state, checkpointed in one format both engines resume), evaluate it beside the live "
+              "weights at each evaluation and plot both; with --resume this value replaces the checkpoint's "
+              "decay (its EMA weights are kept), and without it the checkpoint's EMA is dropped",
         "optimization", metavar="F", minimum=0, below=1, default_help="no EMA")
     ema_warmup: bool = option(
         False, "with --ema-decay: warm the EMA up, using min(decay, (1 + n) / (10 + n)) at its n-th update (ZeroEMA's "
@@ -286,8 +286,6 @@ class TrainConfig:
             raise ConfigError("--ema-decay needs --engine zero (the EMA is kept beside ZeroOptimizer's state)")
         if self.ema_warmup and self.ema_decay is None:
             raise ConfigError("--ema-warmup needs --ema-decay (it warms the EMA of the weights up)")
-        if self.ema_decay is not None and self.backend == "jax":
-            raise ConfigError("--ema-decay is for --backend torch (the JAX engine keeps no EMA yet)")
         if self.engine == "ddp" and self.shard_group_size is not None:
             raise ConfigError("--shard-group-size needs --engine zero (hybrid sharding of ZeroDDP)")
         if self.backend == "jax" and self.shard_group_size is not None:

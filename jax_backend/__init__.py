@@ -11,7 +11,8 @@ params = unflatten(chunks, layout)                     # nested dict of full-sha
 Modules: ``mesh`` (the data-parallel mesh), ``layout`` (chunk arrays <-> tensors), ``optim`` (torch
 AdamW state as optax state), ``checkpoint`` (save / restore), ``gpt`` (the Flax model), ``convert``
 (torch names, chunks, checkpoints and Hugging Face GPT-2 -> the Flax model), ``blocks`` (models as
-stages), ``schedule`` (the sharded step over gather units), ``zero`` (chunk ZeRO-3 on it),
+stages), ``schedule`` (the sharded step over gather units), ``zero`` (chunk ZeRO-3 on it), ``ema``
+(an EMA of its master chunks, torch ``ZeroEMA``'s),
 ``baselines`` (per-parameter FSDP and DDP on it), ``analysis`` (the three measured against the cost
 model).
 """
@@ -39,6 +40,7 @@ from .convert import (
     restore_gpt,
     torch_to_flax,
 )
+from .ema import ChunkEMA
 from .gpt import GPT, GPT_CONFIGS, GPTConfig, gpt_config, init_gpt, logits
 from .layout import flatten, flatten_optimizer, nest, shard_chunks, unflatten, unflatten_optimizer
 from .mesh import DEFAULT_AXIS, chunk_sharding, make_mesh, mesh_world_size
@@ -47,6 +49,7 @@ from .schedule import TrainState
 from .zero import ZeroTrainer
 
 __all__ = [
+    "ChunkEMA",
     "DDPTrainer",
     "FSDPTrainer",
     "TrainState",

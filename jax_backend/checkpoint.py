@@ -30,6 +30,7 @@ from chunkzero.checkpoint import (
     OPTIM_KEY,
     PARAMS_KEY,
     CheckpointMeta,
+    EmaMeta,
     OptimizerMeta,
     checksum_key,
     chunk_key,
@@ -349,6 +350,7 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
                     optimizer_meta: OptimizerMeta | Mapping[str, Any] | None = None,
                     mixed_precision: str = "fp32", loss_scaler: dict | None = None, model_config: dict | None = None,
                     data_position: dict | None = None, rng_states: list[dict] | None = None, extra: dict | None = None,
+                    ema_chunks: Mapping[str, Any] | None = None, ema_meta: EmaMeta | None = None,
                     checksums: bool = True, options: Any = None,
                     timeout_s: float = orbax_store.DEFAULT_TIMEOUT_S) -> Path:
     """Write chunk arrays as a chunkzero checkpoint step ``<directory>/<step>/`` that torch can resume.
@@ -365,6 +367,9 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
             ``state_keys``, ``step``); its ``state_keys`` must be the keys of ``opt_state_chunks``.
         mixed_precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (the compute precision torch resumes with).
         loss_scaler, model_config, data_position, rng_states, extra: JSON-able, stored in ``meta``.
+        ema_chunks: ``{chunk_key: f32[size]}`` over the trainable chunks, the EMA of the masters (the ``ema``
+            subtree, as a torch ``ZeroEMA`` saves it), or ``None``; ``ema_meta`` (its decay, warm-up and
+            update count) is given exactly when it is.
         checksums: record ``meta.checksums`` per storage block of each saved shard (as the torch backend
             does, so every loader verifies what it reads), at any number of processes; each process
             checksums the shards it writes and the sums are gathered as JSON (:func:`compute_checksums`).
@@ -378,7 +383,7 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
 
     Raises:
         LayoutError / ShapeMismatchError: a chunk is missing, extra or mis-sized (names it and both shapes).
-        CheckpointError: a chunk has the wrong dtype, the optimizer arguments disagree, or the step
+        CheckpointError: a chunk has the wrong dtype, the optimizer (or EMA) arguments disagree, or the step
             exists or is before the latest one (nothing is overwritten).
         ConfigError: bad ``mixed_precision``, ``step`` or ``timeout_s``, or metadata that is not JSON-serializable.
     """
@@ -412,9 +417,17 @@ def save_checkpoint(directory: str | Path, chunks: Mapping[str, Any], layout: Ch
         raise CheckpointError(
             f"optimizer_meta lists state keys {optimizer_meta.state_keys} but no opt_state_chunks were given"
         )
+    if (ema_chunks is None) != (ema_meta is None):
+        raise CheckpointError("ema_chunks and ema_meta go together (the EMA arrays and their decay, update count)")
+    if ema_chunks is not None:
+        for i, a in check_chunks(ema_chunks, layout, trainable_only=True, what="EMA chunks").items():
+            a = _as_jax(a)
+            if a.dtype != jnp.float32:
+                raise CheckpointError(f"EMA {chunk_key(i)} is {a.dtype}, expected float32")
+            arrays[(EMA_KEY, chunk_key(i))] = a
     meta = CheckpointMeta(
         step=step, layout=layout, mixed_precision=mixed_precision, optimizer=optimizer_meta, loss_scaler=loss_scaler,
-        model_config=model_config, data_position=data_position, rng_states=rng_states, extra=extra,
+        model_config=model_config, data_position=data_position, rng_states=rng_states, extra=extra, ema=ema_meta,
     )
     state = state_tree(arrays)
     if checksums:

@@ -221,7 +221,7 @@ class ZeroTrainer(ShardedTrainer):
 
     def save_checkpoint(self, directory: str | os.PathLike, state: TrainState, *, step: int,
                         data_position: dict | None = None, extra: dict | None = None, model_config: dict | None = None,
-                        timeout_s: float = DEFAULT_TIMEOUT_S, options: Any = None) -> Path:
+                        ema=None, timeout_s: float = DEFAULT_TIMEOUT_S, options: Any = None) -> Path:
         """Save ``state`` as step ``step`` of a chunkzero checkpoint that torch resumes with nothing built by hand.
 
         Writes the fp32 master chunks and the AdamW state (:meth:`opt_state_chunks`) at this trainer's
@@ -231,7 +231,9 @@ class ZeroTrainer(ShardedTrainer):
         taken here (the JAX step never skips one), or ``{"step_count": count, "skipped_steps": 0}`` without a
         source.
         ``model_config`` defaults to the source's; the compute precision is the trainer's. ``options``:
-        ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep`` …).
+        ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep`` …). ``ema``: a
+        :class:`jax_backend.ChunkEMA` of this trainer, saved as the ``ema`` arrays and record (torch loads it
+        into a ``ZeroEMA``), or ``None``.
 
         Returns:
             The committed step directory.
@@ -264,7 +266,8 @@ class ZeroTrainer(ShardedTrainer):
         return jax_checkpoint.save_checkpoint(
             directory, self.chunks(state), self.layout, step=step, opt_state_chunks=opt_state, optimizer_meta=optim,
             mixed_precision=self.mixed_precision, loss_scaler=scaler, model_config=model_config,
-            data_position=data_position, extra=extra, timeout_s=timeout_s, options=options)
+            data_position=data_position, extra=extra, timeout_s=timeout_s, options=options,
+            ema_chunks=None if ema is None else ema.chunks, ema_meta=None if ema is None else ema.meta())
 
     @property
     def sharded_chunks(self) -> list[int]:

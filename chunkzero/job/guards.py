@@ -1,5 +1,6 @@
 """The job's guards that do not depend on the engine: the stop after too many non-finite steps
-(``--max-skipped-steps``), its one-line message, and the warning when a resume drops a checkpoint's EMA.
+(``--max-skipped-steps``), its one-line message, and what a resume says of a checkpoint's EMA (dropped without
+``--ema-decay``; other EMA settings than the checkpoint's).
 
 The torch engine's ZeroOptimizer counts its own skips (at the minimum loss scale, so fp16's loss-scale
 back-off is not counted) and raises the same :class:`chunkzero.errors.LossScaleError`; the JAX engine,
@@ -49,12 +50,28 @@ def stop_message(error: LossScaleError, cfg: TrainConfig) -> str:
     return f"{error}; the run stops here (--max-skipped-steps {cfg.max_skipped_steps}; 0 never stops)"
 
 
-def warn_dropped_ema(meta, step_dir, engine: str) -> None:
-    """Warn (call on one process) that resuming checkpoint ``step_dir`` (``meta``: its metadata) on an engine
-    that keeps no EMA drops the EMA the checkpoint holds; nothing when it holds none."""
+def warn_dropped_ema(meta, step_dir) -> None:
+    """Warn (call on one process) that resuming checkpoint ``step_dir`` (``meta``: its metadata) without
+    ``--ema-decay`` drops the EMA the checkpoint holds; nothing when it holds none."""
     ema = getattr(meta, "ema", None)
     if ema is None:
         return
-    log.warning("checkpoint %s holds an EMA of the weights (decay %g, %d updates) and %s keeps none: the EMA is "
-                "dropped, and later checkpoints of this run hold none (to keep it, resume with --backend torch "
-                "--ema-decay)", step_dir, ema.decay, ema.update_count, engine)
+    log.warning("checkpoint %s holds an EMA of the weights (decay %g, %d updates) and this run keeps none: the EMA "
+                "is dropped, and later checkpoints of this run hold none (to keep it, pass --ema-decay)", step_dir,
+                ema.decay, ema.update_count)
+
+
+def ema_settings_change(saved, cfg: TrainConfig, step: int) -> str | None:
+    """The line a resume with ``--ema-decay`` logs when its ``--ema-decay`` / ``--ema-warmup`` differ from the
+    checkpoint's EMA record ``saved`` (:class:`chunkzero.checkpoint.EmaMeta`; ``step``: the resumed step):
+    this run's settings are used from the next step on, the EMA's weights and update count kept. ``None``
+    when they agree."""
+    was = {"--ema-decay": saved.decay, "--ema-warmup": saved.warmup}
+    wanted = {"--ema-decay": float(cfg.ema_decay), "--ema-warmup": bool(cfg.ema_warmup)}
+    changed = [f"{k} {wanted[k]:g} (the checkpoint's: {was[k]:g})" if k == "--ema-decay"
+               else f"{k} {'on' if wanted[k] else 'off'} (the checkpoint's: {'on' if was[k] else 'off'})"
+               for k in was if was[k] != wanted[k]]
+    if not changed:
+        return None
+    return (f"--resume: {', '.join(changed)}: this run's setting is used from step {step + 1} on (the EMA's weights "
+            f"and its {saved.update_count} updates are kept)")

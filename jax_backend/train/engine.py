@@ -9,7 +9,9 @@ Face GPT-2 or Llama-family (Llama, Mistral, Qwen2) directory under HF's own tens
 AdamW with betas (0.9, 0.95), eps 1e-8, the two param groups of
 :func:`torch_backend.train.adapter.decay_groups` (weight decay on tensors of 2 or more dimensions),
 clipping at ``--max-norm`` and the LR schedule of :func:`chunkzero.train_config.lr_at` at optax's step
-count. ``--resume`` restores the latest checkpoint, torch's or JAX's, at any world size.
+count; with ``--ema-decay`` a :class:`jax_backend.ChunkEMA` of the masters (torch's ``ZeroEMA``), updated after
+each applied step. ``--resume`` restores the latest checkpoint, torch's or JAX's, at any world size (its EMA
+too, with ``--ema-decay``).
 
 A step's micro-batches: device ``r`` of the mesh (rank ``r``) trains micro-batches ``i·A … i·A + A − 1``
 of :class:`chunkzero.job.data.BatchSampler` at rank ``r`` (``A`` = ``--grad-accum``), stacked into
@@ -43,6 +45,7 @@ from chunkzero.train_config import TrainConfig
 
 from ..blocks import Program, gpt_program, hf_program
 from ..checkpoint import restore_checkpoint
+from ..ema import ChunkEMA
 from ..optim import adamw_meta, param_groups_adamw
 from ..zero import ZeroTrainer
 
@@ -149,6 +152,9 @@ class JaxEngine:
     last_grad_norm: float | None = None
     """The global gradient L2 norm before clipping of the last step (``None`` before the first)."""
 
+    ema: ChunkEMA | None = None
+    """The EMA of ``--ema-decay`` (checkpointed with the state), or ``None``."""
+
     def __init__(self, cfg: TrainConfig, mesh, *, resume_from: Path | None = None):
         self.cfg, self.mesh = cfg, mesh
         self.guard = NonFiniteStop(cfg.max_skipped_steps)
@@ -179,6 +185,11 @@ class JaxEngine:
             self.state = jax.tree.map(jnp.copy, state)
         else:
             self.state = self.trainer.init(initial_params(cfg, self.program.specs))
+        if cfg.ema_decay is not None:  # this run's decay and warm-up; a resumed EMA keeps its weights and count
+            self.ema = ChunkEMA(self.trainer, self.state, cfg.ema_decay, warmup=cfg.ema_warmup)
+            if self.meta is not None and self.meta.ema is not None:
+                saved = restore_checkpoint(restored.path, mesh, item="ema")
+                self.ema.load(saved.chunks, self.meta.ema.update_count)
         self.layout = layout
         self._batch_sharding = NamedSharding(mesh, P(self.trainer.axis))
         self._replicated = NamedSharding(mesh, P())
@@ -212,6 +223,8 @@ class JaxEngine:
         self.last_grad_norm = float(np.asarray(norm.addressable_data(0)))
         applied = math.isfinite(self.last_grad_norm)
         self.guard.record(step, applied)
+        if applied and self.ema is not None:
+            self.ema.update(self.state)
         return float(np.asarray(self._sum(losses).addressable_data(0))), applied
 
     @property
@@ -223,14 +236,24 @@ class JaxEngine:
         tensors = {t.name: chunks[chunk_key(t.chunk)][t.offset:t.end].reshape(t.shape) for t in self.layout.tensors}
         return self.program.loss_sum(tensors, batch)
 
-    def evaluate(self, batches: list[dict[str, jax.Array]]) -> float:
+    def evaluate(self, batches: list[dict[str, jax.Array]], chunks: dict[str, jax.Array] | None = None) -> float:
         """Validation loss of the global batches with ``"weights"`` (``global_batch`` of
         ``data.val_batches``' rows): the mean over the weighted rows of each one's mean token loss, as torch's
-        ``evaluate`` (padding rows, weight 0, left out)."""
-        chunks = self.state.params if self.state.params is not None else self.state.master
+        ``evaluate`` (padding rows, weight 0, left out). ``chunks``: the weights to evaluate, in the compute
+        dtype (default: the live ones)."""
+        if chunks is None:
+            chunks = self.state.params if self.state.params is not None else self.state.master
         total = sum(float(np.asarray(self._eval(chunks, b).addressable_data(0))) for b in batches)
         rows = sum(float(np.asarray(self._sum(b["weights"]).addressable_data(0))) for b in batches)
         return total / (rows * batches[0]["targets"].shape[1])
+
+    def evaluate_ema(self, batches: list[dict[str, jax.Array]]) -> float | None:
+        """:meth:`evaluate` of the EMA weights (cast to the compute dtype, as torch's ``ema_weights()``
+        refreshes its low-precision shards from them), or ``None`` without an EMA."""
+        if self.ema is None:
+            return None
+        dtype = self.trainer.compute_dtype
+        return self.evaluate(batches, {k: v.astype(dtype) for k, v in self.ema.weights(self.state).items()})
 
     # ------------------------------------------------------------------ checkpoints, weights
     def save(self, directory: Path, step: int, *, data_position: dict, extra: dict, keep: int) -> None:
@@ -238,7 +261,8 @@ class JaxEngine:
         import orbax.checkpoint as ocp
 
         self.trainer.save_checkpoint(directory, self.state, step=step, data_position=data_position, extra=extra,
-                                     model_config=run_model_config(self.cfg), timeout_s=self.cfg.timeout_s,
+                                     model_config=run_model_config(self.cfg), ema=self.ema,
+                                     timeout_s=self.cfg.timeout_s,
                                      options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
     def full_params(self) -> dict[str, np.ndarray]:
@@ -264,8 +288,9 @@ class JaxEngine:
         layout = self.layout
         shard = int(layout.shard_bytes(rank))
         master = sum(layout.shard_numel(c.index) for c in layout.chunks) * 4
+        ema = sum(layout.shard_numel(c.index) for c in layout.chunks if c.requires_grad) * 4 if self.ema else 0
         return {"chunks": len(layout.chunks), "chunk_size": int(layout.chunk_size),
                 "sharded_chunks": sum(not c.keep_gathered for c in layout.chunks), "shard_bytes": shard,
                 "param_bytes": sum(c.size_bytes for c in layout.chunks),
-                "model_state_bytes": master * 3 + (shard if self.cfg.mixed_precision == "bf16" else 0),
+                "model_state_bytes": master * 3 + ema + (shard if self.cfg.mixed_precision == "bf16" else 0),
                 "peak_gathered_chunks": "n/a"}  # XLA schedules the gathers

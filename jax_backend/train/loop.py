@@ -8,7 +8,8 @@ The report is the job core's :class:`chunkzero.job.report.Report` (``metrics.jso
 ``loss.png``, ``summary.json``/``.txt``, ``sample.txt``), with process 0 as rank 0. The sample is drawn
 in JAX from the trained weights, gathered once at the end (:mod:`jax_backend.train.sampling`).
 Checkpoints are the one chunkzero format (:meth:`jax_backend.ZeroTrainer.save_checkpoint`): torch resumes
-them at any world size, and this loop resumes torch's. What does not carry between engines:
+them at any world size, and this loop resumes torch's, with its EMA under ``--ema-decay`` (the EMA weights and update
+count kept, this run's decay and warm-up used from the resumed step on). What does not carry between engines:
 the JAX step draws no random numbers (no dropout), so no RNG state is saved, and a torch checkpoint's
 RNG states are ignored here; the loss scaler is saved as a passthrough (bf16 and fp32 run at scale 1).
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from chunkzero.checkpoint.orbax_store import FINITE_KEY
 from chunkzero.errors import ChunkZeroError
-from chunkzero.job.guards import warn_dropped_ema
+from chunkzero.job.guards import ema_settings_change, warn_dropped_ema
 from chunkzero.resume_check import run_settings, sampler_position
 from chunkzero.run_dir import CHECKPOINT_DIR
 from chunkzero.train_config import TrainConfig, lr_at
@@ -74,7 +75,7 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
         if rank0:
             log.info("resumed from step %d (%s/%d), saved at world size %d", meta.step, ckpt_root, meta.step,
                      meta.world_size)
-            warn_dropped_ema(meta, ckpt_root / str(meta.step), "--backend jax")
+            _say_resumed_ema(meta, ckpt_root / str(meta.step), cfg)
         start = meta.step + 1
         counters = extra.get("counters") if isinstance(extra.get("counters"), dict) else None
     val_rows = {r: data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
@@ -92,7 +93,7 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
     val_loss = all_gather_json(report.metrics.val_at(start - 1))[0]
     if val_loss is None:
         val_loss = engine.evaluate(val)
-        report.val(start - 1, val_loss)
+        report.val(start - 1, val_loss, ema_val_loss=engine.evaluate_ema(val))
 
     report.open_progress()
     try:
@@ -113,7 +114,7 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
                                    FINITE_KEY: math.isfinite(float(loss))})
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = engine.evaluate(val)
-                report.val(step, val_loss, train_loss=loss)
+                report.val(step, val_loss, train_loss=loss, ema_val_loss=engine.evaluate_ema(val))
     finally:
         report.close_progress()
 
@@ -124,6 +125,21 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
                              wall_time_s=time.perf_counter() - t_start)
     report.finish(summary)
     return summary
+
+
+def _say_resumed_ema(meta, step_dir: Path, cfg: TrainConfig) -> None:
+    """What the resume did with the checkpoint's EMA, in one line (process 0), as the torch engine says it:
+    dropped without ``--ema-decay``; restarted at the loaded weights from a checkpoint without one; kept, with
+    this run's other ``--ema-decay`` / ``--ema-warmup``."""
+    if cfg.ema_decay is None:
+        warn_dropped_ema(meta, step_dir)
+    elif meta.ema is None:
+        log.warning("checkpoint %s holds no EMA: this run's EMA (--ema-decay) starts at the loaded weights (update "
+                    "count 0)", step_dir)
+    else:
+        line = ema_settings_change(meta.ema, cfg, meta.step)
+        if line:
+            log.info("%s", line)
 
 
 def _cat(parts):

@@ -11,6 +11,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[2]
 
 SMALL = ["--model", "gpt-tiny", "--seq-len", "32", "--batch-size", "4", "--warmup", "2", "--eval-batches", "2",
@@ -89,3 +91,18 @@ def refused_line(args: list[str], backend: str, monkeypatch, capsys) -> str:
     lines = [line for line in err.strip().splitlines() if line.startswith("chunkzero train: error: ")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def saved_tensors(step_dir: Path, item: str = "params") -> dict[str, np.ndarray]:
+    """A checkpoint step's tensors by name, fp32 numpy: the weights (``item="params"``) or their EMA (``"ema"``),
+    read with the JAX restore (one device)."""
+    import jax_backend as jb
+
+    r = jb.restore_checkpoint(step_dir, jb.make_mesh(1), item=item)
+    return {k: np.asarray(v) for k, v in jb.unflatten(r.chunks, r.layout, nested=False).items()}
+
+
+def normwise_rel_err(got: dict, ref: dict) -> float:
+    """``||got − ref||₂ / ||ref||₂`` over every tensor of ``ref`` (float64)."""
+    num = sum(float(((np.asarray(got[n], np.float64) - np.asarray(ref[n], np.float64)) ** 2).sum()) for n in ref)
+    return (num / sum(float((np.asarray(ref[n], np.float64) ** 2).sum()) for n in ref)) ** 0.5

@@ -2,7 +2,8 @@
 
 The JAX run (2 processes joined by jax.distributed) trains the same stream from the same weights with
 the same optimizer as torch at the same world size, so their losses agree to fp32 noise; and one run
-switches engine at its checkpoints: torch → JAX → torch through ``--resume --backend``.
+switches engine at its checkpoints: torch → JAX → torch through ``--resume --backend``. Every run keeps an
+EMA of the weights (``--ema-decay``), evaluated as torch evaluates it and carried by the switch.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import shutil
 
 import pytest
 
-from .helpers import SMALL, describe, make_corpus, read_metrics, run_train
+from .helpers import SMALL, describe, make_corpus, normwise_rel_err, read_metrics, run_train, saved_tensors
 
-STEPS = ["--warmup", "2", "--eval-interval", "2", "--save-interval", "2"]
+STEPS = ["--warmup", "2", "--eval-interval", "2", "--save-interval", "2", "--ema-decay", "0.9"]
 NORM_RTOL = 1e-3
 """The logged gradient norm of the two fp32 engines (a norm after clipping would read --max-norm's 1.0)."""
 GLOBAL_BATCH = 12
@@ -24,11 +25,19 @@ uninterrupted run's stream."""
 LOSS_TOL = 2e-3
 """nats/token: two fp32 engines (torch's and XLA's kernels sum in other orders) over 6 steps; an LR one
 step off or a lost weight-decay group moves the loss by more."""
+EMA_RTOL = 1e-4
+"""The EMA weights of the switched run and of the torch-only run at the last step, normwise relative: two fp32
+engines over 6 steps (3.9e-8 measured); an EMA the JAX engine restarts at the switch fails already on the EMA's
+validation loss (0.099 nats/token off)."""
 
 
 def _losses(out):
     train, val = read_metrics(out)
     return {r["step"]: r["loss"] for r in train}, {r["step"]: r["val_loss"] for r in val}
+
+
+def _ema_losses(out):
+    return {r["step"]: r["ema_val_loss"] for r in read_metrics(out)[1]}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +65,10 @@ def test_jax_run_matches_torch(runs):
         assert j_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, j_train[s], t_train[s])
     for s in j_val:
         assert j_val[s] == pytest.approx(t_val[s], abs=LOSS_TOL), (s, j_val[s], t_val[s])
+    t_ema, j_ema = _ema_losses(torch_out), _ema_losses(jax_out)  # the EMA's, evaluated as torch evaluates it
+    assert sorted(j_ema) == [0, 2, 4, 6] and j_ema[0] == j_val[0] and j_ema[6] != j_val[6]
+    for s in j_ema:
+        assert j_ema[s] == pytest.approx(t_ema[s], abs=LOSS_TOL), (s, j_ema[s], t_ema[s])
     # the gradient norm before clipping, logged per step as torch logs it (fp32: summation order only)
     t_norm, j_norm = ({r["step"]: r["grad_norm"] for r in read_metrics(o)[0]} for o in (torch_out, jax_out))
     for s in j_train:
@@ -70,7 +83,7 @@ def test_jax_run_matches_torch(runs):
 @pytest.mark.slow
 def test_switch_torch_jax_torch(runs):
     """torch (W = 2) steps 1-2 → JAX (2 processes × 2 devices) steps 3-4 → torch (W = 3) steps 5-6, the
-    same 12 sequences per step throughout: the losses of the uninterrupted torch run (W = 2)."""
+    same 12 sequences per step throughout: the losses and the EMA of the uninterrupted torch run (W = 2)."""
     tmp, common, torch_out, _ = runs
     out = tmp / "switch"
     shutil.copytree(torch_out, out)
@@ -88,6 +101,13 @@ def test_switch_torch_jax_torch(runs):
     for s in range(3, 7):
         assert s_train[s] == pytest.approx(t_train[s], abs=LOSS_TOL), (s, s_train[s], t_train[s])
     assert s_val[6] == pytest.approx(t_val[6], abs=LOSS_TOL)
+    assert _ema_losses(out)[6] == pytest.approx(_ema_losses(torch_out)[6], abs=LOSS_TOL)
+    want = saved_tensors(torch_out / "checkpoints" / "6", "ema")
+    err = normwise_rel_err(saved_tensors(out / "checkpoints" / "6", "ema"), want)
+    print(f"EMA at step 6, switched run vs torch only: {err:.2e} (normwise relative)")
+    assert err < EMA_RTOL
+    live = saved_tensors(torch_out / "checkpoints" / "6")
+    assert normwise_rel_err(live, want) > 10 * EMA_RTOL  # the test can fail: the EMA is not the weights
     assert json.loads((out / "summary.json").read_text())["world_size"] == 3
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from chunkzero.checkpoint.orbax_store import FINITE_KEY
 from chunkzero.errors import CheckpointError, ChunkZeroError
 from chunkzero.job import data as data_mod
+from chunkzero.job.guards import ema_settings_change
 from chunkzero.job.report import Report, peak_memory_mib
 from chunkzero.resume_check import run_settings, sampler_position
 from chunkzero.run_dir import CHECKPOINT_DIR, resume_failed
@@ -154,15 +155,10 @@ def resume_ema_settings(engine: Engine, meta, cfg: TrainConfig, rank: int) -> No
     is dropped: ``load_checkpoint`` warns (rank 0)."""
     if engine.ema is None or meta.ema is None:
         return
-    saved = {"--ema-decay": meta.ema.decay, "--ema-warmup": meta.ema.warmup}
-    wanted = {"--ema-decay": float(cfg.ema_decay), "--ema-warmup": bool(cfg.ema_warmup)}
-    changed = [f"{k} {wanted[k]:g} (the checkpoint's: {saved[k]:g})" if k == "--ema-decay"
-               else f"{k} {'on' if wanted[k] else 'off'} (the checkpoint's: {'on' if saved[k] else 'off'})"
-               for k in saved if saved[k] != wanted[k]]
-    engine.ema.decay, engine.ema.warmup = wanted["--ema-decay"], wanted["--ema-warmup"]
-    if changed and rank == 0:
-        log.info("--resume: %s: this run's setting is used from step %d on (the EMA's weights and its %d updates "
-                 "are kept)", ", ".join(changed), meta.step + 1, meta.ema.update_count)
+    engine.ema.decay, engine.ema.warmup = float(cfg.ema_decay), bool(cfg.ema_warmup)
+    line = ema_settings_change(meta.ema, cfg, meta.step)
+    if line and rank == 0:
+        log.info("%s", line)
 
 
 def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, device: torch.device, *,
