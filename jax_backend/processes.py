@@ -14,6 +14,7 @@ Call :func:`join_processes` before anything else uses JAX (devices are fixed on 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -117,7 +118,38 @@ def use_compilation_cache(directory: Path | None) -> bool:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _write_cache_on_every_process()
     return True
+
+
+def _write_cache_on_every_process() -> None:
+    """Let every process write its own entries to the compilation cache, not only process 0.
+
+    JAX writes persistent cache entries from process 0 alone (against write contention on shared
+    filesystems), but on CPU each process's key differs (it hashes the process's view of the device
+    topology), so process 1 onwards never finds an entry and compiles the step again on every start, and
+    process 0 waits for it at the first collective. The keys being distinct, no two processes write the
+    same file. This wraps JAX's private ``jax._src.compiler._cache_write`` (the version is pinned); where
+    that is not found, the cache stays as JAX has it (a restart on process 1 onwards compiles)."""
+    try:
+        from jax._src import compilation_cache, compiler, distributed
+    except ImportError:  # pragma: no cover - another JAX layout
+        return
+    original = getattr(compiler, "_cache_write", None)
+    put = getattr(compilation_cache, "put_executable_and_time", None)
+    if original is None or put is None or getattr(original, "_chunkzero_every_process", False):
+        return
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if distributed.global_state.process_id == 0 or host_callbacks:
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        try:
+            put(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:  # noqa: BLE001 - a cache that cannot be written only costs a compile next time
+            logging.getLogger(__name__).debug("compilation cache entry %s not written: %s", module_name, e)
+
+    cache_write._chunkzero_every_process = True
+    compiler._cache_write = cache_write
 
 
 def process_mesh(axis: str | None = None):

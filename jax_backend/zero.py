@@ -59,8 +59,8 @@ class ChunkUnit(GatherUnit):
         c = layout.chunks[index]
         self.layout, self.index, self.info = layout, index, c
         self.key = chunk_key(index)
-        self.placements = tuple(sorted(layout.chunk_tensors(index), key=lambda t: t.offset))
-        self.tensors = tuple(t.name for t in self.placements)
+        self.offsets = tuple(sorted(layout.chunk_tensors(index), key=lambda t: t.offset))  # its tensors by offset
+        self.tensors = tuple(t.name for t in self.offsets)
         self.trainable = c.requires_grad
         self.sharded = not c.keep_gathered
 
@@ -72,22 +72,22 @@ class ChunkUnit(GatherUnit):
 
     def pack(self, full, dtype):
         out = np.zeros((self.info.size,), dtype=np.dtype(jnp.dtype(dtype)))
-        for t in self.placements:
+        for t in self.offsets:
             out[t.offset : t.end] = np.asarray(full[t.name], dtype=np.float32).reshape(-1)
         return out
 
     def unpack(self, value):
         v = np.asarray(jax.device_get(value))
-        return {t.name: v[t.offset : t.end].reshape(t.shape) for t in self.placements}
+        return {t.name: v[t.offset : t.end].reshape(t.shape) for t in self.offsets}
 
     def gather(self, local, axis):
         full = jax.lax.all_gather(local, axis, tiled=True) if self.sharded else local
-        return {t.name: full[t.offset : t.end].reshape(t.shape) for t in self.placements}
+        return {t.name: full[t.offset : t.end].reshape(t.shape) for t in self.offsets}
 
     def full_grad(self, grads):
         """The tensors' gradients in one zero-padded buffer of the chunk's size."""
         dtype = grads[self.tensors[0]].dtype
-        parts = [grads[t.name].reshape(-1).astype(dtype) for t in self.placements]
+        parts = [grads[t.name].reshape(-1).astype(dtype) for t in self.offsets]
         if self.info.padding:
             parts.append(jnp.zeros((self.info.padding,), dtype))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
