@@ -25,24 +25,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from chunkzero.checkpoint import EmaMeta
-from chunkzero.errors import ConfigError
+from chunkzero.checkpoint import EmaMeta, check_ema_decay, ema_decay_at
 
 from .layout import check_chunks
 from .schedule import TrainState
 
 __all__ = ["ChunkEMA"]
-
-
-def _check_decay(decay: Any) -> float:
-    """``decay`` as a float in ``[0, 1)``.
-
-    Raises:
-        ConfigError: anything else (names the value).
-    """
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
-        raise ConfigError(f"EMA decay must be a number in [0, 1), got {decay!r}")
-    return float(decay)
 
 
 def _lerp(ema: dict[str, jax.Array], master: dict[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
@@ -72,7 +60,7 @@ class ChunkEMA:
     """
 
     def __init__(self, trainer, state: TrainState, decay: float, *, warmup: bool = False):
-        self.decay = _check_decay(decay)
+        self.decay = check_ema_decay(decay)
         self.warmup = bool(warmup)
         self.update_count = 0
         self.layout = trainer.layout
@@ -83,8 +71,7 @@ class ChunkEMA:
     def current_decay(self) -> float:
         """The decay the next update uses: ``decay``, or with ``warmup`` ``min(decay, (1 + n) / (10 + n))``
         for ``n = update_count``."""
-        n = self.update_count
-        return min(self.decay, (1.0 + n) / (10.0 + n)) if self.warmup else self.decay
+        return ema_decay_at(self.decay, self.update_count, self.warmup)
 
     def update(self, state: TrainState) -> None:
         """Fold ``state``'s masters into the EMA and count the update; call it after each applied step."""

@@ -26,6 +26,7 @@ from contextlib import ExitStack
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from chunkzero.checkpoint import check_ema_decay
 from chunkzero.errors import ConfigError
 
 from .lightning import ZeroStrategy
@@ -52,7 +53,7 @@ class ZeroEMACallback(Callback):
     """
 
     def __init__(self, decay: float, warmup: bool = False, validate_on_ema: bool = False):
-        self.decay = _check_decay(decay)
+        self.decay = check_ema_decay(decay, "ZeroEMACallback(decay=...)")
         self.warmup = bool(warmup)
         self.validate_on_ema = bool(validate_on_ema)
         self.ema: ZeroEMA | None = None
@@ -80,9 +81,3 @@ class ZeroEMACallback(Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:  # noqa: ARG002 - Lightning Callback signature
         self._swap.close()
-
-
-def _check_decay(decay) -> float:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
-        raise ConfigError(f"ZeroEMACallback(decay=...) must be a number in [0, 1), got {decay!r}")
-    return float(decay)

@@ -37,8 +37,10 @@ from .meta import (
     OptimizerMeta,
     UnverifiedCheckpointWarning,
     array_name,
+    check_ema_decay,
     chunk_index,
     chunk_key,
+    ema_decay_at,
     param_array_dtype,
 )
 from .plan import ReadPiece, check_compatible, compare_layouts, matching_names, read_plan, saved_tensor
@@ -55,6 +57,8 @@ __all__ = [
     "CheckpointMeta",
     "EMA_KEY",
     "EmaMeta",
+    "check_ema_decay",
+    "ema_decay_at",
     "META_FILENAME",
     "META_ITEM",
     "MIXED_PRECISIONS",

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import numpy_dtype
-from ..errors import CheckpointError, CheckpointFormatError, LayoutFormatError
+from ..errors import CheckpointError, CheckpointFormatError, ConfigError, LayoutFormatError
 from ..layout import ChunkInfo, ChunkLayout
 from .checksums import (
     CHECKSUM_ALGORITHM,
@@ -156,6 +156,25 @@ class OptimizerMeta:
             raise bad("optimizer.tensor_steps", "must map tensor names to steps (ints >= 0)")
         return cls(od["class_name"], od["hyperparameters"], list(od["state_keys"]), od["step"],
                    None if groups is None else [dict(g) for g in groups], None if steps is None else dict(steps))
+
+
+def check_ema_decay(decay: Any, what: str = "EMA decay") -> float:
+    """``decay`` as a float in ``[0, 1)``, the EMA decay of either engine (``ZeroEMA``, ``ChunkEMA``, the
+    Lightning callback).
+
+    Raises:
+        ConfigError: anything else (names ``what`` and the value).
+    """
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
+        raise ConfigError(f"{what} must be a number in [0, 1), got {decay!r}")
+    return float(decay)
+
+
+def ema_decay_at(decay: float, update_count: int, warmup: bool) -> float:
+    """The decay of the EMA update after ``update_count`` updates: ``decay``, or with ``warmup``
+    ``min(decay, (1 + n) / (10 + n))`` (TensorFlow's ``ExponentialMovingAverage(num_updates=)``)."""
+    n = update_count
+    return min(decay, (1.0 + n) / (10.0 + n)) if warmup else decay
 
 
 @dataclass

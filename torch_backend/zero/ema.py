@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
+from chunkzero.checkpoint import check_ema_decay, ema_decay_at
 from chunkzero.errors import ConfigError, ShapeMismatchError
 
 from . import collectives
@@ -38,12 +39,6 @@ from .optim import ZeroOptimizer
 from .pinned import copied
 
 __all__ = ["ZeroEMA"]
-
-
-def _check_decay(decay) -> float:
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= float(decay) < 1.0:
-        raise ConfigError(f"EMA decay must be a number in [0, 1), got {decay!r}")
-    return float(decay)
 
 
 class ZeroEMA:
@@ -71,7 +66,7 @@ class ZeroEMA:
             raise ConfigError(f"ZeroEMA needs a ZeroOptimizer, got {type(optimizer).__name__}")
         if optimizer.ema is not None:
             raise ConfigError("this ZeroOptimizer has an EMA already (optimizer.ema); build one ZeroEMA per optimizer")
-        self.decay = _check_decay(decay)
+        self.decay = check_ema_decay(decay)
         self.warmup = bool(warmup)
         self.optimizer = optimizer
         self.model = optimizer.model
@@ -91,8 +86,7 @@ class ZeroEMA:
     def current_decay(self) -> float:
         """The decay the next update uses: ``decay``, or with ``warmup`` ``min(decay, (1 + n) / (10 + n))``
         for ``n = update_count``."""
-        n = self.update_count
-        return min(self.decay, (1.0 + n) / (10.0 + n)) if self.warmup else self.decay
+        return ema_decay_at(self.decay, self.update_count, self.warmup)
 
     def _before_step(self, optimizer, args, kwargs) -> None:  # noqa: ARG002 - torch's hook signature
         if self._swapped:
@@ -190,7 +184,7 @@ class ZeroEMA:
         Raises:
             ConfigError: a bad ``decay``.
         """
-        self.decay = _check_decay(state.get("decay", self.decay))
+        self.decay = check_ema_decay(state.get("decay", self.decay))
         self.warmup = bool(state.get("warmup", self.warmup))
         self.update_count = int(state.get("update_count", self.update_count))
 
