@@ -7,8 +7,9 @@ Each repeat runs ``chunkzero train`` once per engine, in an order that alternate
 processes of 1 CPU device each (``--backend jax --nproc 2``; XLA's CPU thread pool is its default, the
 machine's cores, in each process), twice: ``jax cold`` with an empty persistent compilation cache
 (``CHUNKZERO_JAX_CACHE``, a new directory per run: a first start) and ``jax warm`` with the cache a
-previous run filled (a restart; one run fills it before the repeats). No evaluation beyond the one at
-step 0, no checkpoint, no sample.
+previous run filled (a restart; one run fills it before the repeats); and ``jax-1proc``, one JAX process
+of 2 CPU devices (``--nproc 1 --devices-per-process 2``: the same W = 2, its collectives inside one
+process), warm. No evaluation beyond the one at step 0, no checkpoint, no sample.
 
 Per engine, over the repeats (min / median / max):
 
@@ -43,7 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_runs import make_corpus, train_env  # noqa: E402
 
 JAX = ["--backend", "jax", "--nproc", "2", "--devices-per-process", "1"]
-ENGINES = {"torch": ["--nproc", "2"], "jax-cold": JAX, "jax-warm": JAX}
+ENGINES = {"torch": ["--nproc", "2"], "jax-cold": JAX, "jax-warm": JAX,
+           "jax-1proc": ["--backend", "jax", "--nproc", "1", "--devices-per-process", "2"]}
+WARM = ("jax-warm", "jax-1proc")
+"""The engines that start with the warm cache (each fills it once before the repeats)."""
 
 
 def run_once(engine: str, common: list[str], out: Path, cwd: Path, cache: Path | None = None) -> dict:
@@ -90,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
                   "--eval-batches", "1", "--sample-tokens", "0", "--save-interval", "0", "--data", str(corpus),
                   "--device", "cpu"]
         warm = work / "cache-warm"
-        if "jax-warm" in engines:  # fill the cache once, as a first start would
-            run_once("jax-warm", common, work / "prime", work, warm)
+        for engine in WARM:
+            if engine in engines:  # fill the cache once, as a first start would
+                run_once(engine, common, work / f"prime-{engine}", work, warm)
         for i in range(args.repeats):
             order = engines if i % 2 == 0 else list(reversed(engines))
             for engine in order:
-                cache = {"jax-cold": work / f"cache-cold-{i}", "jax-warm": warm}.get(engine)
+                cache = work / f"cache-cold-{i}" if engine == "jax-cold" else warm if engine in WARM else None
                 r = run_once(engine, common, work / engine, work, cache)
                 rows[engine].append(r)
                 print(
