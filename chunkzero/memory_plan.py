@@ -50,10 +50,9 @@ ALLOCATOR_OVERHEAD = {"host": 0.02, "device": 0.05}
 """The allocator's share on top of what is allocated: on the host glibc's page rounding (the workers' buffers
 of 1 MiB or more are their own mappings, returned when freed: ``torch_backend.train.launch``), on a GPU the
 CUDA caching allocator's rounding to its block sizes."""
-GATHERED_EXTRA_CHUNKS = 3
-"""Gathered chunks beyond ``prefetch``: the chunk in use, and the chunks whose views autograd saved in
-forward, re-gathered while their backward runs (``ZeroDDP.memory_report().peak_gathered_chunks`` is 4 at
-prefetch 1)."""
+GATHERED_EXTRA_CHUNKS = 2
+"""Gathered chunks beyond ``prefetch``: the chunk in use and the one being released
+(``ZeroDDP.memory_report().peak_gathered_chunks`` of gpt2 at W = 2, prefetch 1: 3 with 5 chunks, 4 with 43)."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -81,12 +80,14 @@ class ActivationTrace:
             (activations saved for backward and the temporaries of the moment; parameters and their
             ``.grad`` excluded), in the compute dtype.
         grad_arrived_numel: after each op, the parameter elements whose gradient has arrived so far.
+        grad_events: ``(op index, tensor name)`` as each parameter's final gradient arrives, in order.
         batch_size, seq_len: the traced micro-batch (sequences, tokens).
         activation_checkpointing: whether each block was recomputed in backward.
     """
 
     live_bytes: tuple[int, ...]
     grad_arrived_numel: tuple[int, ...]
+    grad_events: tuple[tuple[int, str], ...]
     batch_size: int
     seq_len: int
     activation_checkpointing: bool = False
@@ -188,6 +189,33 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _gradient_buffers(layout: ChunkLayout, trace: ActivationTrace, in_flight: int,
+                      b_grad: int) -> tuple[list[int], list[int]]:
+    """After each traced op, the bytes of full-chunk gradient buffers held and of their reductions' receive
+    buffers: a chunk's buffer from its first gradient's arrival; once all its tensors' gradients arrived it is
+    reduced, up to ``in_flight`` reductions at once (the oldest completes, freeing its buffers, when another
+    starts); the last complete at the end of the backward."""
+    remaining = {c.index: len(layout.chunk_tensors(c.index)) for c in layout.chunks if c.requires_grad}
+    size = {c.index: c.size * b_grad for c in layout.chunks}
+    held, reducing, out_held, out_ex = 0, [], [], []
+    events = iter(trace.grad_events)
+    nxt = next(events, None)
+    for i in range(len(trace.live_bytes)):
+        while nxt is not None and nxt[0] <= i:
+            c = layout.tensor(nxt[1]).chunk
+            if remaining[c] == len(layout.chunk_tensors(c)):
+                held += size[c]
+            remaining[c] -= 1
+            if remaining[c] == 0:
+                reducing.append(c)
+                if len(reducing) > in_flight:
+                    held -= size[reducing.pop(0)]
+            nxt = next(events, None)
+        out_held.append(held)
+        out_ex.append(sum(size[c] for c in reducing))
+    return out_held, out_ex
+
+
 def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSettings, *,
                 baseline_bytes: int | None = None, device_baseline_bytes: int | None = None) -> MemoryPlan:
     """Each rank's predicted peak of a ZeroDDP run of ``layout`` (at the shard group's world size) whose
@@ -241,30 +269,27 @@ def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSetti
         where_state["ema"] += shard * FP32_BYTES if s.ema else 0
     sharded = [c.size for c in layout.chunks if not c.keep_gathered]
     largest = max((c.size for c in layout.chunks), default=0)
-    step = dev if cuda else host
-    step["gathered_chunks"] = min(len(sharded), s.prefetch + GATHERED_EXTRA_CHUNKS) * max(sharded, default=0) * b_param
-    if s.grad_accum > 1:  # no_sync keeps every chunk's full gradient until the last micro-batch
-        step["gradient_buffers"] = sum(c.size for c in trainable) * b_grad
-    else:
-        step["gradient_buffers"] = min(len(trainable), 2 + max(1, s.prefetch)) * largest * b_grad
-    if not cuda and w > 1:
-        step["communication_buffers"] = min(len(trainable), max(1, s.prefetch)) * largest * b_grad
-    # activations and fp32 gradient shards, moment by moment
+    gathered = min(len(sharded), s.prefetch + GATHERED_EXTRA_CHUNKS) * max(sharded, default=0) * b_param
+    full_grads = sum(c.size for c in trainable) * b_grad
+    buffers, exchanges = _gradient_buffers(layout, trace, max(1, s.prefetch), b_grad)
+    exchanges = exchanges if not cuda and w > 1 else [0] * len(exchanges)  # gloo's all-to-all receive buffer
+    # the fp32 gradient shards of the parameters whose gradients arrived, moment by moment
     shard_fraction = sum(layout.shard_numel(c.index) for c in trainable) / max(1, sum(c.utilized for c in trainable))
     offloaded_grads = n_optim_off / n_trainable
-    best = (0, 0, 0)
-    for act, arrived in zip(trace.live_bytes, trace.grad_arrived_numel):
-        grads = arrived * shard_fraction * FP32_BYTES
-        here = act + grads * (1 - offloaded_grads)
-        if here >= best[0]:
-            best = (here, act, grads)
-    # the optimizer step: every gradient shard, no activations
     all_grads = sum(layout.shard_numel(c.index) for c in trainable) * FP32_BYTES
-    if all_grads * (1 - offloaded_grads) > best[0]:
-        best = (all_grads * (1 - offloaded_grads), 0, all_grads)
-    step["activations"] = int(best[1])
-    step["gradients"] = int(best[2] * (1 - offloaded_grads))
-    host["gradients"] += int(best[2] * offloaded_grads) if cuda else 0
+    moments = [(act, arrived * shard_fraction * FP32_BYTES, buf, ex)
+               for act, arrived, buf, ex in zip(trace.live_bytes, trace.grad_arrived_numel, buffers, exchanges)]
+    moments.append((0, all_grads, 0, 0))  # the optimizer step: every gradient shard, no activations
+    best, best_terms = -1, {}
+    for act, grads, buf, ex in moments:
+        terms = {"activations": int(act), "gradients": int(grads * (1 - offloaded_grads)),
+                 "gathered_chunks": gathered, "gradient_buffers": full_grads if s.grad_accum > 1 else buf,
+                 "communication_buffers": ex}
+        if sum(terms.values()) > best:
+            best, best_terms = sum(terms.values()), terms
+    step = dev if cuda else host
+    step.update(best_terms)
+    host["gradients"] += int(all_grads * offloaded_grads) if cuda else 0
     base_host = baseline_bytes if baseline_bytes is not None else (CUDA_HOST_BASELINE_BYTES if cuda
                                                                      else CPU_BASELINE_BYTES)
     host["baseline"] = base_host
@@ -359,46 +384,55 @@ def step_time_s(plan: MemoryPlan, comm_s: float, flops_per_s: float) -> float:
     return max(compute, comm) + moved / HOST_LINK_BYTES_PER_S
 
 
-def candidates(base: PlanSettings, *, max_world_size: int | None = None) -> Iterable[PlanSettings]:
-    """The settings the fit search tries around ``base``, keeping the tokens per step: the batch halved
-    (gradient accumulation doubled) down to 1, with and without activation checkpointing, offload fractions
-    0, 0.25, 0.5, 0.75, 1 of the optimizer (GPU only; the parameters' too at full optimizer offload), and
-    the world size doubled up to ``max_world_size`` (the batch per rank halved with it)."""
+def candidates(base: PlanSettings, *, max_world_size: int | None = None) -> list[list[PlanSettings]]:
+    """The settings the fit search tries around ``base``, keeping the tokens per step, as ladders: each
+    ladder one choice of world size (doubled up to ``max_world_size``, the tokens per rank halved with it),
+    activation checkpointing (as given, and on) and offload fractions (GPU only: 0, 0.25, 0.5, 0.75, 1 of
+    the optimizer, the parameters' too at full optimizer offload), its rungs the batch per rank halved
+    (gradient accumulation raised) down to 1."""
     worlds = [base.world_size]
     while max_world_size and worlds[-1] * 2 <= max_world_size:
         worlds.append(worlds[-1] * 2)
-    fracs = (0.0, 0.25, 0.5, 0.75, 1.0) if base.device == "cuda" else (0.0,)
+    fracs = [(f, 0.0) for f in (0.0, 0.25, 0.5, 0.75, 1.0)] + [(1.0, 1.0)] if base.device == "cuda" else [(0.0, 0.0)]
+    group = base.shard_group_size if base.shard_group_size not in (None, base.world_size) else None
+    ladders = []
     for w in worlds:
         tokens_rank = base.batch_size * base.grad_accum * base.world_size / w
-        b = base.batch_size
-        while b >= 1:
-            accum = max(1, math.ceil(tokens_rank / b))
-            for ac in (base.activation_checkpointing, True):
-                for f in fracs:
-                    for pf in ((0.0, 1.0) if f == 1.0 and base.device == "cuda" else (0.0,)):
-                        s = base.shard_group_size if base.shard_group_size not in (None, base.world_size) else None
-                        yield replace(base, world_size=w, shard_group_size=s, batch_size=b, grad_accum=accum,
-                                      activation_checkpointing=ac, offload_optim_frac=f,
-                                      offload_param_frac=max(base.offload_param_frac, pf))
-            b //= 2
+        for ac in dict.fromkeys((base.activation_checkpointing, True)):
+            for optim_frac, param_frac in fracs:
+                ladder, b = [], base.batch_size
+                while b >= 1:
+                    ladder.append(replace(base, world_size=w, shard_group_size=group, batch_size=b,
+                                          grad_accum=max(1, math.ceil(tokens_rank / b)), activation_checkpointing=ac,
+                                          offload_optim_frac=max(base.offload_optim_frac, optim_frac),
+                                          offload_param_frac=max(base.offload_param_frac, param_frac)))
+                    b //= 2
+                ladders.append(ladder)
+    return ladders
 
 
 def fit(base: PlanSettings, plan_of: Callable[[PlanSettings], MemoryPlan], fits: Callable[[MemoryPlan], bool],
         comm_s_of: Callable[[PlanSettings], float], flops_per_s: float, *,
         max_world_size: int | None = None) -> tuple[Candidate | None, list[Candidate]]:
     """The fastest predicted setting (:func:`step_time_s`) among :func:`candidates` whose plan ``fits``
-    (e.g. ``lambda p: p.peak_bytes_per_rank <= budget``), and every candidate that fits, fastest first.
-    ``plan_of`` plans a setting, ``comm_s_of`` prices its communication (seconds per step)."""
-    tried, seen = [], set()
-    for s in candidates(base, max_world_size=max_world_size):
-        if s in seen:
-            continue
-        seen.add(s)
-        p = plan_of(s)
-        if fits(p):
-            tried.append(Candidate(s, p, step_time_s(p, comm_s_of(s), flops_per_s)))
-    tried.sort(key=lambda c: (c.step_time_s, c.plan.peak_bytes_per_rank))
-    return (tried[0] if tried else None), tried
+    (e.g. ``lambda p: p.peak_bytes_per_rank <= budget``), and the fitting candidates found, fastest first.
+    Of each ladder only its largest batch that fits is a candidate (a smaller one holds fewer activations
+    but runs more micro-batches), found by bisection: the peak grows with the batch. ``plan_of`` plans a
+    setting, ``comm_s_of`` prices its communication (seconds per step)."""
+    found = []
+    for ladder in candidates(base, max_world_size=max_world_size):
+        lo, hi = 0, len(ladder)  # the first rung that fits lies in [lo, hi]; hi: none does
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(plan_of(ladder[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        if hi < len(ladder):
+            p = plan_of(ladder[hi])
+            found.append(Candidate(ladder[hi], p, step_time_s(p, comm_s_of(ladder[hi]), flops_per_s)))
+    found.sort(key=lambda c: (c.step_time_s, c.plan.peak_bytes_per_rank))
+    return (found[0] if found else None), found
 
 
 def nearest(base: PlanSettings, fitting: list[Candidate], count: int = 3) -> list[Candidate]:

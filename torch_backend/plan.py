@@ -77,21 +77,23 @@ def _trace(model: str, model_kind: str, batch_size: int, seq_len: int, precision
         idx = torch.zeros(batch_size, seq_len, dtype=torch.long)
     if activation_checkpointing:
         checkpoint_blocks(module)
-    params = [p for p in module.parameters() if p.requires_grad]
     mode = _LiveBytes({StorageWeakRef(p.untyped_storage()).cdata for p in module.parameters()})
+    events: list[tuple[int, str]] = []
 
-    def arrived(p):
+    def arrived(p, name):
         mode.grad_numel += p.numel()
+        events.append((len(mode.samples), name))
         p.grad = None  # ZeroDDP moves it into its chunk: counted by the plan, not as an activation
 
-    for p in params:
-        p.register_post_accumulate_grad_hook(arrived)
+    for p, names in collect_parameters(module).values():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(functools.partial(arrived, name=names[0]))
     with fake, mode:
         out = module(idx)
         logits = getattr(out, "logits", out)
         F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), idx.reshape(-1)).backward()
     live, grads = zip(*mode.samples)
-    return ActivationTrace(tuple(live), tuple(grads), batch_size, seq_len, activation_checkpointing)
+    return ActivationTrace(tuple(live), tuple(grads), tuple(events), batch_size, seq_len, activation_checkpointing)
 
 
 def trace_activations(cfg: TrainConfig, batch_size: int | None = None,
