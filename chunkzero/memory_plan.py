@@ -189,21 +189,26 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def _gradient_buffers(layout: ChunkLayout, trace: ActivationTrace, in_flight: int,
-                      b_grad: int) -> tuple[list[int], list[int]]:
+def _gradient_buffers(layout: ChunkLayout, trace: ActivationTrace, in_flight: int, b_grad: int,
+                      overlap: bool) -> tuple[list[int], list[int], list[int]]:
     """After each traced op, the bytes of full-chunk gradient buffers held and of their reductions' receive
-    buffers: a chunk's buffer from its first gradient's arrival; once all its tensors' gradients arrived it is
-    reduced, up to ``in_flight`` reductions at once (the oldest completes, freeing its buffers, when another
-    starts); the last complete at the end of the backward."""
+    buffers, and the trainable chunks not yet complete: a chunk's buffer from its first gradient's arrival;
+    once all its tensors' gradients arrived it is reduced (and its gathered buffer released), up to
+    ``in_flight`` reductions at once (the oldest completes, freeing its buffers, when another starts) where
+    they ``overlap`` the next chunk's gradients (NCCL), else (gloo on CPU) before the next chunk's buffer is
+    taken; the last complete at the end of the backward."""
     remaining = {c.index: len(layout.chunk_tensors(c.index)) for c in layout.chunks if c.requires_grad}
     size = {c.index: c.size * b_grad for c in layout.chunks}
-    held, reducing, out_held, out_ex = 0, [], [], []
+    held, reducing, out_held, out_ex, out_open = 0, [], [], [], []
     events = iter(trace.grad_events)
     nxt = next(events, None)
     for i in range(len(trace.live_bytes)):
         while nxt is not None and nxt[0] <= i:
             c = layout.tensor(nxt[1]).chunk
             if remaining[c] == len(layout.chunk_tensors(c)):
+                if not overlap:  # the round that starts this chunk waits for the reductions in flight
+                    held -= sum(size[r] for r in reducing)
+                    reducing.clear()
                 held += size[c]
             remaining[c] -= 1
             if remaining[c] == 0:
@@ -213,7 +218,8 @@ def _gradient_buffers(layout: ChunkLayout, trace: ActivationTrace, in_flight: in
             nxt = next(events, None)
         out_held.append(held)
         out_ex.append(sum(size[c] for c in reducing))
-    return out_held, out_ex
+        out_open.append(sum(1 for n in remaining.values() if n))
+    return out_held, out_ex, out_open
 
 
 def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSettings, *,
@@ -269,19 +275,22 @@ def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSetti
         where_state["ema"] += shard * FP32_BYTES if s.ema else 0
     sharded = [c.size for c in layout.chunks if not c.keep_gathered]
     largest = max((c.size for c in layout.chunks), default=0)
-    gathered = min(len(sharded), s.prefetch + GATHERED_EXTRA_CHUNKS) * max(sharded, default=0) * b_param
+    gathered_max = min(len(sharded), s.prefetch + GATHERED_EXTRA_CHUNKS)
     full_grads = sum(c.size for c in trainable) * b_grad
-    buffers, exchanges = _gradient_buffers(layout, trace, max(1, s.prefetch), b_grad)
+    buffers, exchanges, still_open = _gradient_buffers(layout, trace, max(1, s.prefetch), b_grad, overlap=cuda)
     exchanges = exchanges if not cuda and w > 1 else [0] * len(exchanges)  # gloo's all-to-all receive buffer
     # the fp32 gradient shards of the parameters whose gradients arrived, moment by moment
     shard_fraction = sum(layout.shard_numel(c.index) for c in trainable) / max(1, sum(c.utilized for c in trainable))
     offloaded_grads = n_optim_off / n_trainable
     all_grads = sum(layout.shard_numel(c.index) for c in trainable) * FP32_BYTES
-    moments = [(act, arrived * shard_fraction * FP32_BYTES, buf, ex)
-               for act, arrived, buf, ex in zip(trace.live_bytes, trace.grad_arrived_numel, buffers, exchanges)]
-    moments.append((0, all_grads, 0, 0))  # the optimizer step: every gradient shard, no activations
+    # gathered: in backward only the chunks whose gradients are still to come (a complete chunk is released)
+    moments = [(act, arrived * shard_fraction * FP32_BYTES, buf, ex,
+                min(gathered_max, n_open) * max(sharded, default=0) * b_param)
+               for act, arrived, buf, ex, n_open in zip(trace.live_bytes, trace.grad_arrived_numel, buffers, exchanges,
+                                                         still_open)]
+    moments.append((0, all_grads, 0, 0, 0))  # the optimizer step: every gradient shard, no activations
     best, best_terms = -1, {}
-    for act, grads, buf, ex in moments:
+    for act, grads, buf, ex, gathered in moments:
         terms = {"activations": int(act), "gradients": int(grads * (1 - offloaded_grads)),
                  "gathered_chunks": gathered, "gradient_buffers": full_grads if s.grad_accum > 1 else buf,
                  "communication_buffers": ex}
