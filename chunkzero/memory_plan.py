@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from .cost import FP32_BYTES, PRECISION_BYTES
 from .errors import ConfigError
@@ -154,7 +154,6 @@ class MemoryPlan:
     num_chunks: int
     chunk_size: int
     param_numel: int
-    dropped: tuple[str, ...] = field(default=())
 
     @property
     def host_peak_bytes(self) -> int:
@@ -171,10 +170,10 @@ class MemoryPlan:
 
     def without(self, *terms: str) -> MemoryPlan:
         """This plan with ``terms`` set to 0 (what a plan that forgot them would say; tests use it)."""
-        zero = dict.fromkeys(terms, 0)
-        return replace(self, host={**self.host, **{k: 0 for k in zero if k in self.host}},
-                       device=None if self.device is None else {**self.device, **{k: 0 for k in zero if k in self.device}},
-                       dropped=self.dropped + tuple(terms))
+        def drop(per):
+            return None if per is None else {k: 0 if k in terms else v for k, v in per.items()}
+
+        return replace(self, host=drop(self.host), device=drop(self.device))
 
     def as_dict(self) -> dict:
         """Plain data for ``--json`` and ``summary.json``."""
@@ -274,7 +273,6 @@ def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSetti
         where_state["optimizer_states"] += 2 * shard * FP32_BYTES
         where_state["ema"] += shard * FP32_BYTES if s.ema else 0
     sharded = [c.size for c in layout.chunks if not c.keep_gathered]
-    largest = max((c.size for c in layout.chunks), default=0)
     gathered_max = min(len(sharded), s.prefetch + GATHERED_EXTRA_CHUNKS)
     full_grads = sum(c.size for c in trainable) * b_grad
     buffers, exchanges, still_open = _gradient_buffers(layout, trace, max(1, s.prefetch), b_grad, overlap=cuda)

@@ -38,15 +38,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages ops create while they are alive (excluded: ``skip``, the
-    parameters'), and records them after every op with the gradient elements arrived so far."""
+    parameters'), and records them after every op."""
 
     def __init__(self, skip: set[int]):
         super().__init__()
         self.skip = skip
         self.live: dict[int, int] = {}
         self.bytes = 0
-        self.grad_numel = 0
-        self.samples: list[tuple[int, int]] = []
+        self.samples: list[int] = []
 
     def _freed(self, key: int) -> None:
         self.bytes -= self.live.pop(key, 0)
@@ -61,7 +60,7 @@ class _LiveBytes(TorchDispatchMode):
                     self.live[key] = storage.nbytes()
                     self.bytes += self.live[key]
                     weakref.finalize(storage, self._freed, key)
-        self.samples.append((self.bytes, self.grad_numel))
+        self.samples.append(self.bytes)
         return out
 
 
@@ -71,29 +70,44 @@ def _trace(model: str, model_kind: str, batch_size: int, seq_len: int, precision
     cfg = TrainConfig(model=model)
     cfg.model_kind = model_kind
     module = build_meta_module(cfg).to(_DTYPES[precision])  # the compute dtype ZeroDDP gathers chunks in
+    tied = [names for _, names in collect_parameters(module).values() if len(names) > 1]
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         module = module.to_empty(device="cpu")
+    for names in tied:  # to_empty gives each name its own tensor: tie them again, as the model is
+        for alias in names[1:]:
+            owner, _, attr = alias.rpartition(".")
+            setattr(module.get_submodule(owner), attr, module.get_parameter(names[0]))
         idx = torch.zeros(batch_size, seq_len, dtype=torch.long)
     if activation_checkpointing:
         checkpoint_blocks(module)
     mode = _LiveBytes({StorageWeakRef(p.untyped_storage()).cdata for p in module.parameters()})
-    events: list[tuple[int, str]] = []
+    last: dict[str, tuple[int, int]] = {}  # name -> (op index of its last gradient contribution, numel)
 
-    def arrived(p, name):
-        mode.grad_numel += p.numel()
-        events.append((len(mode.samples), name))
+    def contributed(grad, name, numel):  # a tied weight's gradient is final at its last contribution
+        last[name] = (len(mode.samples), numel)
+        return grad
+
+    def drop(p):
         p.grad = None  # ZeroDDP moves it into its chunk: counted by the plan, not as an activation
 
     for p, names in collect_parameters(module).values():
         if p.requires_grad:
-            p.register_post_accumulate_grad_hook(functools.partial(arrived, name=names[0]))
+            p.register_hook(functools.partial(contributed, name=names[0], numel=p.numel()))
+            p.register_post_accumulate_grad_hook(drop)
     with fake, mode:
         out = module(idx)
         logits = getattr(out, "logits", out)
         F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), idx.reshape(-1)).backward()
-    live, grads = zip(*mode.samples)
-    return ActivationTrace(tuple(live), tuple(grads), tuple(events), batch_size, seq_len, activation_checkpointing)
+    events = sorted((i, name) for name, (i, _) in last.items())
+    arrived, total, k = [], 0, 0
+    for i in range(len(mode.samples)):
+        while k < len(events) and events[k][0] <= i:
+            total += last[events[k][1]][1]
+            k += 1
+        arrived.append(total)
+    live = tuple(mode.samples)
+    return ActivationTrace(live, tuple(arrived), tuple(events), batch_size, seq_len, activation_checkpointing)
 
 
 def trace_activations(cfg: TrainConfig, batch_size: int | None = None,

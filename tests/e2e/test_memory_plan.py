@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from chunkzero.memory_plan import MemoryPlan
+
 from .helpers import chunkzero_cmd, clean_env, describe, refused_line, run_train
 
 GPT2_RUN = ["--model", "gpt2", "--nproc", "2", "--batch-size", "4", "--seq-len", "256"]
@@ -92,7 +93,6 @@ def test_refusal_leaves_an_existing_out_as_it_was(tmp_path, monkeypatch, capsys)
 
 def test_force_starts_the_run_with_the_plan_in_its_config(tmp_path, monkeypatch):
     import torch_backend.train.launch
-
     from chunkzero.cli import main
 
     _fake_machine(monkeypatch, 2**20)

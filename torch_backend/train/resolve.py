@@ -152,7 +152,8 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
     check_precision(cfg.mixed_precision, cfg.device)
-    for flag, frac in (("--offload-optim-frac", cfg.offload_optim_frac), ("--offload-param-frac", cfg.offload_param_frac)):
+    for flag, frac in (("--offload-optim-frac", cfg.offload_optim_frac),
+                       ("--offload-param-frac", cfg.offload_param_frac)):
         if frac and cfg.device != "cuda":
             raise ConfigError(f"{flag} {frac:g} offloads to the host from a GPU; this run is on {cfg.device}")
     corpus = load_run_corpus(cfg)
