@@ -283,7 +283,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(format_plan(best.plan, title + f"; fastest setting within {args.memory} per rank: "
                                          f"{best.describe(plan.settings)}"))
     kwargs = ", ".join(f"{k}={v!r}" for k, v in best.zero_ddp_kwargs().items())
-    print(f"\npredicted step {best.step_time_s * 1e3:.1f} ms; ZeroDDP(module, {kwargs})")
+    print(f"\npredicted step {best.step_time_s:.3g} s; ZeroDDP(module, {kwargs})")
     return EXIT_OK
 
 

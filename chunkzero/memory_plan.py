@@ -106,8 +106,9 @@ class PlanSettings:
         prefetch: chunks gathered ahead; offload_optim_frac / offload_param_frac: the share of chunks whose
         master, gradient and optimizer state / parameter shard live on the host (GPU only); batch_size,
         seq_len, grad_accum: one rank's micro-batch and micro-batches per step; activation_checkpointing;
-        ema: an fp32 EMA of the masters; device: ``"cpu"`` or ``"cuda"``; numpy_init: the model is built
-        with numpy initial values beside it (the byte-level GPT).
+        ema: an fp32 EMA of the masters; device: ``"cpu"`` or ``"cuda"``; build_copies: whole fp32 copies of the
+        model a rank holds while it is built (2: the byte-level GPT and its numpy initial values; 1: a
+        module built on CPU; 0: built on the meta device and materialized chunk by chunk).
     """
 
     world_size: int
@@ -122,7 +123,7 @@ class PlanSettings:
     activation_checkpointing: bool = False
     ema: bool = False
     device: str = "cpu"
-    numpy_init: bool = True
+    build_copies: int = 2
 
     def __post_init__(self):
         if self.precision not in PRECISION_BYTES:
@@ -304,8 +305,8 @@ def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSetti
         dev["baseline"] = device_baseline_bytes if device_baseline_bytes is not None else CUDA_DEVICE_BASELINE_BYTES
     for name, per in (("host", host), ("device", dev)):
         per["allocator_overhead"] = int(ALLOCATOR_OVERHEAD[name] * sum(v for k, v in per.items() if k != "baseline"))
-    # the build phase (host): the whole model in fp32 (+ its numpy initial values) beside the shards
-    whole = layout.utilized_numel * FP32_BYTES * (2 if s.numpy_init else 1)
+    # the build phase (host): the whole model's fp32 copies beside the shards
+    whole = layout.utilized_numel * FP32_BYTES * s.build_copies
     shards = sum(host[k] for k in ("parameters", "fp32_master")) if not cuda else 0
     build = {**dict.fromkeys(TERMS, 0), "baseline": base_host, "build": whole + shards}
     host_phase = "step"

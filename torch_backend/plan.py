@@ -18,6 +18,7 @@ import subprocess
 import weakref
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -31,7 +32,8 @@ from .train.models import build_meta_module, checkpoint_blocks
 from .zero.config import MIXED_PRECISION_DTYPES
 from .zero.module_layout import build_module_layout, collect_parameters
 
-__all__ = ["available_bytes", "plan", "plan_config", "settings_of", "trace_activations"]
+__all__ = ["available_bytes", "module_layout", "plan", "plan_config", "settings_of", "trace_activations",
+           "trace_module"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,21 +66,22 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
-@functools.lru_cache(maxsize=64)
-def _trace(model: str, model_kind: str, batch_size: int, seq_len: int, precision: str,
-           activation_checkpointing: bool) -> ActivationTrace:
-    cfg = TrainConfig(model=model)
-    cfg.model_kind = model_kind
-    module = build_meta_module(cfg).to(_DTYPES[precision])  # the compute dtype ZeroDDP gathers chunks in
+def trace_module(meta_module: nn.Module, batch_size: int, seq_len: int, precision: str = "fp32",
+                 activation_checkpointing: bool = False, loss_of=None) -> ActivationTrace:
+    """One micro-batch (``int64[batch_size, seq_len]`` token ids) through ``meta_module`` (built on the meta
+    device; consumed) in ``precision``'s dtype, forward, loss and backward, on fake tensors: no memory is
+    allocated. ``loss_of(output, ids)``: the loss (default: next-token cross-entropy of the logits in fp32,
+    as ``chunkzero train``'s; a module that returns its loss: ``lambda out, ids: out``)."""
+    module = meta_module.to(_DTYPES[precision])  # the compute dtype ZeroDDP gathers chunks in
     tied = [names for _, names in collect_parameters(module).values() if len(names) > 1]
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         module = module.to_empty(device="cpu")
+        idx = torch.zeros(batch_size, seq_len, dtype=torch.long)
     for names in tied:  # to_empty gives each name its own tensor: tie them again, as the model is
         for alias in names[1:]:
             owner, _, attr = alias.rpartition(".")
             setattr(module.get_submodule(owner), attr, module.get_parameter(names[0]))
-        idx = torch.zeros(batch_size, seq_len, dtype=torch.long)
     if activation_checkpointing:
         checkpoint_blocks(module)
     mode = _LiveBytes({StorageWeakRef(p.untyped_storage()).cdata for p in module.parameters()})
@@ -97,8 +100,7 @@ def _trace(model: str, model_kind: str, batch_size: int, seq_len: int, precision
             p.register_post_accumulate_grad_hook(drop)
     with fake, mode:
         out = module(idx)
-        logits = getattr(out, "logits", out)
-        F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), idx.reshape(-1)).backward()
+        (loss_of or _lm_loss)(out, idx).backward()
     events = sorted((i, name) for name, (i, _) in last.items())
     arrived, total, k = [], 0, 0
     for i in range(len(mode.samples)):
@@ -106,8 +108,25 @@ def _trace(model: str, model_kind: str, batch_size: int, seq_len: int, precision
             total += last[events[k][1]][1]
             k += 1
         arrived.append(total)
-    live = tuple(mode.samples)
-    return ActivationTrace(live, tuple(arrived), tuple(events), batch_size, seq_len, activation_checkpointing)
+    return ActivationTrace(tuple(mode.samples), tuple(arrived), tuple(events), batch_size, seq_len,
+                           activation_checkpointing)
+
+
+def _lm_loss(out, idx):
+    logits = getattr(out, "logits", out)
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), idx.reshape(-1))
+
+
+def _meta(model: str, model_kind: str) -> nn.Module:
+    cfg = TrainConfig(model=model)
+    cfg.model_kind = model_kind
+    return build_meta_module(cfg)
+
+
+@functools.lru_cache(maxsize=64)
+def _trace(model: str, model_kind: str, batch_size: int, seq_len: int, precision: str,
+           activation_checkpointing: bool) -> ActivationTrace:
+    return trace_module(_meta(model, model_kind), batch_size, seq_len, precision, activation_checkpointing)
 
 
 def trace_activations(cfg: TrainConfig, batch_size: int | None = None,
@@ -121,10 +140,14 @@ def trace_activations(cfg: TrainConfig, batch_size: int | None = None,
 
 @functools.lru_cache(maxsize=16)
 def _layout(model: str, model_kind: str, precision: str, shard_group_size: int, chunk_size: int | None):
-    cfg = TrainConfig(model=model)
-    cfg.model_kind = model_kind
-    return build_module_layout(collect_parameters(build_meta_module(cfg)), MIXED_PRECISION_DTYPES[precision],
-                               shard_group_size, chunk_size, None)
+    return module_layout(_meta(model, model_kind), precision, shard_group_size, chunk_size)
+
+
+def module_layout(module: nn.Module, precision: str, shard_group_size: int, chunk_size: int | None = None):
+    """The layout ``ZeroDDP(module, mixed_precision=precision, chunk_size=chunk_size)`` builds over a shard
+    group of ``shard_group_size`` ranks (the module may be on the meta device)."""
+    return build_module_layout(collect_parameters(module), MIXED_PRECISION_DTYPES[precision], shard_group_size,
+                               chunk_size, None)
 
 
 def settings_of(cfg: TrainConfig) -> PlanSettings:
@@ -134,7 +157,7 @@ def settings_of(cfg: TrainConfig) -> PlanSettings:
         prefetch=cfg.prefetch, offload_optim_frac=cfg.offload_optim_frac, offload_param_frac=cfg.offload_param_frac,
         batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
         activation_checkpointing=cfg.activation_checkpointing, ema=cfg.ema_decay is not None, device=cfg.device,
-        numpy_init=cfg.model_kind != "hf")
+        build_copies=1 if cfg.model_kind == "hf" else 2)
 
 
 def plan_settings(cfg: TrainConfig, settings: PlanSettings) -> MemoryPlan:
