@@ -256,6 +256,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return fail(prog, "--fit and --memory go together (--fit --memory 80GiB)")
     try:
         budget = parse_bytes(args.memory) if args.memory is not None else None
+    except ChunkZeroError as e:
+        return fail(prog, f"--memory: {e}")
+    if args.engine != "zero" or args.backend != "torch":
+        return fail(prog, "the memory plan is ZeroDDP's: --engine zero --backend torch")
+    try:
         from torch_backend.plan import fit_settings, plan_config, resolve_for_plan  # lazily: imports torch
 
         cfg = resolve_for_plan(TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()}))
@@ -264,7 +269,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if budget is not None:
             best, _ = fit_settings(cfg, lambda q: q.peak_bytes_per_rank <= budget, max_world_size=cfg.world_size)
     except ChunkZeroError as e:
-        return fail(prog, str(e).replace("memory", "--memory", 1) if "a size such as" in str(e) else str(e))
+        return fail(prog, str(e))
     title = (f"{cfg.model} on {cfg.world_size} x {cfg.device}, {cfg.mixed_precision}, batch {cfg.batch_size} x "
              f"{cfg.seq_len}" + (f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
              + (", activation checkpointing" if cfg.activation_checkpointing else "")
