@@ -262,9 +262,10 @@ def bound_bytes(shape: LlamaShape, interpreter: int, largest_chunk: int) -> dict
     return {"forward_backward": fb, "step": fb + 2 * shard}
 
 
-def planned_bytes(shape: LlamaShape, variant: dict) -> int:
+def planned_bytes(shape: LlamaShape, variant: dict, baseline_bytes: int | None = None) -> int:
     """``chunkzero plan``'s peak per rank of this ZeroDDP run (``torch_backend.plan``: the module traced on fake
-    tensors, the core's arithmetic): built on the meta device, so no whole copy at build."""
+    tensors, the core's arithmetic): built on the meta device, so no whole copy at build. ``baseline_bytes``:
+    the interpreter's (default: ``chunkzero train``'s worker's, which holds the job's modules and corpus too)."""
     import torch
     from llama_shape import LlamaShaped
 
@@ -280,7 +281,7 @@ def planned_bytes(shape: LlamaShape, variant: dict) -> int:
     settings = PlanSettings(world_size=WORLD, precision=precision, prefetch=PREFETCH, batch_size=BATCH, seq_len=TOKENS,
                             activation_checkpointing=bool(variant.get("checkpointing")), ema=bool(variant.get("ema")),
                             build_copies=0)
-    return plan_memory(layout, trace, settings).peak_bytes_per_rank
+    return plan_memory(layout, trace, settings, baseline_bytes=baseline_bytes).peak_bytes_per_rank
 
 
 def _fmt(values: list[float]) -> str:
@@ -299,7 +300,8 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
     lines = [
         f"Peak RSS per rank (GiB; max over the {WORLD} ranks; median (min–max) over {repeats} repeat(s)), "
         f"W={WORLD} gloo, {setting} (ZeroDDP; the others fp32), {steps} AdamW steps, {BATCH}×{TOKENS} tokens per rank; "
-        "ZeroDDP's plan (`chunkzero plan`'s arithmetic) beside the measured peak of all phases:",
+        "ZeroDDP's plan (`chunkzero plan`'s arithmetic, its baseline the measured interpreter) beside the measured "
+        "peak of all phases:",
         "",
         "| model | parameters | engine | "
         + " | ".join(PHASES)
@@ -310,7 +312,7 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
         shape = LLAMA_SIZES[name]
         for engine in engines:
             per_phase: dict[str, list[float]] = {p: [] for p in PHASES}
-            bounds, alloc, status = [], [], "ok"
+            bounds, alloc, interpreters, status = [], [], [], "ok"
             for _ in range(repeats):
                 res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit_bytes, env=env,
                               variant=variant if engine == "zero" else None)
@@ -320,6 +322,7 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
                     continue
                 for p in PHASES:
                     per_phase[p].append(max(r["peaks"][p] for r in res["ranks"]) / GIB)
+                interpreters.append(max(r["peaks"]["interpreter"] for r in res["ranks"]))
                 if engine == "zero":
                     b = [
                         bound_bytes(shape, r["peaks"]["interpreter"], r["info"]["largest_chunk_bytes"])
@@ -333,8 +336,8 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
                 cells = [status] * len(PHASES)
             bound = f"{bounds[0][0]:.2f} / {bounds[0][1]:.2f}" if bounds else ""
             planned = ratio = ""
-            if engine == "zero":
-                p = planned_bytes(shape, variant) / GIB
+            if engine == "zero" and interpreters:
+                p = planned_bytes(shape, variant, baseline_bytes=max(interpreters)) / GIB
                 measured = max((max(per_phase[ph]) for ph in PHASES if per_phase[ph]), default=0)
                 planned, ratio = f"{p:.2f}", (f"{p / measured:.3f}" if measured else "")
             lines.append(f"| {name} | {llama_numel(shape) / 1e6:.0f}M | {engine} | " + " | ".join(cells)

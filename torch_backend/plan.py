@@ -40,17 +40,27 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages ops create while they are alive (excluded: ``skip``, the
-    parameters'), and records them after every op."""
+    parameters', and the parameter gradients handed to :meth:`drop`), and records them after every op."""
 
     def __init__(self, skip: set[int]):
         super().__init__()
         self.skip = skip
-        self.live: dict[int, int] = {}
+        self.live: dict[int, tuple[int, int]] = {}  # storage -> (bytes, the op that created it)
         self.bytes = 0
         self.samples: list[int] = []
 
     def _freed(self, key: int) -> None:
-        self.bytes -= self.live.pop(key, 0)
+        self.bytes -= self.live.pop(key, (0, 0))[0]
+
+    def drop(self, tensor: torch.Tensor) -> None:
+        """Stop counting ``tensor``'s storage, also in the samples since it was created: a parameter's
+        gradient, which ZeroDDP moves into its chunk's buffer (the plan counts that buffer)."""
+        key = StorageWeakRef(tensor.untyped_storage()).cdata
+        self.skip.add(key)
+        n, created = self.live.pop(key, (0, len(self.samples)))
+        self.bytes -= n
+        for i in range(created, len(self.samples)):
+            self.samples[i] -= n
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -59,8 +69,8 @@ class _LiveBytes(TorchDispatchMode):
                 storage = t.untyped_storage()
                 key = StorageWeakRef(storage).cdata
                 if key not in self.live and key not in self.skip:
-                    self.live[key] = storage.nbytes()
-                    self.bytes += self.live[key]
+                    self.live[key] = (storage.nbytes(), len(self.samples))
+                    self.bytes += storage.nbytes()
                     weakref.finalize(storage, self._freed, key)
         self.samples.append(self.bytes)
         return out
@@ -89,10 +99,11 @@ def trace_module(meta_module: nn.Module, batch_size: int, seq_len: int, precisio
 
     def contributed(grad, name, numel):  # a tied weight's gradient is final at its last contribution
         last[name] = (len(mode.samples), numel)
+        mode.drop(grad)  # ZeroDDP moves it into its chunk: counted by the plan, not as an activation
         return grad
 
     def drop(p):
-        p.grad = None  # ZeroDDP moves it into its chunk: counted by the plan, not as an activation
+        p.grad = None
 
     for p, names in collect_parameters(module).values():
         if p.requires_grad:
