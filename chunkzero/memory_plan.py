@@ -1,6 +1,6 @@
 """The memory plan of a ZeroDDP run: each rank's predicted peak, term by term, before anything starts.
 
-The arithmetic lives here (numpy-free, framework-free); what needs the model — its tensors and the
+The arithmetic lives here (the standard library only); what needs the model — its tensors and the
 activations of one traced forward and backward — comes from a backend (``torch_backend.plan``), as an
 :class:`ActivationTrace`. A figure is bytes per rank.
 
@@ -8,14 +8,13 @@ The peak is the larger of two phases:
 
 - **build**: the interpreter baseline, the whole fp32 model as the job builds it on every rank (and, for
   the byte-level GPT, its numpy initial values beside it), and this rank's chunk shards;
-- **step**: the baseline; the persistent shards (parameters, fp32 master, optimizer states, EMA); the
-  gathered chunks (``prefetch + 3`` of the largest at once: the one in use, the ones prefetched, and the
-  ones autograd's saved views keep until their backward); the gradient buffers in flight (full-chunk
-  buffers in the compute dtype: two being accumulated plus ``max(1, prefetch)`` reductions, or every chunk
-  under gradient accumulation, where ``no_sync`` keeps them all); the communication buffers (gloo's
-  all-to-all receive buffer, one full chunk per reduction in flight, on CPU); and, at each moment of the
-  traced forward and backward, the activations then alive plus the fp32 gradient shards of the
-  parameters whose gradients have arrived. The allocator's overhead is a fraction of what is allocated
+- **step**: the baseline; the persistent shards (parameters, fp32 master, optimizer states, EMA); and, at
+  each moment of one traced forward and backward (and of the optimizer step), the activations then alive,
+  the fp32 gradient shards of the parameters whose gradients have arrived, the gathered chunks (up to
+  ``prefetch + 2`` of the largest; in backward only those whose gradients are still to come), the
+  full-chunk gradient buffers (simulated chunk by chunk from the traced order of gradient arrivals; every
+  chunk's under gradient accumulation, where ``no_sync`` keeps them) and, on CPU, gloo's all-to-all receive
+  buffer of each reduction in flight. The allocator's overhead is a share of what is allocated
   (:data:`ALLOCATOR_OVERHEAD`).
 
 On a GPU the same terms are split between the device (what is placed there) and the host (the
@@ -287,12 +286,13 @@ def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSetti
                 min(gathered_max, n_open) * max(sharded, default=0) * b_param)
                for act, arrived, buf, ex, n_open in zip(trace.live_bytes, trace.grad_arrived_numel, buffers, exchanges,
                                                          still_open)]
+    if s.grad_accum > 1:  # no_sync keeps every chunk's full gradient until the last micro-batch's reduction
+        moments = [(act, grads, full_grads, ex, gathered) for act, grads, _, ex, gathered in moments]
     moments.append((0, all_grads, 0, 0, 0))  # the optimizer step: every gradient shard, no activations
     best, best_terms = -1, {}
     for act, grads, buf, ex, gathered in moments:
         terms = {"activations": int(act), "gradients": int(grads * (1 - offloaded_grads)),
-                 "gathered_chunks": gathered, "gradient_buffers": full_grads if s.grad_accum > 1 else buf,
-                 "communication_buffers": ex}
+                 "gathered_chunks": gathered, "gradient_buffers": buf, "communication_buffers": ex}
         if sum(terms.values()) > best:
             best, best_terms = sum(terms.values()), terms
     step = dev if cuda else host
