@@ -187,7 +187,8 @@ def plan_config(cfg: TrainConfig) -> MemoryPlan:
 
 def resolve_for_plan(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with what a plan needs resolved, without data or ``--out``: the device and its defaults, the
-    world size (``--nproc``, default one per GPU or 2), the model's kind and block size.
+    world size (``--nproc``, default one per GPU or 2), the model's kind and block size. Unlike
+    ``chunkzero train``'s checks, ``--device cuda`` needs no GPU here: a GPU run can be planned anywhere.
 
     Raises:
         ConfigError: a value wrong on any machine, or a model that does not exist or is too short.
@@ -200,9 +201,11 @@ def resolve_for_plan(cfg: TrainConfig) -> TrainConfig:
 
     cfg = dataclasses.replace(cfg)
     cfg.check()
-    cfg.device = resolve_device(cfg.device)
+    cfg.device = "cuda" if cfg.device == "cuda" else resolve_device(cfg.device)
     cfg = with_device_defaults(cfg, cfg.device)
     cfg.world_size = cfg.nproc or (torch.cuda.device_count() if cfg.device == "cuda" else 2)
+    if not cfg.world_size:
+        raise ConfigError("--nproc: no GPU is visible to count the ranks of a --device cuda run; give --nproc")
     if cfg.shard_group_size is not None and cfg.world_size % cfg.shard_group_size:
         raise ConfigError(f"--shard-group-size {cfg.shard_group_size} does not divide the world size {cfg.world_size}")
     cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
