@@ -51,3 +51,16 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(["plan", *TINY, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err, err
+
+
+def test_a_gpu_run_is_planned_on_any_machine(capsys):
+    """``--device cuda`` needs no GPU to plan: the device column holds the step, the host the build; full
+    optimizer offload moves the master and optimizer shards to the host."""
+    cuda = [*TINY[:-2], "--device", "cuda", "--mixed-precision", "bf16", "--json"]
+    assert main(["plan", *cuda]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["peak_bytes_per_rank"] == doc["device_peak_bytes"] == sum(doc["device"].values())
+    assert doc["device"]["activations"] > 0 and doc["host"]["activations"] == 0
+    assert main(["plan", *cuda, "--offload-optim-frac", "1"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert off["device"]["optimizer_states"] == 0 < off["host"]["optimizer_states"] == doc["device"]["optimizer_states"]
