@@ -69,3 +69,23 @@ def test_plan_uses_the_layout_zeroddp_builds():
     p = plan("gpt-mini", nproc=2, batch_size=4, seq_len=64, device="cpu")
     assert p.num_chunks == 8 and p.param_numel == sum(
         q.numel() for q in GPT(GPT_CONFIGS["gpt-mini"]).parameters())
+
+
+def test_train_checkpoints_every_block_with_the_option():
+    """``--activation-checkpointing`` (what the plan traces) recomputes every block in backward: each
+    attention runs twice per step with it, once without; the loss is the same."""
+    from torch_backend.train.models import build_module
+
+    losses = []
+    for ac in (False, True):
+        cfg = _cfg(model="gpt-tiny", activation_checkpointing=ac)
+        module = build_module(cfg)
+        calls = []
+        for block in module.transformer.h:
+            block.attn.register_forward_pre_hook(lambda *_: calls.append(1))
+        idx = torch.arange(64).remainder(256).view(2, 32)
+        loss = F.cross_entropy(module(idx).reshape(-1, 256), idx.reshape(-1))
+        loss.backward()
+        losses.append(float(loss))
+        assert len(calls) == len(module.transformer.h) * (2 if ac else 1)
+    assert losses[0] == losses[1]

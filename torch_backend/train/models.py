@@ -40,7 +40,7 @@ def build_module(cfg: TrainConfig) -> nn.Module:
         module = module.float()  # fp32 master values whatever the stored dtype; ZeroDDP casts for compute
     else:
         module = GPT(GPT_CONFIGS[cfg.model], seed=cfg.seed)
-    return checkpoint_blocks(module) if getattr(cfg, "activation_checkpointing", False) else module
+    return checkpoint_blocks(module) if cfg.activation_checkpointing else module
 
 
 def build_meta_module(cfg: TrainConfig) -> nn.Module:
