@@ -82,7 +82,7 @@ def test_train_checkpoints_every_block_with_the_option():
         module = build_module(cfg)
         calls = []
         for block in module.transformer.h:
-            block.attn.register_forward_pre_hook(lambda *_: calls.append(1))
+            block.attn.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         idx = torch.arange(64).remainder(256).view(2, 32)
         loss = F.cross_entropy(module(idx).reshape(-1, 256), idx.reshape(-1))
         loss.backward()
