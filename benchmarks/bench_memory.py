@@ -104,6 +104,7 @@ def rank_main(rank: int, world: int, init_file: str, spec: dict, out_dir: str) -
 
     shape = LlamaShape(**spec["shape"])
     engine, steps = spec["engine"], spec["steps"]
+    precision, checkpointing, ema = spec.get("precision", "fp32"), spec.get("checkpointing"), spec.get("ema")
     peaks: dict[str, int] = {}
     info: dict = {}
 
@@ -124,9 +125,17 @@ def rank_main(rank: int, world: int, init_file: str, spec: dict, out_dir: str) -
     peaks["interpreter"] = _rss()[0]  # what the interpreter holds, not a transient
     with torch.device("meta"):
         module = LlamaShaped(shape)
+    if checkpointing:
+        from torch_backend.train.models import checkpoint_blocks
+
+        checkpoint_blocks(module)
     if engine == "zero":
-        model = ZeroDDP(module, prefetch=PREFETCH)
+        model = ZeroDDP(module, prefetch=PREFETCH, mixed_precision=precision)
         optim = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-4, eps=1e-6)
+        if ema:
+            from torch_backend import ZeroEMA
+
+            ZeroEMA(optim, 0.999)
         info["largest_chunk_bytes"] = max(c.size for c in model.chunks) * 4
         info["chunks"] = len(model.chunks)
     elif engine == "fsdp2":
@@ -210,10 +219,11 @@ def child_env(mmap_threshold_bytes: int | None) -> dict[str, str]:
 
 
 def run_one(engine: str, shape: LlamaShape, steps: int, *, timeout_s: float, limit_bytes: int,
-            env: dict[str, str] | None = None) -> dict:
-    """One run in its own process group; ``{"status": "ok" | "over limit" | "timeout" | "failed", "ranks": [...]}``."""
+            env: dict[str, str] | None = None, variant: dict | None = None) -> dict:
+    """One run in its own process group; ``{"status": "ok" | "over limit" | "timeout" | "failed", "ranks": [...]}``.
+    ``variant``: ZeroDDP's ``precision``, ``checkpointing`` (of every block) and ``ema`` (a ZeroEMA)."""
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as out_dir:
-        spec = {"engine": engine, "shape": shape.__dict__, "steps": steps}
+        spec = {"engine": engine, "shape": shape.__dict__, "steps": steps, **(variant or {})}
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--_launch", json.dumps(spec), out_dir],
                                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
         deadline, status, group_peak = time.monotonic() + timeout_s, None, 0
@@ -252,6 +262,28 @@ def bound_bytes(shape: LlamaShape, interpreter: int, largest_chunk: int) -> dict
     return {"forward_backward": fb, "step": fb + 2 * shard}
 
 
+def planned_bytes(shape: LlamaShape, variant: dict, baseline_bytes: int | None = None) -> int:
+    """``chunkzero plan``'s peak per rank of this ZeroDDP run (``torch_backend.plan``: the module traced on fake
+    tensors, the core's arithmetic): built on the meta device, so no whole copy at build. ``baseline_bytes``:
+    the interpreter's (default: ``chunkzero train``'s worker's, which holds the job's modules and corpus too)."""
+    import torch
+    from llama_shape import LlamaShaped
+
+    from chunkzero.memory_plan import PlanSettings, plan_memory
+    from torch_backend.plan import module_layout, trace_module
+
+    precision = variant.get("precision", "fp32")
+    with torch.device("meta"):
+        layout = module_layout(LlamaShaped(shape), precision, WORLD)
+        module = LlamaShaped(shape)
+    trace = trace_module(module, BATCH, TOKENS, precision, bool(variant.get("checkpointing")),
+                         loss_of=lambda loss, ids: loss)
+    settings = PlanSettings(world_size=WORLD, precision=precision, prefetch=PREFETCH, batch_size=BATCH, seq_len=TOKENS,
+                            activation_checkpointing=bool(variant.get("checkpointing")), ema=bool(variant.get("ema")),
+                            build_copies=0)
+    return plan_memory(layout, trace, settings, baseline_bytes=baseline_bytes).peak_bytes_per_rank
+
+
 def _fmt(values: list[float]) -> str:
     if not values:
         return "—"
@@ -261,29 +293,36 @@ def _fmt(values: list[float]) -> str:
 
 
 def table(models: list[str], engines: list[str], repeats: int, steps: int, timeout_s: float, limit_bytes: int,
-          log, env: dict[str, str] | None = None) -> str:
+          log, env: dict[str, str] | None = None, variant: dict | None = None) -> str:
+    variant = variant or {}
+    setting = ", ".join([variant.get("precision", "fp32")] + (["activation checkpointing"] if variant.get(
+        "checkpointing") else []) + (["EMA"] if variant.get("ema") else []))
     lines = [
         f"Peak RSS per rank (GiB; max over the {WORLD} ranks; median (min–max) over {repeats} repeat(s)), "
-        f"W={WORLD} gloo, fp32, {steps} AdamW steps, {BATCH}×{TOKENS} tokens per rank:",
+        f"W={WORLD} gloo, {setting} (ZeroDDP; the others fp32), {steps} AdamW steps, {BATCH}×{TOKENS} tokens per rank; "
+        "ZeroDDP's plan (`chunkzero plan`'s arithmetic, its baseline the measured interpreter) beside the measured "
+        "peak of all phases:",
         "",
         "| model | parameters | engine | "
         + " | ".join(PHASES)
-        + " | ZeroDDP bound fwd+bwd / step | engine's peak allocated |",
-        "|---" * (len(PHASES) + 5) + "|",
+        + " | ZeroDDP bound fwd+bwd / step | engine's peak allocated | planned peak | planned / measured |",
+        "|---" * (len(PHASES) + 7) + "|",
     ]
     for name in models:
         shape = LLAMA_SIZES[name]
         for engine in engines:
             per_phase: dict[str, list[float]] = {p: [] for p in PHASES}
-            bounds, alloc, status = [], [], "ok"
+            bounds, alloc, interpreters, status = [], [], [], "ok"
             for _ in range(repeats):
-                res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit_bytes, env=env)
+                res = run_one(engine, shape, steps, timeout_s=timeout_s, limit_bytes=limit_bytes, env=env,
+                              variant=variant if engine == "zero" else None)
                 log(f"{name} {engine}: {res['status']} {[r['peaks'] for r in res['ranks']]} {res['error'][-400:]}")
                 if res["status"] != "ok":
                     status = res["status"]
                     continue
                 for p in PHASES:
                     per_phase[p].append(max(r["peaks"][p] for r in res["ranks"]) / GIB)
+                interpreters.append(max(r["peaks"]["interpreter"] for r in res["ranks"]))
                 if engine == "zero":
                     b = [
                         bound_bytes(shape, r["peaks"]["interpreter"], r["info"]["largest_chunk_bytes"])
@@ -296,8 +335,13 @@ def table(models: list[str], engines: list[str], repeats: int, steps: int, timeo
             if status != "ok" and not per_phase["step"]:
                 cells = [status] * len(PHASES)
             bound = f"{bounds[0][0]:.2f} / {bounds[0][1]:.2f}" if bounds else ""
+            planned = ratio = ""
+            if engine == "zero" and interpreters:
+                p = planned_bytes(shape, variant, baseline_bytes=max(interpreters)) / GIB
+                measured = max((max(per_phase[ph]) for ph in PHASES if per_phase[ph]), default=0)
+                planned, ratio = f"{p:.2f}", (f"{p / measured:.3f}" if measured else "")
             lines.append(f"| {name} | {llama_numel(shape) / 1e6:.0f}M | {engine} | " + " | ".join(cells)
-                         + f" | {bound} | {_fmt(alloc) if alloc else ''} |")
+                         + f" | {bound} | {_fmt(alloc) if alloc else ''} | {planned} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -401,6 +445,9 @@ def main() -> None:
         "--ladder-max-params", type=float, default=None, help="rungs above this many parameters are not tried"
     )
     ap.add_argument("--jsonl", help="--ladder: append one JSON line per rung and per engine here")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="ZeroDDP's mixed precision (table)")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="ZeroDDP: checkpoint every block (table)")
+    ap.add_argument("--ema", action="store_true", help="ZeroDDP: keep a ZeroEMA of the masters (table)")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=WORKER_MALLOC_MMAP_THRESHOLD_BYTES,
                     help="glibc's MALLOC_MMAP_THRESHOLD_ of the ranks, bytes (default: chunkzero train's, "
                          "%(default)s); 0: glibc's default (dynamic) threshold")
@@ -422,8 +469,9 @@ def main() -> None:
         print(ladder(args.engines, args.ladder_layers, args.timeout_s, limit, log, shape_spec=args.ladder_shape,
                      max_params=max_params, steps=args.steps, jsonl=args.jsonl, env=env))
     else:
+        variant = {"precision": args.precision, "checkpointing": args.activation_checkpointing, "ema": args.ema}
         print(table(args.models, args.engines, args.repeats, args.steps, args.timeout_s,
-                    limit if limit is not None else int(21 * GIB), log, env=env))
+                    limit if limit is not None else int(21 * GIB), log, env=env, variant=variant))
 
 
 if __name__ == "__main__":

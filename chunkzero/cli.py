@@ -168,6 +168,13 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     t0 = time.perf_counter()
     try:
         cfg, corpus = validate(cfg)
+        if cfg.engine == "zero":  # the memory plan, before any worker starts and before --out is touched
+            from torch_backend.plan import refuse_if_too_big
+
+            planned, refused = refuse_if_too_big(cfg)
+            if refused is not None and not cfg.force:
+                return fail(prog, refused)
+            cfg.planned_peak_bytes = planned.peak_bytes_per_rank
     except ChunkZeroError as e:
         return fail(prog, str(e))
     del corpus
@@ -200,6 +207,88 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
         return code
     log.info("chunkzero train: done in %.1f s (including start-up); outputs in %s",
              time.perf_counter() - t0, out)
+    return EXIT_OK
+
+
+# ================================================================================================ plan
+
+PLAN_EPILOG = """\
+examples:
+  chunkzero plan --model gpt2 --nproc 2 --batch-size 4 --seq-len 256          # each rank's peak, term by term
+  chunkzero plan --model gpt2 --nproc 2 --batch-size 4 --seq-len 256 --json   # the same as JSON
+  chunkzero plan --model gpt2-medium --device cuda --nproc 8 --batch-size 64 --seq-len 1024 --fit --memory 80GiB
+
+The options are chunkzero train's (the data options are not used). Activations come from one micro-batch's
+forward and backward of the real model on fake tensors (torch FakeTensorMode: no memory allocated).
+--fit searches the batch (with gradient accumulation, the tokens per step kept), activation checkpointing,
+the offload fractions (GPU) and more ranks for the fastest predicted step whose peak per rank fits --memory.
+"""
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="predict each rank's peak memory of a chunkzero train run, term by term",
+        description="Predict each rank's peak memory of `chunkzero train` with the same options: the interpreter "
+                    "baseline, the parameter, gradient, master, optimizer and EMA shards, the gathered chunks, the "
+                    "gradient buffers in flight, the activations (traced from the real model), the communication "
+                    "buffers and the allocator's overhead; host memory, and device memory on a GPU.",
+        epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_options(p)
+    g = p.add_argument_group("plan")
+    g.add_argument("--json", action="store_true", help="print the plan as JSON (with peak_bytes_per_rank)")
+    g.add_argument("--fit", action="store_true",
+                   help="search the settings for the fastest predicted step that fits --memory per rank")
+    g.add_argument("--memory", metavar="SIZE", help="with --fit: the memory of one rank, e.g. 80GiB or 16GB")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``chunkzero plan``: print the memory plan (or, with ``--fit``, the fastest setting that fits)."""
+    import json
+
+    from chunkzero.errors import ChunkZeroError
+    from chunkzero.memory_plan import format_plan, parse_bytes
+    from chunkzero.train_config import TrainConfig, option_fields
+
+    prog = "chunkzero plan"
+    if args.fit != (args.memory is not None):
+        return fail(prog, "--fit and --memory go together (--fit --memory 80GiB)")
+    try:
+        budget = parse_bytes(args.memory) if args.memory is not None else None
+    except ChunkZeroError as e:
+        return fail(prog, f"--memory: {e}")
+    if args.engine != "zero" or args.backend != "torch":
+        return fail(prog, "the memory plan is ZeroDDP's: --engine zero --backend torch")
+    try:
+        from torch_backend.plan import fit_settings, plan_config, resolve_for_plan  # lazily: imports torch
+
+        cfg = resolve_for_plan(TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()}))
+        plan = plan_config(cfg)
+        best = None
+        if budget is not None:
+            best, _ = fit_settings(cfg, lambda q: q.peak_bytes_per_rank <= budget, max_world_size=cfg.world_size)
+    except ChunkZeroError as e:
+        return fail(prog, str(e))
+    title = (f"{cfg.model} on {cfg.world_size} x {cfg.device}, {cfg.mixed_precision}, batch {cfg.batch_size} x "
+             f"{cfg.seq_len}" + (f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
+             + (", activation checkpointing" if cfg.activation_checkpointing else "")
+             + (", EMA" if cfg.ema_decay is not None else ""))
+    if budget is None:
+        print(json.dumps({"model": cfg.model, **plan.as_dict()}, indent=2) if args.json else format_plan(plan, title))
+        return EXIT_OK
+    if best is None:
+        return fail(prog, f"no setting tried fits --memory {args.memory} per rank (the plan as given: "
+                          f"{plan.peak_bytes_per_rank / 2**30:.2f} GiB)")
+    if args.json:
+        print(json.dumps({"model": cfg.model, "memory_bytes": budget, "step_time_s": best.step_time_s,
+                          "zero_ddp": best.zero_ddp_kwargs(), "train_flags": best.describe(plan.settings),
+                          **best.plan.as_dict()}, indent=2))
+        return EXIT_OK
+    print(format_plan(best.plan, title + f"; fastest setting within {args.memory} per rank: "
+                                         f"{best.describe(plan.settings)}"))
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in best.zero_ddp_kwargs().items())
+    print(f"\npredicted step {best.step_time_s:.3g} s; ZeroDDP(module, {kwargs})")
     return EXIT_OK
 
 
@@ -494,7 +583,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
 # ================================================================================================ parser
 
-COMMANDS: list[Callable] = [_add_train, _add_export, _add_inspect, _add_layout]
+COMMANDS: list[Callable] = [_add_train, _add_plan, _add_export, _add_inspect, _add_layout]
 """Sub-command registrars, in ``--help`` order."""
 
 

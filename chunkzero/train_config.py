@@ -141,6 +141,16 @@ class TrainConfig:
         None, "hybrid sharding: shard each chunk over groups of S consecutive workers (a node's GPUs) and "
               "replicate it across the world/S groups; must divide the world size; 1 is DDP with chunked "
               "buckets", "model", metavar="S", minimum=1, default_help="the world size: flat ZeRO-3")
+    prefetch: int = option(1, "chunks gathered ahead of their use (ZeroDDP's prefetch)", "model", metavar="N",
+                           minimum=0)
+    offload_optim_frac: float = option(
+        0.0, "on a GPU, the share of chunks whose fp32 master, gradient and optimizer state live on the host "
+             "(ZeroDDP's static placement)", "model", metavar="F", minimum=0, maximum=1)
+    offload_param_frac: float = option(
+        0.0, "on a GPU, the share of chunks whose parameter shard lives on the host", "model", metavar="F", minimum=0,
+        maximum=1)
+    activation_checkpointing: bool = option(
+        False, "recompute each transformer block's activations in backward (torch.utils.checkpoint)", "model")
     engine: str = option(
         "zero", "zero: chunk ZeRO-3 (ZeroDDP + ZeroOptimizer); ddp: plain PyTorch DDP + AdamW in fp32, a "
                 "baseline for comparison", "model", choices=ENGINES)
@@ -196,6 +206,9 @@ class TrainConfig:
         metavar="SECONDS",
         above=0,
     )
+    force: bool = option(
+        False, "start the run even where the memory plan (chunkzero plan) predicts that it does not fit this "
+               "machine's available memory (or its GPU's free memory)", "workers")
     # reporting
     out: str | None = option(None, "output directory; refused if it holds another run unless --overwrite",
                              "reporting", metavar="DIR", default_help="a fresh runs/<YYYYmmdd-HHMMSS>")
@@ -248,6 +261,8 @@ class TrainConfig:
                                           "unless ``--resume --schedule keep`` kept a checkpoint's)")
     val_sequences: int | None = resolved("the run's validation set, in sequences: fixed at its first session "
                                          "(``chunkzero.resume_check.validation_sequences``)")
+    planned_peak_bytes: int | None = resolved("the memory plan's predicted peak per rank (``chunkzero plan``), "
+                                              "recorded in summary.json beside the measured one")
     resume_changes: list[str] | None = resolved("with ``--resume --allow-change``: each setting changed against the "
                                                 "checkpointed run, as ``--seq-len 16 (was 32)``")
 
@@ -286,6 +301,13 @@ class TrainConfig:
             raise ConfigError("--ema-decay needs --engine zero (the EMA is kept beside ZeroOptimizer's state)")
         if self.ema_warmup and self.ema_decay is None:
             raise ConfigError("--ema-warmup needs --ema-decay (it warms the EMA of the weights up)")
+        zero_only = [flag for flag, on in (("--prefetch", self.prefetch != 1),
+                                           ("--offload-optim-frac", self.offload_optim_frac),
+                                           ("--offload-param-frac", self.offload_param_frac),
+                                           ("--activation-checkpointing", self.activation_checkpointing)) if on]
+        if zero_only and (self.engine != "zero" or self.backend != "torch"):
+            raise ConfigError(f"{zero_only[0]} is an option of the torch engine's ZeroDDP (--engine zero, "
+                              "--backend torch)")
         if self.engine == "ddp" and self.shard_group_size is not None:
             raise ConfigError("--shard-group-size needs --engine zero (hybrid sharding of ZeroDDP)")
         if self.backend == "jax" and self.shard_group_size is not None:

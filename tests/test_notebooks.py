@@ -37,3 +37,4 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
                    for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "| chunk-zero3 |" in text and "gpt2-medium" in text and "llama-1b" in text
     assert "| all-reduce | 2 |" in text and "| hybrid S=8 |" in text  # the 2-D mesh and the two-level table
+    assert "| 2 chunks | 1,953 |" in text  # the memory plan beside chunkzero train's measured peaks

@@ -179,6 +179,8 @@ class Report:
             "wall_time_s": wall_time_s, "train_time_s": self.train_time_s,
             "tokens_per_s": self.session_tokens / self.train_time_s if self.train_time_s else 0.0,
             "peak_memory": memory, "memory_report": engine.memory_report(), "chunks": chunks,
+            # the memory plan's predicted peak per rank (chunkzero plan), beside the measured peak_memory
+            "planned_peak_bytes_per_rank": getattr(cfg, "planned_peak_bytes", None),
             "out": str(cfg.out),
             "sample": {"prompt": prompt, "text": sample} if cfg.sample_tokens and sample is not None else None,
         }
@@ -448,6 +450,8 @@ def summary_table(s: dict) -> str:
         f"rank {r}: " + ", ".join(f"{v:,.0f} MiB {k.replace('peak_', '').replace('_mib', '').replace('_', ' ')}"
                                   for k, v in m.items())
         for r, m in enumerate(s["peak_memory"]))
+    if s.get("planned_peak_bytes_per_rank"):
+        mem += f" (planned {s['planned_peak_bytes_per_rank'] / 2**20:,.0f} MiB per rank)"
     v0, v1 = s["val_loss_step0"], s["val_loss_final"]
     rows = [
         ("model", f"{s['model']} ({_fmt_count(s['params'])} parameters), {s['mixed_precision']}, engine {s['engine']}"),

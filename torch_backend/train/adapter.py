@@ -44,8 +44,11 @@ class Engine:
                 from torch_backend import ZeroDDP, ZeroOptimizer
             except ImportError as e:
                 raise ConfigError(f"--engine zero: torch_backend.ZeroDDP is not available ({e})") from None
+            offload = {} if device.type != "cuda" else {"offload_optim_frac": cfg.offload_optim_frac,
+                                                        "offload_param_frac": cfg.offload_param_frac}
             self.model = ZeroDDP(module.to(device), mixed_precision=cfg.mixed_precision, chunk_size=cfg.chunk_size,
-                                 shard_group_size=getattr(cfg, "shard_group_size", None))
+                                 shard_group_size=getattr(cfg, "shard_group_size", None), prefetch=cfg.prefetch,
+                                 **offload)
             self.optim = ZeroOptimizer(
                 self.model,
                 torch.optim.AdamW,

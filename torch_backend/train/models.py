@@ -6,6 +6,8 @@ block size, tokenizer, corpus) is :mod:`chunkzero.job.models`'.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,7 +21,8 @@ from .gpt import GPT, GPT_CONFIGS, generate
 
 
 def build_module(cfg: TrainConfig) -> nn.Module:
-    """The model to train, on CPU in fp32, the same on every rank: a byte-level GPT with the numpy
+    """The model to train, on CPU in fp32, the same on every rank (with ``--activation-checkpointing``, its
+    blocks checkpointed: :func:`checkpoint_blocks`): a byte-level GPT with the numpy
     initialization of ``cfg.seed`` (:func:`chunkzero.job.init.gpt_initial_params`, the JAX engine's too), or a
     Hugging Face directory's weights (any tensor they lack drawn after ``torch.manual_seed(cfg.seed)``).
 
@@ -34,8 +37,43 @@ def build_module(cfg: TrainConfig) -> nn.Module:
             module = AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True)
         except Exception as e:  # noqa: BLE001 - re-raised as ConfigError
             raise ConfigError(f"--model {cfg.model}: cannot load the model: {str(e).splitlines()[0]}") from None
-        return module.float()  # fp32 master values whatever the stored dtype; ZeroDDP casts for compute
-    return GPT(GPT_CONFIGS[cfg.model], seed=cfg.seed)
+        module = module.float()  # fp32 master values whatever the stored dtype; ZeroDDP casts for compute
+    else:
+        module = GPT(GPT_CONFIGS[cfg.model], seed=cfg.seed)
+    return checkpoint_blocks(module) if cfg.activation_checkpointing else module
+
+
+def build_meta_module(cfg: TrainConfig) -> nn.Module:
+    """``cfg.model`` on the meta device (no memory, no weights read); ``cfg.model_kind`` must be resolved."""
+    with torch.device("meta"):
+        if cfg.model_kind == "hf":
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model, local_files_only=True))
+        return GPT(GPT_CONFIGS[cfg.model])
+
+
+def transformer_blocks(module: nn.Module) -> nn.ModuleList:
+    """The model's stack of blocks: the longest ``nn.ModuleList`` in it (``transformer.h`` of the byte-level
+    GPT and HF GPT-2, ``model.layers`` of Llama).
+
+    Raises:
+        ConfigError: the model has no ``nn.ModuleList``.
+    """
+    lists = [m for m in module.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ConfigError("--activation-checkpointing: the model has no nn.ModuleList of blocks to checkpoint")
+    return max(lists, key=len)
+
+
+def checkpoint_blocks(module: nn.Module) -> nn.Module:
+    """Recompute each block's activations in backward (``torch.utils.checkpoint``, non-reentrant): each
+    block's ``forward`` is wrapped in place; returns ``module``."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in transformer_blocks(module):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return module
 
 
 def logits_of(output) -> torch.Tensor:

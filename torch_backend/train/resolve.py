@@ -118,15 +118,9 @@ def module_tensor_specs(cfg: TrainConfig) -> list[TensorSpec]:
     build on the meta device: no memory, no weights read; any Hugging Face causal LM. ``cfg.model_kind``
     must be resolved. (:func:`chunkzero.job.models.model_tensor_specs` gives them from the config alone for
     the byte-level GPTs and Hugging Face GPT-2.)"""
-    with torch.device("meta"):
-        if cfg.model_kind == "hf":
-            from transformers import AutoConfig, AutoModelForCausalLM
+    from .models import build_meta_module
 
-            module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model, local_files_only=True))
-        else:
-            from .gpt import GPT, GPT_CONFIGS
-
-            module = GPT(GPT_CONFIGS[cfg.model])
+    module = build_meta_module(cfg)
     names: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), (p, []))[1].append(name)
@@ -158,6 +152,10 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
     check_precision(cfg.mixed_precision, cfg.device)
+    for flag, frac in (("--offload-optim-frac", cfg.offload_optim_frac),
+                       ("--offload-param-frac", cfg.offload_param_frac)):
+        if frac and cfg.device != "cuda":
+            raise ConfigError(f"{flag} {frac:g} offloads to the host from a GPU; this run is on {cfg.device}")
     corpus = load_run_corpus(cfg)
     if check_out:
         check_run_out(cfg, module_tensor_specs, data_summary=corpus.summary())
