@@ -302,7 +302,8 @@ def _add_export(sub) -> None:
                     "orbax.checkpoint.StandardCheckpointer().restore), or Hugging Face safetensors "
                     "(model.safetensors, or shards + model.safetensors.index.json; config.json for HF models).",
     )
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint root (latest step) or one step's directory")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint root (latest step), one step's directory, or a "
+                   "chunkzero train run folder (its checkpoints/)")
     p.add_argument("--format", required=True, choices=("orbax-params", "safetensors"), help="output format")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist, or be empty)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -341,7 +342,8 @@ def _add_inspect(sub) -> None:
         description="Describe a chunk checkpoint from its metadata: step, world size, chunk size, optimizer, "
                     "chunks and tensors with dtypes and sizes. No array is read.",
     )
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint root (latest step) or one step's directory")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint root (latest step), one step's directory, or a "
+                   "chunkzero train run folder (its checkpoints/)")
     p.add_argument("--step", type=_nonneg_int, help="step under a checkpoint root (default: the latest)")
     p.add_argument("--json", action="store_true", help="print the description as JSON")
     p.add_argument("--all", action="store_true", help="list every tensor (default: the first 50)")

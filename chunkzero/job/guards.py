@@ -61,17 +61,18 @@ def warn_dropped_ema(meta, step_dir) -> None:
                 ema.decay, ema.update_count)
 
 
-def ema_settings_change(saved, cfg: TrainConfig, step: int) -> str | None:
-    """The line a resume with ``--ema-decay`` logs when its ``--ema-decay`` / ``--ema-warmup`` differ from the
-    checkpoint's EMA record ``saved`` (:class:`chunkzero.checkpoint.EmaMeta`; ``step``: the resumed step):
-    this run's settings are used from the next step on, the EMA's weights and update count kept. ``None``
-    when they agree."""
+def ema_resume_line(saved, cfg: TrainConfig, step: int) -> str:
+    """The line a resume with ``--ema-decay`` logs about the checkpoint's EMA record ``saved``
+    (:class:`chunkzero.checkpoint.EmaMeta`; ``step``: the resumed step): that the EMA carries on, or, when
+    ``--ema-decay`` / ``--ema-warmup`` differ from the record, that this run's settings are used from the next
+    step on, the EMA's weights and update count kept."""
     was = {"--ema-decay": saved.decay, "--ema-warmup": saved.warmup}
     wanted = {"--ema-decay": float(cfg.ema_decay), "--ema-warmup": bool(cfg.ema_warmup)}
     changed = [f"{k} {wanted[k]:g} (the checkpoint's: {was[k]:g})" if k == "--ema-decay"
                else f"{k} {'on' if wanted[k] else 'off'} (the checkpoint's: {'on' if was[k] else 'off'})"
                for k in was if was[k] != wanted[k]]
     if not changed:
-        return None
+        return (f"--resume: the checkpoint's EMA of the weights carries on (decay {saved.decay:g}, "
+                f"{saved.update_count} updates)")
     return (f"--resume: {', '.join(changed)}: this run's setting is used from step {step + 1} on (the EMA's weights "
             f"and its {saved.update_count} updates are kept)")

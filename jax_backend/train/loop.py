@@ -24,7 +24,7 @@ from pathlib import Path
 
 from chunkzero.checkpoint.orbax_store import FINITE_KEY
 from chunkzero.errors import ChunkZeroError
-from chunkzero.job.guards import ema_settings_change, warn_dropped_ema
+from chunkzero.job.guards import ema_resume_line, warn_dropped_ema
 from chunkzero.resume_check import run_settings, sampler_position
 from chunkzero.run_dir import CHECKPOINT_DIR
 from chunkzero.train_config import TrainConfig, lr_at
@@ -137,9 +137,7 @@ def _say_resumed_ema(meta, step_dir: Path, cfg: TrainConfig) -> None:
         log.warning("checkpoint %s holds no EMA: this run's EMA (--ema-decay) starts at the loaded weights (update "
                     "count 0)", step_dir)
     else:
-        line = ema_settings_change(meta.ema, cfg, meta.step)
-        if line:
-            log.info("%s", line)
+        log.info("%s", ema_resume_line(meta.ema, cfg, meta.step))
 
 
 def _cat(parts):

@@ -208,6 +208,11 @@ def test_inspect(trained, tmp_path, capsys):
     assert info["parameters"] == sum(v.numel() for k, v in want.items() if k != "lm_head.weight")
     assert {t["name"]: tuple(t["shape"]) for t in info["tensors"]}["transformer.h.0.attn.c_attn.weight"] == (32, 96)
     assert info["optimizer"]["state_keys"] == ["exp_avg", "exp_avg_sq"] and info["model_config"]["model_type"] == "gpt2"
+    run = tmp_path / "run"  # a `chunkzero train` run folder: its checkpoints/ are inspected
+    run.mkdir()
+    (run / "checkpoints").symlink_to(root, target_is_directory=True)
+    assert cli(["inspect", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
     assert cli(["inspect", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

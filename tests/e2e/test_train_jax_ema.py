@@ -116,8 +116,8 @@ def test_torch_ema_resumes_on_jax(corpus, tmp_path):
 
 
 def test_jax_resume_says_what_it_does_with_the_ema(caplog, tmp_path):
-    """One line on each case: the EMA dropped without --ema-decay, restarted from a checkpoint without one, and
-    this run's other decay / warm-up used on."""
+    """One line on each case: the EMA dropped without --ema-decay, this run's other decay / warm-up used on,
+    the EMA carried on with the same settings, and restarted from a checkpoint without one."""
     from chunkzero.checkpoint import EmaMeta
     from chunkzero.train_config import TrainConfig
     from jax_backend.train.loop import _say_resumed_ema
@@ -128,15 +128,16 @@ def test_jax_resume_says_what_it_does_with_the_ema(caplog, tmp_path):
     caplog.set_level(logging.INFO, logger="chunkzero.train")
     _say_resumed_ema(Meta, tmp_path / "4", TrainConfig())
     _say_resumed_ema(Meta, tmp_path / "4", TrainConfig(ema_decay=0.9))
-    _say_resumed_ema(Meta, tmp_path / "4", TrainConfig(ema_decay=0.5, ema_warmup=True))  # the same: nothing
+    _say_resumed_ema(Meta, tmp_path / "4", TrainConfig(ema_decay=0.5, ema_warmup=True))
     Meta.ema = None
     _say_resumed_ema(Meta, tmp_path / "4", TrainConfig(ema_decay=0.5))
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     assert "holds an EMA of the weights (decay 0.5, 4 updates) and this run keeps none: the EMA is dropped" in lines[0]
     assert lines[1] == ("--resume: --ema-decay 0.9 (the checkpoint's: 0.5), --ema-warmup off (the checkpoint's: on): "
                         "this run's setting is used from step 5 on (the EMA's weights and its 4 updates are kept)")
-    assert "holds no EMA: this run's EMA (--ema-decay) starts at the loaded weights (update count 0)" in lines[2]
+    assert lines[2] == "--resume: the checkpoint's EMA of the weights carries on (decay 0.5, 4 updates)"
+    assert "holds no EMA: this run's EMA (--ema-decay) starts at the loaded weights (update count 0)" in lines[3]
 
 
 def test_a_skipped_step_leaves_the_ema(monkeypatch):

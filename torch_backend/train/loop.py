@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from chunkzero.checkpoint.orbax_store import FINITE_KEY
 from chunkzero.errors import CheckpointError, ChunkZeroError
 from chunkzero.job import data as data_mod
-from chunkzero.job.guards import ema_settings_change
+from chunkzero.job.guards import ema_resume_line
 from chunkzero.job.report import Report, peak_memory_mib
 from chunkzero.resume_check import run_settings, sampler_position
 from chunkzero.run_dir import CHECKPOINT_DIR, resume_failed
@@ -156,9 +156,8 @@ def resume_ema_settings(engine: Engine, meta, cfg: TrainConfig, rank: int) -> No
     if engine.ema is None or meta.ema is None:
         return
     engine.ema.decay, engine.ema.warmup = float(cfg.ema_decay), bool(cfg.ema_warmup)
-    line = ema_settings_change(meta.ema, cfg, meta.step)
-    if line and rank == 0:
-        log.info("%s", line)
+    if rank == 0:
+        log.info("%s", ema_resume_line(meta.ema, cfg, meta.step))
 
 
 def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, device: torch.device, *,
