@@ -11,6 +11,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[2]
 
 SMALL = ["--model", "gpt-tiny", "--seq-len", "32", "--batch-size", "4", "--warmup", "2", "--eval-batches", "2",
@@ -89,3 +91,18 @@ def refused_line(args: list[str], backend: str, monkeypatch, capsys) -> str:
     lines = [line for line in err.strip().splitlines() if line.startswith("chunkzero train: error: ")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def flip_saved_bit(step_dir, path):
+    """Flip one bit inside the saved bytes of array ``path`` (found on disk by its values)."""
+    from chunkzero.checkpoint import read_meta
+    from chunkzero.checkpoint.reader import ChunkReader
+
+    values = ChunkReader(step_dir, read_meta(step_dir)).read(path, 1000, 1004)
+    needle = np.asarray(values, np.float32).tobytes()
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d" and needle in (b := bytearray(f.read_bytes())):
+            b[b.find(needle) + 1] ^= 0x10
+            f.write_bytes(bytes(b))
+            return
+    raise AssertionError(f"the bytes of {path} were not found on disk")
