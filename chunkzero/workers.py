@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -290,16 +291,31 @@ def _failure(failures: list[tuple[float, int, int]], results: dict[int, dict | N
     return WorkerFailure(msg + "; the run was stopped", rank=i, exitcode=code)
 
 
+def _forward_lines(stream, drop: re.Pattern[bytes]) -> None:
+    """Copy ``stream`` (a launched process's stdout pipe) to this process's file descriptor 1 line by line,
+    leaving out the lines ``drop`` matches, until EOF (the pipe is always drained, even when fd 1 fails)."""
+    with stream:
+        for line in iter(stream.readline, b""):
+            if drop.match(line):
+                continue
+            view = memoryview(line)
+            try:
+                while view:
+                    view = view[os.write(1, view):]
+            except OSError:  # this process's stdout is closed: drop the rest, keep draining the pipe
+                pass
+
+
 def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.PathLike, *,
                      env: Mapping[str, str] | None = None, finish_timeout_s: float = 60.0,
                      poll_s: float = 0.1, grace_s: float = 5.0, peer_lost_wait_s: float = 3.0,
-                     peer_timeout_s: float | None = None) -> list[dict]:
+                     peer_timeout_s: float | None = None, drop_stdout: re.Pattern[bytes] | None = None) -> list[dict]:
     """Run ``nproc`` copies of ``command`` on this machine, in one new process group, and wait for all.
 
     Process ``i`` finds :data:`COORDINATOR_ENV` (a free port on 127.0.0.1), :data:`NUM_PROCESSES_ENV`,
     :data:`PROCESS_ID_ENV` and :data:`RESULT_DIR_ENV` in its environment (``env``, default this
-    process's, plus those), and reports with :func:`write_result`. Its stdout and stderr are this
-    process's.
+    process's, plus those), and reports with :func:`write_result`. Its stderr is this process's; so is its
+    stdout, unless ``drop_stdout``.
 
     Args:
         result_dir: an existing directory for the processes' results.
@@ -311,6 +327,10 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
             cause to show before stopping the rest.
         peer_timeout_s: the processes' collective timeout (``--timeout``), named when the only failure is a
             lost peer.
+        drop_stdout: the lines of the processes' stdout to leave out (``re.Pattern.match`` on each line, as
+            bytes), e.g. what a library prints there on its own; the others are forwarded to this process's
+            stdout line by line (through a pipe each, read by a thread). ``None``: the processes write to
+            this process's stdout directly.
 
     Returns:
         Each process's result (``{"status": ...}``), by process index.
@@ -336,10 +356,11 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
     watch_r, watch_w = os.pipe()  # the write end stays here (not inheritable): EOF there = this process gone
     base[LAUNCHER_FD_ENV] = str(watch_r)
     base.update(launch_env(result_dir))
+    forwarders: list[threading.Thread] = []
     with signals_raise_stopped():
         try:
             return _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s,
-                                  grace_s, peer_lost_wait_s, peer_timeout_s)
+                                  grace_s, peer_lost_wait_s, peer_timeout_s, drop_stdout, forwarders)
         except BaseException:
             if procs:
                 _stop_group(procs, procs[0].pid, grace_s)
@@ -350,17 +371,23 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
                     os.close(fd)
                 except OSError:
                     pass
+            for t in forwarders:  # the processes' last lines, before the caller prints its own
+                t.join(timeout=grace_s)
 
 
 def _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s, grace_s,
-                   peer_lost_wait_s, peer_timeout_s) -> list[dict]:
-    """:func:`launch_processes`' start and wait (``procs`` filled as they start)."""
+                   peer_lost_wait_s, peer_timeout_s, drop_stdout, forwarders) -> list[dict]:
+    """:func:`launch_processes`' start and wait (``procs`` and ``forwarders`` filled as they start)."""
     pgid = 0
     for i in range(nproc):
         p = subprocess.Popen(list(command), env={**base, PROCESS_ID_ENV: str(i)}, process_group=pgid,
-                             pass_fds=(watch_r,))
+                             pass_fds=(watch_r,), stdout=None if drop_stdout is None else subprocess.PIPE)
         pgid = pgid or p.pid
         procs.append(p)
+        if drop_stdout is not None:
+            forwarders.append(threading.Thread(target=_forward_lines, args=(p.stdout, drop_stdout),
+                                               name=f"chunkzero-stdout-{i}", daemon=True))
+            forwarders[-1].start()
     pids = {i: p.pid for i, p in enumerate(procs)}
     failures: list[tuple[float, int, int]] = []
     first_done = None
