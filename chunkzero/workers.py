@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -170,38 +170,89 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def exit_on_stop_signals() -> None:
+def exit_on_stop_signals(*, at_once: bool = False) -> None:
     """In a worker's main thread: :data:`STOP_SIGNALS` end the process at once with status
     ``128 + signal``, without a traceback or interpreter finalization (where a framework's threads and
     destructors print errors or abort). A checkpoint being written stays an uncommitted temporary, which
     the next save or resume of the run removes; committed steps are untouched.
 
+    ``at_once``: leave the signals to their default action instead (``SIG_DFL``): the kernel ends the process
+    on the signal itself, even while its main thread is blocked in C++ (a collective waiting for a peer),
+    where a Python handler runs only once that call returns, and this process's JAX client could meanwhile
+    see its coordination service vanish and abort with absl's fatal lines. The exit is then "killed by the
+    signal", with nothing flushed or removed. For every worker but the one that is last out
+    (:func:`outlive_on_stop`).
+
     Call it again after a library installs its own handler: ``jax.distributed.initialize`` installs a
-    SIGTERM handler for its preemption notifier, under which ``kill`` would not stop the process. Does
-    nothing outside the main thread (Python allows handlers only there)."""
+    SIGTERM handler for its preemption notifier, under which ``kill`` would not stop the process
+    (:func:`reclaim_stop_signals`). Does nothing outside the main thread (Python allows handlers only there)."""
     global _stop_signals_owned
     if threading.current_thread() is not threading.main_thread():
         return
 
     def stop(signum, frame):
+        if _outlived:
+            _wait_until_gone(*_outlived)
         remove_orphaned_launch_dir()  # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT)
         _exit_now(128 + signum)
 
     for sig in STOP_SIGNALS:
-        signal.signal(sig, stop)
-    _stop_signals_owned = True
+        signal.signal(sig, signal.SIG_DFL if at_once else stop)
+    _stop_signals_owned = "at once" if at_once else "handler"
 
 
-_stop_signals_owned = False
-"""Whether this process's stop signals are :func:`exit_on_stop_signals`' (a worker of ``chunkzero train``)."""
+_stop_signals_owned: str | None = None
+"""How :func:`exit_on_stop_signals` set this process's stop signals (``"handler"``, ``"at once"``), ``None``
+outside a worker of ``chunkzero train``."""
+_outlived: tuple[tuple[int, ...], float] | None = None
+"""The processes a stop waits for, and for how long at most (:func:`outlive_on_stop`)."""
+OUTLIVE_WAIT_S = 5.0
+"""The longest a stop waits for the other workers to be gone (:func:`outlive_on_stop`): the launchers stop
+every worker at once, and kill what still runs after 5 s (the JAX engine) or 10 s (torch elastic)."""
 
 
 def reclaim_stop_signals() -> None:
     """After a library that installs its own SIGTERM handler started (``jax.distributed.initialize`` in a
-    torch worker's first checkpoint save): :func:`exit_on_stop_signals` again, where this process is a
-    worker that had it; nothing elsewhere (a user's own process keeps its handlers)."""
+    torch worker's first checkpoint save): :func:`exit_on_stop_signals` again, as this process had it, where
+    it is a worker that had it; nothing elsewhere (a user's own process keeps its handlers)."""
     if _stop_signals_owned:
-        exit_on_stop_signals()
+        exit_on_stop_signals(at_once=_stop_signals_owned == "at once")
+
+
+def outlive_on_stop(pids: Iterable[int], wait_s: float = OUTLIVE_WAIT_S) -> None:
+    """Make a stop signal end this process only once the processes ``pids`` are gone (this one's own pid is
+    ignored), or after ``wait_s`` seconds; a signal handled by :func:`exit_on_stop_signals` (not ``at_once``).
+
+    For the worker that hosts JAX's coordination service, process 0 of ``jax.distributed`` (a torch worker's
+    rank 0 once it saved, the JAX engine's process 0): when it exits first, every other process's JAX client
+    loses the service and ends its process with absl's fatal lines (``F… Terminating process because the JAX
+    distributed service detected fatal errors``). The others stop ``at_once``, so this one is last out, and
+    also the one to remove an orphaned launcher's temp directory after them."""
+    global _outlived
+    _outlived = (tuple(int(p) for p in pids if int(p) != os.getpid()), float(wait_s))
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie has ended: only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _wait_until_gone(pids: Sequence[int], wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.02)
 
 
 def watch_launcher() -> bool:

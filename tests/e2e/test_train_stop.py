@@ -117,8 +117,7 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
             "every worker was stopped (checkpoints saved before are intact)"
         ), stderr[-3000:]
         assert "Traceback" not in stderr and "SavedView" not in stderr, stderr[-3000:]
-        if re.search(r"^[FE]\d{4} \d\d:", stderr, re.M):  # absl's fatal and error lines
-            if engine == "torch":  # a race, about one stop in two here
-                pytest.xfail("open (issue 32 item 12): after its first save a torch worker runs JAX's distributed "
-                             "client, which prints absl's fatal lines when another worker stopped first")
-            pytest.fail(stderr[-3000:])
+        # absl's fatal and error lines: a torch worker runs JAX's distributed client after its first save, which
+        # aborts with them should rank 0, the coordination service's host, leave first (about one stop in two,
+        # before rank 0 outlived the others)
+        assert not re.search(r"^[FE]\d{4} \d\d:", stderr, re.M), stderr[-3000:]
