@@ -3,7 +3,8 @@
 :func:`main` is the CLI's entry: it checks every input before anything starts
 (:func:`jax_backend.train.checks.validate`); under an external launcher (:data:`chunkzero.workers.COORDINATOR_ENV`
 … set) this process is one of the run; else it launches ``--nproc`` processes of :mod:`jax_backend.train.worker`.
-Exit codes as for torch: 0 done, 1 a process failed (named) or the run cannot make progress, 2 bad input.
+Exit codes as for torch: 0 done, 1 a process failed (named), a save failed or the run cannot make progress,
+2 bad input.
 """
 
 from __future__ import annotations

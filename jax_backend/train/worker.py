@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from chunkzero.errors import ChunkZeroError, LossScaleError
+from chunkzero.errors import CheckpointSaveError, ChunkZeroError, LossScaleError
 from chunkzero.job.guards import stop_message
 from chunkzero.process_exit import exit_without_finalization
 from chunkzero.run_dir import write_run_config
@@ -138,6 +138,8 @@ def worker_main(cfg: TrainConfig) -> dict:
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
         return {"status": "failed", "message": stop_message(e, cfg)}
+    except CheckpointSaveError as e:  # a save failed mid-run (a full disk ...): a failure too, exit 1
+        return {"status": "failed", "message": str(e)}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:

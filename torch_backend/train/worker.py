@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chunkzero.errors import ChunkZeroError, LossScaleError
+from chunkzero.errors import CheckpointSaveError, ChunkZeroError, LossScaleError
 from chunkzero.job.guards import stop_message
 from chunkzero.job.models import load_run_corpus
 from chunkzero.job.report import setup_logging
@@ -152,6 +152,8 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
         return {"status": "failed", "message": stop_message(e, cfg)}
+    except CheckpointSaveError as e:  # a save failed mid-run (a full disk ...): a failure too, exit 1
+        return {"status": "failed", "message": str(e)}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:
