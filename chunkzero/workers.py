@@ -106,13 +106,23 @@ def launch_env(launch_dir: str | os.PathLike) -> dict[str, str]:
     return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_DIR_ENV: str(launch_dir)}
 
 
-def remove_orphaned_launch_dir(launcher_gone: bool = False) -> None:
+def remove_orphaned_launch_dir(launcher_gone: bool = False, *, wait_s: float = 0.0) -> None:
     """In a worker of a launch whose launcher is gone (``launcher_gone``, or this process has another
-    parent now): remove the launcher's temp directory. Every worker does, as it exits: the last one out
-    removes what the others' exits left in it."""
+    parent now, or its launcher no longer runs, within ``wait_s`` seconds): remove the launcher's temp
+    directory. Every worker does, as it exits: the last one out removes what the others' exits left in it.
+
+    ``wait_s``: for torch's ``PR_SET_PDEATHSIG``, which comes when the launcher's thread that started this
+    process ends: under ``kill -9`` that thread can die before the rest of the launcher, so the signal can
+    come while the launcher still is this process's parent."""
     launcher, where = os.environ.get(LAUNCHER_PID_ENV), os.environ.get(LAUNCH_DIR_ENV)
-    if launcher and where and (launcher_gone or str(os.getppid()) != launcher):
-        shutil.rmtree(where, ignore_errors=True)
+    if not (launcher and where):
+        return
+    deadline = time.monotonic() + wait_s
+    while not (launcher_gone or str(os.getppid()) != launcher or not _running(int(launcher))):
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
+    shutil.rmtree(where, ignore_errors=True)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -193,7 +203,8 @@ def exit_on_stop_signals(*, at_once: bool = False) -> None:
     def stop(signum, frame):
         if _outlived:
             _wait_until_gone(*_outlived)
-        remove_orphaned_launch_dir()  # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT)
+        # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT, maybe while the launcher still dies)
+        remove_orphaned_launch_dir(wait_s=LAUNCHER_EXIT_WAIT_S if signum == signal.SIGINT else 0.0)
         _exit_now(128 + signum)
 
     for sig in STOP_SIGNALS:
@@ -206,6 +217,10 @@ _stop_signals_owned: str | None = None
 outside a worker of ``chunkzero train``."""
 _outlived: tuple[tuple[int, ...], float] | None = None
 """The processes a stop waits for, and for how long at most (:func:`outlive_on_stop`)."""
+LAUNCHER_EXIT_WAIT_S = 1.0
+"""How long a worker stopped by SIGINT waits for its launcher to be gone before it leaves the launcher's temp
+directory to it (:func:`remove_orphaned_launch_dir`): a Ctrl-C, which the launcher gets too, ends one second
+later; torch's ``PR_SET_PDEATHSIG`` after a ``kill -9`` of the launcher finds it gone within that."""
 OUTLIVE_WAIT_S = 5.0
 """The longest a stop waits for the other workers to be gone (:func:`outlive_on_stop`): the launchers stop
 every worker at once, and kill what still runs after 5 s (the JAX engine) or 10 s (torch elastic)."""

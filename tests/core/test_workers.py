@@ -6,6 +6,8 @@
 * A stop signal: ``exit_on_stop_signals(at_once=True)`` ends a process whose main thread is blocked in C (a
   Python handler would wait for it); ``outlive_on_stop`` keeps the process that hosts JAX's coordination
   service until the others are gone (at most its bound), then exits ``128 + signal``.
+* torch's ``PR_SET_PDEATHSIG`` comes when the launcher's thread that started a worker ends, which under
+  ``kill -9`` can be before the rest of the launcher: the worker still removes the launcher's temp directory.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 import pytest
 
-from chunkzero.workers import launch_processes
+from chunkzero.workers import LAUNCHER_EXIT_WAIT_S, _running, launch_processes
 
 CHILD = r"""
 import os, sys
@@ -114,3 +116,39 @@ def test_the_service_host_waits_for_the_others_only_so_long():
         assert peer.poll() is None
     finally:
         _kill(peer)
+
+
+WORKER = "import time\nfrom chunkzero.workers import exit_on_stop_signals\nexit_on_stop_signals()\n" \
+         "print('ready', flush=True)\ntime.sleep(600)"
+LAUNCHER = f"""
+import ctypes, os, subprocess, sys, threading, time
+from chunkzero.workers import launch_env
+env = {{**os.environ, **launch_env(sys.argv[1])}}
+def start():  # as torch's spawn: PR_SET_PDEATHSIG (1) with SIGINT (2), from a thread of the launcher
+    worker = subprocess.Popen([sys.executable, "-c", {WORKER!r}], env=env, stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: ctypes.CDLL(None).prctl(1, 2))
+    assert worker.stdout.readline() == "ready\\n"
+    print(worker.pid, flush=True)
+thread = threading.Thread(target=start)
+thread.start()
+thread.join()  # the thread that started the worker ends first: its PR_SET_PDEATHSIG comes now
+time.sleep(float(sys.argv[2]))
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("launcher_lives_s", [0.2, 4.0])
+def test_pdeathsig_before_the_launcher_is_gone(tmp_path, launcher_lives_s):
+    """The worker's SIGINT comes while its launcher still ends (``kill -9``: its threads die one by one): it
+    waits for the launcher to be gone and removes its temp directory; a launcher that lives on keeps it."""
+    launch_dir = tmp_path / "chunkzero-torch-x"
+    (launch_dir / "run" / "attempt_0" / "0").mkdir(parents=True)
+    launcher = subprocess.run([sys.executable, "-c", LAUNCHER, str(launch_dir), str(launcher_lives_s)],
+                              capture_output=True, text=True, timeout=120)
+    assert launcher.returncode == 0, launcher.stderr
+    worker = int(launcher.stdout)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _running(worker):
+        time.sleep(0.05)
+    assert not _running(worker)
+    assert launch_dir.exists() is (launcher_lives_s > LAUNCHER_EXIT_WAIT_S)

@@ -103,9 +103,6 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
         if not left_tmp or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    if left_tmp and engine == "torch" and how == "kill -9":  # seen once in a loaded full-suite run
-        pytest.xfail(f"open (issue 32 item 1): torch elastic's log directory outlived a kill -9 of the launcher: "
-                     f"{left_tmp}")
     assert left_tmp == [], f"temp directories of the run were left: {left_tmp}: " + ", ".join(
         str(f.relative_to(tmp_path)) for d in left_tmp for f in (tmp_path / "tmp" / d).rglob("*"))
     if how != "kill -9":
