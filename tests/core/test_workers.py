@@ -79,6 +79,7 @@ def _ended(p: subprocess.Popen, timeout_s: float = 60.0) -> int:
 def test_a_stop_signal_at_once_ends_a_blocked_main_thread(at_once):
     p = _start("from chunkzero.workers import exit_on_stop_signals\n"
                f"exit_on_stop_signals(at_once={at_once})\nprint('ready', flush=True)\n{BLOCKED}")
+    time.sleep(1.0)  # into the C call (a signal before it would run the handler at once)
     p.send_signal(signal.SIGTERM)
     if at_once:
         assert _ended(p) == -signal.SIGTERM
