@@ -117,8 +117,8 @@ workers than cores run oversubscribed with a warning, each with max(1, cores // 
 per core). Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK set) the command runs as that worker and --nproc is
 ignored.
 outputs in --out: metrics.jsonl, loss.png, sample.txt, summary.txt/.json, config.json, train.log.
-exit codes: 0 done, 1 a worker failed (the message names the rank) or the run cannot make progress
-(--max-skipped-steps), 2 bad input, 130 interrupted.
+exit codes: 0 done, 1 a worker failed (the message names the rank), a checkpoint save failed (a full disk:
+the message names the step) or the run cannot make progress (--max-skipped-steps), 2 bad input, 130 interrupted.
 """
 
 

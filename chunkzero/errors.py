@@ -83,6 +83,12 @@ class CheckpointError(ChunkZeroError):
     """A checkpoint cannot be saved, found, read or matched to the model; the message names the file or tensor."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """A save failed while writing (Orbax failed, the disk is full, another process did not arrive in time): a
+    failure of the run, not bad input; the message names the step, the cause and the previous committed step,
+    which is intact."""
+
+
 class CheckpointFormatError(CheckpointError, ValueError):
     """A checkpoint's metadata is malformed, truncated or of an unknown version."""
 

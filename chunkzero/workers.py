@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -105,13 +106,23 @@ def launch_env(launch_dir: str | os.PathLike) -> dict[str, str]:
     return {LAUNCHER_PID_ENV: str(os.getpid()), LAUNCH_DIR_ENV: str(launch_dir)}
 
 
-def remove_orphaned_launch_dir(launcher_gone: bool = False) -> None:
+def remove_orphaned_launch_dir(launcher_gone: bool = False, *, wait_s: float = 0.0) -> None:
     """In a worker of a launch whose launcher is gone (``launcher_gone``, or this process has another
-    parent now): remove the launcher's temp directory. Every worker does, as it exits: the last one out
-    removes what the others' exits left in it."""
+    parent now, or its launcher no longer runs, within ``wait_s`` seconds): remove the launcher's temp
+    directory. Every worker does, as it exits: the last one out removes what the others' exits left in it.
+
+    ``wait_s``: for torch's ``PR_SET_PDEATHSIG``, which comes when the launcher's thread that started this
+    process ends: under ``kill -9`` that thread can die before the rest of the launcher, so the signal can
+    come while the launcher still is this process's parent."""
     launcher, where = os.environ.get(LAUNCHER_PID_ENV), os.environ.get(LAUNCH_DIR_ENV)
-    if launcher and where and (launcher_gone or str(os.getppid()) != launcher):
-        shutil.rmtree(where, ignore_errors=True)
+    if not (launcher and where):
+        return
+    deadline = time.monotonic() + wait_s
+    while not (launcher_gone or str(os.getppid()) != launcher or not _running(int(launcher))):
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
+    shutil.rmtree(where, ignore_errors=True)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -169,38 +180,94 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def exit_on_stop_signals() -> None:
+def exit_on_stop_signals(*, at_once: bool = False) -> None:
     """In a worker's main thread: :data:`STOP_SIGNALS` end the process at once with status
     ``128 + signal``, without a traceback or interpreter finalization (where a framework's threads and
     destructors print errors or abort). A checkpoint being written stays an uncommitted temporary, which
     the next save or resume of the run removes; committed steps are untouched.
 
+    ``at_once``: leave the signals to their default action instead (``SIG_DFL``): the kernel ends the process
+    on the signal itself, even while its main thread is blocked in C++ (a collective waiting for a peer),
+    where a Python handler runs only once that call returns, and this process's JAX client could meanwhile
+    see its coordination service vanish and abort with absl's fatal lines. The exit is then "killed by the
+    signal", with nothing flushed or removed. For every worker but the one that is last out
+    (:func:`outlive_on_stop`).
+
     Call it again after a library installs its own handler: ``jax.distributed.initialize`` installs a
-    SIGTERM handler for its preemption notifier, under which ``kill`` would not stop the process. Does
-    nothing outside the main thread (Python allows handlers only there)."""
+    SIGTERM handler for its preemption notifier, under which ``kill`` would not stop the process
+    (:func:`reclaim_stop_signals`). Does nothing outside the main thread (Python allows handlers only there)."""
     global _stop_signals_owned
     if threading.current_thread() is not threading.main_thread():
         return
 
     def stop(signum, frame):
-        remove_orphaned_launch_dir()  # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT)
+        if _outlived:
+            _wait_until_gone(*_outlived)
+        # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT, maybe while the launcher still dies)
+        remove_orphaned_launch_dir(wait_s=LAUNCHER_EXIT_WAIT_S if signum == signal.SIGINT else 0.0)
         _exit_now(128 + signum)
 
     for sig in STOP_SIGNALS:
-        signal.signal(sig, stop)
-    _stop_signals_owned = True
+        signal.signal(sig, signal.SIG_DFL if at_once else stop)
+    _stop_signals_owned = "at once" if at_once else "handler"
 
 
-_stop_signals_owned = False
-"""Whether this process's stop signals are :func:`exit_on_stop_signals`' (a worker of ``chunkzero train``)."""
+_stop_signals_owned: str | None = None
+"""How :func:`exit_on_stop_signals` set this process's stop signals (``"handler"``, ``"at once"``), ``None``
+outside a worker of ``chunkzero train``."""
+_outlived: tuple[tuple[int, ...], float] | None = None
+"""The processes a stop waits for, and for how long at most (:func:`outlive_on_stop`)."""
+LAUNCHER_EXIT_WAIT_S = 1.0
+"""How long a worker stopped by SIGINT waits for its launcher to be gone before it leaves the launcher's temp
+directory to it (:func:`remove_orphaned_launch_dir`): a Ctrl-C, which the launcher gets too, ends one second
+later; torch's ``PR_SET_PDEATHSIG`` after a ``kill -9`` of the launcher finds it gone within that."""
+OUTLIVE_WAIT_S = 5.0
+"""The longest a stop waits for the other workers to be gone (:func:`outlive_on_stop`): the launchers stop
+every worker at once, and kill what still runs after 5 s (the JAX engine) or 10 s (torch elastic)."""
 
 
 def reclaim_stop_signals() -> None:
     """After a library that installs its own SIGTERM handler started (``jax.distributed.initialize`` in a
-    torch worker's first checkpoint save): :func:`exit_on_stop_signals` again, where this process is a
-    worker that had it; nothing elsewhere (a user's own process keeps its handlers)."""
+    torch worker's first checkpoint save): :func:`exit_on_stop_signals` again, as this process had it, where
+    it is a worker that had it; nothing elsewhere (a user's own process keeps its handlers)."""
     if _stop_signals_owned:
-        exit_on_stop_signals()
+        exit_on_stop_signals(at_once=_stop_signals_owned == "at once")
+
+
+def outlive_on_stop(pids: Iterable[int], wait_s: float = OUTLIVE_WAIT_S) -> None:
+    """Make a stop signal end this process only once the processes ``pids`` are gone (this one's own pid is
+    ignored), or after ``wait_s`` seconds; a signal handled by :func:`exit_on_stop_signals` (not ``at_once``).
+
+    For the worker that hosts JAX's coordination service, process 0 of ``jax.distributed`` (a torch worker's
+    rank 0 once it saved, the JAX engine's process 0): when it exits first, every other process's JAX client
+    loses the service and ends its process with absl's fatal lines (``F… Terminating process because the JAX
+    distributed service detected fatal errors``). The others stop ``at_once``, so this one is last out, and
+    also the one to remove an orphaned launcher's temp directory after them."""
+    global _outlived
+    _outlived = (tuple(int(p) for p in pids if int(p) != os.getpid()), float(wait_s))
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie has ended: only its parent's wait is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _wait_until_gone(pids: Sequence[int], wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.02)
 
 
 def watch_launcher() -> bool:
@@ -290,16 +357,31 @@ def _failure(failures: list[tuple[float, int, int]], results: dict[int, dict | N
     return WorkerFailure(msg + "; the run was stopped", rank=i, exitcode=code)
 
 
+def _forward_lines(stream, drop: re.Pattern[bytes]) -> None:
+    """Copy ``stream`` (a launched process's stdout pipe) to this process's file descriptor 1 line by line,
+    leaving out the lines ``drop`` matches, until EOF (the pipe is always drained, even when fd 1 fails)."""
+    with stream:
+        for line in iter(stream.readline, b""):
+            if drop.match(line):
+                continue
+            view = memoryview(line)
+            try:
+                while view:
+                    view = view[os.write(1, view):]
+            except OSError:  # this process's stdout is closed: drop the rest, keep draining the pipe
+                pass
+
+
 def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.PathLike, *,
                      env: Mapping[str, str] | None = None, finish_timeout_s: float = 60.0,
                      poll_s: float = 0.1, grace_s: float = 5.0, peer_lost_wait_s: float = 3.0,
-                     peer_timeout_s: float | None = None) -> list[dict]:
+                     peer_timeout_s: float | None = None, drop_stdout: re.Pattern[bytes] | None = None) -> list[dict]:
     """Run ``nproc`` copies of ``command`` on this machine, in one new process group, and wait for all.
 
     Process ``i`` finds :data:`COORDINATOR_ENV` (a free port on 127.0.0.1), :data:`NUM_PROCESSES_ENV`,
     :data:`PROCESS_ID_ENV` and :data:`RESULT_DIR_ENV` in its environment (``env``, default this
-    process's, plus those), and reports with :func:`write_result`. Its stdout and stderr are this
-    process's.
+    process's, plus those), and reports with :func:`write_result`. Its stderr is this process's; so is its
+    stdout, unless ``drop_stdout``.
 
     Args:
         result_dir: an existing directory for the processes' results.
@@ -311,6 +393,10 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
             cause to show before stopping the rest.
         peer_timeout_s: the processes' collective timeout (``--timeout``), named when the only failure is a
             lost peer.
+        drop_stdout: the lines of the processes' stdout to leave out (``re.Pattern.match`` on each line, as
+            bytes), e.g. what a library prints there on its own; the others are forwarded to this process's
+            stdout line by line (through a pipe each, read by a thread). ``None``: the processes write to
+            this process's stdout directly.
 
     Returns:
         Each process's result (``{"status": ...}``), by process index.
@@ -336,10 +422,11 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
     watch_r, watch_w = os.pipe()  # the write end stays here (not inheritable): EOF there = this process gone
     base[LAUNCHER_FD_ENV] = str(watch_r)
     base.update(launch_env(result_dir))
+    forwarders: list[threading.Thread] = []
     with signals_raise_stopped():
         try:
             return _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s,
-                                  grace_s, peer_lost_wait_s, peer_timeout_s)
+                                  grace_s, peer_lost_wait_s, peer_timeout_s, drop_stdout, forwarders)
         except BaseException:
             if procs:
                 _stop_group(procs, procs[0].pid, grace_s)
@@ -350,17 +437,23 @@ def launch_processes(command: Sequence[str], nproc: int, result_dir: str | os.Pa
                     os.close(fd)
                 except OSError:
                     pass
+            for t in forwarders:  # the processes' last lines, before the caller prints its own
+                t.join(timeout=grace_s)
 
 
 def _run_processes(command, nproc, result_dir, base, procs, watch_r, finish_timeout_s, poll_s, grace_s,
-                   peer_lost_wait_s, peer_timeout_s) -> list[dict]:
-    """:func:`launch_processes`' start and wait (``procs`` filled as they start)."""
+                   peer_lost_wait_s, peer_timeout_s, drop_stdout, forwarders) -> list[dict]:
+    """:func:`launch_processes`' start and wait (``procs`` and ``forwarders`` filled as they start)."""
     pgid = 0
     for i in range(nproc):
         p = subprocess.Popen(list(command), env={**base, PROCESS_ID_ENV: str(i)}, process_group=pgid,
-                             pass_fds=(watch_r,))
+                             pass_fds=(watch_r,), stdout=None if drop_stdout is None else subprocess.PIPE)
         pgid = pgid or p.pid
         procs.append(p)
+        if drop_stdout is not None:
+            forwarders.append(threading.Thread(target=_forward_lines, args=(p.stdout, drop_stdout),
+                                               name=f"chunkzero-stdout-{i}", daemon=True))
+            forwarders[-1].start()
     pids = {i: p.pid for i, p in enumerate(procs)}
     failures: list[tuple[float, int, int]] = []
     first_done = None

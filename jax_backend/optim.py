@@ -217,13 +217,17 @@ def adamw_from_meta(optimizer_meta: OptimizerMeta, *, layout: ChunkLayout | None
 
 
 def adam_state_from_chunks(tx: optax.GradientTransformation, chunks: Mapping[str, jax.Array],
-                           opt_state_chunks: Mapping[str, Mapping[str, jax.Array]], step: int) -> optax.OptState:
+                           opt_state_chunks: Mapping[str, Mapping[str, jax.Array]], step: int, *,
+                           schedule_step: int | None = None) -> optax.OptState:
     """optax state for ``tx`` (an adamw) over the trainable chunk arrays, from torch AdamW state.
 
     Args:
         chunks: the trainable chunks' parameter arrays (``{chunk_key: f32[size]}``), the pytree ``tx`` updates.
         opt_state_chunks: ``{"exp_avg": {...}, "exp_avg_sq": {...}}`` with the same keys as ``chunks``.
         step: optimizer steps already taken (``meta.optimizer.step``), optax's ``count``.
+        schedule_step: the count of a learning-rate schedule in ``tx`` (optax's ``ScaleByScheduleState``), when
+            it differs from ``step``: a training loop's steps, skipped ones included (``meta.step``), where
+            skipped steps did not count for Adam (default: ``step``).
 
     Raises:
         ConfigError: a state key is missing or its chunks differ from ``chunks``.
@@ -236,12 +240,17 @@ def adam_state_from_chunks(tx: optax.GradientTransformation, chunks: Mapping[str
                 f"optimizer state {key!r} covers chunks {sorted(opt_state_chunks[key])}, parameters {sorted(chunks)}"
             )
     state = tx.init(dict(chunks))
-    return optax.tree_utils.tree_set(
+    state = optax.tree_utils.tree_set(
         state,
         mu=dict(opt_state_chunks["exp_avg"]),
         nu=dict(opt_state_chunks["exp_avg_sq"]),
         count=jnp.asarray(step, jnp.int32),
     )
+    if schedule_step is None:
+        return state
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    return jax.tree.map(lambda s: s._replace(count=jnp.asarray(schedule_step, jnp.int32)) if is_schedule(s) else s,
+                        state, is_leaf=is_schedule)
 
 
 def adam_state_to_chunks(state: optax.OptState) -> tuple[OptimizerChunks, int]:

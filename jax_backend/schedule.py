@@ -242,8 +242,10 @@ class ShardedTrainer:
             all-reduce, shared with clipping's). Default ``False``: ``step_fn`` returns two outputs.
         donate: donate the state to the step (its buffers are reused for the new state).
         skip_nonfinite: skip the update of a step whose global gradient norm is not finite (inf/nan): the
-            state stays as it was (optimizer step count included), as :class:`torch_backend.ZeroOptimizer`
-            skips it. Default ``False``: the update is applied whatever the gradients.
+            state stays as it was (Adam's step count included), as :class:`torch_backend.ZeroOptimizer`
+            skips it, except a learning-rate schedule's count, which advances as a torch LR scheduler
+            steps on a skipped step (:func:`skip_unless_finite`). Default ``False``: the update is applied
+            whatever the gradients.
         replica_axis: a second mesh axis the state is replicated over (hybrid sharding,
             :class:`jax_backend.hybrid.HybridZeroTrainer`): the batch is split over
             ``(replica_axis, axis)``, replica-major, and the units' ``reduce`` must also reduce across
@@ -442,8 +444,7 @@ class ShardedTrainer:
             params = jax.tree.map(lambda m: m.astype(dtype), master) if low else None
             new = TrainState(master, params, opt_state)
             if skip:  # the norm is the same on every device (all-reduced), so all skip alike
-                finite = jnp.isfinite(norm)
-                new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+                new = skip_unless_finite(jnp.isfinite(norm), new, state)
             loss = (loss_sum / n_tokens).reshape(1)
             return (new, loss) + ((norm,) if with_norm else ())
 
@@ -452,6 +453,19 @@ class ShardedTrainer:
         out_specs = (specs, P(batch_axis)) + ((P(),) if with_norm else ())
         return jax.shard_map(local_step, mesh=self.mesh, in_specs=(specs, batch_specs), out_specs=out_specs,
                              check_vma=False)
+
+
+def skip_unless_finite(finite: jax.Array, new: TrainState, old: TrainState) -> TrainState:
+    """``new`` where ``finite`` (a bool scalar), else ``old`` — except the count of each learning-rate schedule
+    in the optimizer state (optax's ``ScaleByScheduleState``), which is ``new``'s either way: a skipped step
+    keeps the weights and Adam's moments and step count, and the schedule moves on to the next step's
+    learning rate, as ``torch.optim.lr_scheduler`` does when its optimizer skipped a step."""
+    keep = lambda n, o: jnp.where(finite, n, o)  # noqa: E731
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    opt_state = jax.tree.map(lambda n, o: n if is_schedule(n) else jax.tree.map(keep, n, o), new.opt_state,
+                             old.opt_state, is_leaf=is_schedule)
+    return TrainState(jax.tree.map(keep, new.master, old.master), jax.tree.map(keep, new.params, old.params),
+                      opt_state)
 
 
 def reference_train(program: Program, params: Mapping[str, Any], batches: Sequence[Batch],
@@ -483,4 +497,5 @@ def reference_train(program: Program, params: Mapping[str, Any], batches: Sequen
     return {n: np.asarray(v) for n, v in params.items()}, losses
 
 
-__all__ = ["COMPUTE_DTYPES", "GatherUnit", "ShardedTrainer", "TrainState", "reference_train", "run_schedule"]
+__all__ = ["COMPUTE_DTYPES", "GatherUnit", "ShardedTrainer", "TrainState", "reference_train", "run_schedule",
+           "skip_unless_finite"]

@@ -228,8 +228,8 @@ class ZeroTrainer(ShardedTrainer):
         layout, and the complete optimizer metadata: the class and hyper-parameters of
         ``optimizer_meta`` (every param group's, as restored) with this trainer's ``max_norm``, the step
         (optax's ``count``), and the loss scaler — :attr:`source`'s with ``step_count`` advanced by the steps
-        taken here (the JAX step never skips one), or ``{"step_count": count, "skipped_steps": 0}`` without a
-        source.
+        applied here (``skipped_steps`` is not advanced: a step skipped with ``skip_nonfinite`` is not recorded),
+        or ``{"step_count": count, "skipped_steps": 0}`` without a source.
         ``model_config`` defaults to the source's; the compute precision is the trainer's. ``options``:
         ``orbax.checkpoint.CheckpointManagerOptions`` to start from (``max_to_keep`` …). ``ema``: a
         :class:`jax_backend.ChunkEMA` of this trainer, saved as the ``ema`` arrays and record (torch loads it
@@ -280,10 +280,12 @@ class ZeroTrainer(ShardedTrainer):
         return dict(state.master)
 
     def from_chunks(self, chunks: Mapping[str, Any], opt_state_chunks: Mapping[str, Mapping[str, Any]] | None = None,
-                    step: int = 0) -> TrainState:
+                    step: int = 0, *, schedule_step: int | None = None) -> TrainState:
         """The state from fp32 chunk arrays and, optionally, torch AdamW state chunks
         (``{"exp_avg": {...}, "exp_avg_sq": {...}}``, trainable chunks) after ``step`` steps — what
-        :func:`jax_backend.restore_checkpoint` returns. ``tx`` must then be an (optax) adamw.
+        :func:`jax_backend.restore_checkpoint` returns. ``tx`` must then be an (optax) adamw;
+        ``schedule_step``: its learning-rate schedule's count, when not ``step``
+        (:func:`jax_backend.optim.adam_state_from_chunks`).
 
         Raises:
             LayoutError / ShapeMismatchError: chunks not matching the layout.
@@ -297,6 +299,7 @@ class ZeroTrainer(ShardedTrainer):
                 {k: master[k] for k in self.trainable},
                 {s: {k: opt_state_chunks[s][k] for k in self.trainable} for s in opt_state_chunks},
                 step,
+                schedule_step=schedule_step,
             )
         return self.state_from_master(master, opt)
 

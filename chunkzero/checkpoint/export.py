@@ -43,7 +43,7 @@ from ..layout import ChunkLayout, TensorPlacement
 from . import orbax_store
 from .meta import EMA_KEY, PARAMS_KEY, ArrayPath, CheckpointMeta, chunk_key
 from .reader import ChunkReader
-from .steps import read_meta
+from .steps import list_steps, read_meta
 
 FORMATS = ("orbax-params", "safetensors")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -60,6 +60,7 @@ __all__ = [
     "ExportReport",
     "TensorStream",
     "export_checkpoint",
+    "export_failed",
     "iter_tensors",
     "param_tree",
     "parse_size",
@@ -324,8 +325,9 @@ def export_checkpoint(
 
     Raises:
         ConfigError: unknown format or dtype, bad size, ``out`` exists and is not empty.
-        CheckpointError / CheckpointFormatError: the checkpoint cannot be read (names the file or array),
-            or ``ema`` and it holds no EMA.
+        CheckpointError / CheckpointFormatError: the checkpoint cannot be read (names the file or array, and
+            the ``--step`` of another committed step to export instead: :func:`export_failed`), or ``ema``
+            and it holds no EMA.
     """
     if format not in FORMATS:
         raise ConfigError(f"unknown export format {format!r}; expected one of {', '.join(FORMATS)}")
@@ -340,7 +342,10 @@ def export_checkpoint(
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"output {str(out)!r} already exists and is not an empty directory; refusing to overwrite it")
     step_dir = orbax_store.committed_step_dir(path, step)
-    meta = read_meta(step_dir)
+    try:
+        meta = read_meta(step_dir)
+    except CheckpointError as e:
+        raise export_failed(path, step_dir, e) from None
     stream = TensorStream(step_dir, meta, ema=ema)
     aliases = {a: t.name for t in meta.layout.tensors for a in t.aliases}
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -362,10 +367,30 @@ def export_checkpoint(
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+    except CheckpointError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise export_failed(path, step_dir, e) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportReport(out, format, meta.step, len(meta.layout.tensors), total, files, aliases, ema=bool(ema))
+
+
+def export_failed(path: str | os.PathLike, step_dir: Path, error: CheckpointError) -> CheckpointError:
+    """The error of an export whose step ``step_dir`` cannot be read (``error``: e.g. a checksum naming the
+    corrupted array), of the same class, with how to export another committed step instead: ``--step`` with
+    the newest older one (the newest other one when none is older), under the checkpoint root (``path`` or
+    its parent)."""
+    root, step = step_dir.parent, int(step_dir.name)
+    others = [s for s in list_steps(root) if s != step]
+    if not others:
+        how = "no other committed step is saved to export instead"
+    else:
+        other = max([s for s in others if s < step] or others)
+        how = f"to export step {other} instead, pass --step {other}"
+        if Path(path).resolve() != root.resolve():
+            how += f" with the checkpoint root {str(root)!r}"
+    return type(error)(f"step {step} cannot be exported: {error}; {how}")
 
 
 def iter_tensors(path: str | os.PathLike, step: int | None = None) -> Iterator[tuple[str, np.ndarray]]:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, CheckpointFormatError, ConfigError
+from ..errors import CheckpointError, CheckpointFormatError, CheckpointSaveError, ConfigError
 from .meta import META_FILENAME, META_ITEM, STATE_ITEM, ArrayPath, CheckpointMeta, array_name
 from .steps import list_steps, resolve_step_dir
 from .tree import flat_arrays, state_tree
@@ -211,6 +211,7 @@ def _manager(directory: Path, options: Any):
         _register_exit_hook()
         logging.getLogger("absl").addFilter(_without_small_chunk_warning)  # (kept once however often added)
         logging.getLogger("absl").addFilter(_without_orbax_thread_errors)
+        logging.getLogger("concurrent.futures").addFilter(_without_closed_loop_callbacks)
         # ``state`` through the PyTree handler: the on-disk format of ``StandardSave``, and subsets restore
         handlers = {
             STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS),
@@ -228,7 +229,7 @@ def wait_until_finished(directory: str | os.PathLike | None = None) -> None:
     wait for the other processes is bounded by the save's ``timeout_s``.
 
     Raises:
-        CheckpointError: a pending save failed or timed out (names the root); its writer is dropped,
+        CheckpointSaveError: a pending save failed or timed out (names the root); its writer is dropped,
             so the next save to that root starts afresh.
     """
     with _MANAGERS_LOCK:
@@ -244,7 +245,7 @@ def wait_until_finished(directory: str | os.PathLike | None = None) -> None:
                         del _MANAGERS[key]
                 timeout_s = m.options.async_options.timeout_secs if m.options.async_options else DEFAULT_TIMEOUT_S
                 what = f"step {m.pending_step}" if m.pending_step is not None else "a pending save"
-                raise CheckpointError(_not_saved(what, Path(key), e, timeout_s, m.pending_step)) from e
+                raise CheckpointSaveError(_not_saved(what, Path(key), e, timeout_s, m.pending_step)) from e
 
 
 def committed_step_dir(path: str | os.PathLike, step: int | None = None) -> Path:
@@ -341,8 +342,9 @@ def save_step(
         ConfigError: bad ``step``, ``max_to_keep`` or ``timeout_s``, or metadata that is not JSON-serializable.
         CheckpointFormatError: the metadata does not validate.
         CheckpointError: the step exists already or is before the latest step (nothing is
-            overwritten), Orbax failed or a wait timed out (names the step and directory), or an
-            earlier asynchronous save to ``directory`` failed.
+            overwritten); :class:`~chunkzero.errors.CheckpointSaveError` when Orbax failed, the disk is full
+            or a wait timed out (names the step and directory), or an earlier asynchronous save to
+            ``directory`` failed.
     """
     step = meta.step
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -366,7 +368,7 @@ def save_step(
         except CheckpointError:
             raise  # an earlier save's: it names its step
         except Exception as e:  # the manager's barriers, or the root cannot be created
-            raise CheckpointError(_not_saved(f"step {step}", directory, e, timeout_s, step)) from e
+            raise CheckpointSaveError(_not_saved(f"step {step}", directory, e, timeout_s, step)) from e
         existing = list_steps(directory)
         if sorted(manager.all_steps()) != existing:  # the root changed outside this manager
             manager.reload()
@@ -387,7 +389,7 @@ def save_step(
             if saved and not async_save:
                 manager.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(_not_saved(f"step {step}", directory, e, timeout_s, step)) from e
+            raise CheckpointSaveError(_not_saved(f"step {step}", directory, e, timeout_s, step)) from e
     if not saved:
         raise CheckpointError(f"Orbax declined to save step {step} under {str(directory)!r}")
     return directory / str(step)
@@ -401,11 +403,19 @@ def _without_small_chunk_warning(record: logging.LogRecord) -> bool:
 
 def _without_orbax_thread_errors(record: logging.LogRecord) -> bool:
     """Drop the errors Orbax's save threads log with their tracebacks (every process, every thread, one
-    failure): the save raises :class:`CheckpointError` once, in one line (:func:`_not_saved`)."""
+    failure): the save raises :class:`CheckpointSaveError` once, in one line (:func:`_not_saved`)."""
     if record.levelno < logging.ERROR:
         return True
     # absl reports its own file as the caller; Orbax starts its messages with "[process=N]"
     return f"{os.sep}orbax{os.sep}" not in record.pathname and not record.getMessage().startswith("[process=")
+
+
+def _without_closed_loop_callbacks(record: logging.LogRecord) -> bool:
+    """Drop ``concurrent.futures``' "exception calling callback" for a write that finished after its save had
+    failed (a full disk): the save's event loop is closed by then (``RuntimeError: Event loop is closed``), and
+    the failure is raised once, in one line (:func:`_not_saved`)."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
 
 
 _EXPECTED_ABSL_WARNINGS = (

@@ -8,10 +8,12 @@ Face GPT-2 or Llama-family (Llama, Mistral, Qwen2) directory under HF's own tens
 :class:`torch_backend.ZeroDDP` (the core search over the same tensor specs, in the compute dtype),
 AdamW with betas (0.9, 0.95), eps 1e-8, the two param groups of
 :func:`torch_backend.train.adapter.decay_groups` (weight decay on tensors of 2 or more dimensions),
-clipping at ``--max-norm`` and the LR schedule of :func:`chunkzero.train_config.lr_at` at optax's step
-count; with ``--ema-decay`` a :class:`jax_backend.ChunkEMA` of the masters (torch's ``ZeroEMA``), updated after
-each applied step. ``--resume`` restores the latest checkpoint, torch's or JAX's, at any world size (its EMA
-too, with ``--ema-decay``).
+clipping at ``--max-norm`` and the LR schedule of :func:`chunkzero.train_config.lr_at` at the schedule's
+count in the optax state, which counts every step, a skipped one too, as the torch loop's ``lr_at(step - 1)``
+(Adam's own count, for its bias correction, only the applied ones); with ``--ema-decay`` a
+:class:`jax_backend.ChunkEMA` of the masters (torch's ``ZeroEMA``), updated after each applied step.
+``--resume`` restores the latest checkpoint, torch's or JAX's, at any world size (its EMA too, with
+``--ema-decay``).
 
 A step's micro-batches: device ``r`` of the mesh (rank ``r``) trains micro-batches ``i·A … i·A + A − 1``
 of :class:`chunkzero.job.data.BatchSampler` at rank ``r`` (``A`` = ``--grad-accum``), stacked into
@@ -180,7 +182,10 @@ class JaxEngine:
                                    skip_nonfinite=True)
         if resume_from is not None:
             self.trainer.source = restored.meta
-            state = self.trainer.from_chunks(restored.chunks, restored.opt_state_chunks, restored.meta.optimizer.step)
+            # Adam counts the applied steps, the LR schedule every step (torch's loop: lr_at(step - 1) whether
+            # or not a step was skipped)
+            state = self.trainer.from_chunks(restored.chunks, restored.opt_state_chunks, restored.meta.optimizer.step,
+                                             schedule_step=restored.meta.step)
             # one buffer per leaf: the step donates its state, and the restored Adam and schedule counts share one
             self.state = jax.tree.map(jnp.copy, state)
         else:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from chunkzero.checkpoint.orbax_store import FINITE_KEY
+from chunkzero.checkpoint.orbax_store import FINITE_KEY, wait_until_finished
 from chunkzero.errors import ChunkZeroError
 from chunkzero.job.guards import ema_resume_line, warn_dropped_ema
 from chunkzero.resume_check import run_settings, sampler_position
@@ -124,6 +124,8 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
                              chunks=list(chunks), prompt=prompt, sample=sample,
                              wall_time_s=time.perf_counter() - t_start)
     report.finish(summary)
+    if cfg.save_interval:  # the last save's failure (a full disk ...) ends the run here: at exit it went unheard
+        wait_until_finished(Path(cfg.out) / CHECKPOINT_DIR)
     return summary
 
 

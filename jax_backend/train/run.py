@@ -3,7 +3,8 @@
 :func:`main` is the CLI's entry: it checks every input before anything starts
 (:func:`jax_backend.train.checks.validate`); under an external launcher (:data:`chunkzero.workers.COORDINATOR_ENV`
 … set) this process is one of the run; else it launches ``--nproc`` processes of :mod:`jax_backend.train.worker`.
-Exit codes as for torch: 0 done, 1 a process failed (named) or the run cannot make progress, 2 bad input.
+Exit codes as for torch: 0 done, 1 a process failed (named), a save failed or the run cannot make progress,
+2 bad input.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +24,9 @@ from chunkzero.workers import COORDINATOR_ENV, Stopped, WorkerFailure, launch_pr
 from .checks import validate
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ")
+"""The line jaxlib's gloo prints on each process's stdout (C++ ``std::cout``, no option or environment variable
+turns it off) when its first cross-process collective connects: left out of the run's output."""
 PROG = "chunkzero train"
 log = logging.getLogger("chunkzero.cli")
 
@@ -70,7 +75,7 @@ def main(cfg: TrainConfig) -> int:
         try:
             results = launch_processes([sys.executable, "-m", "jax_backend.train.worker", str(cfg_path)], cfg.nproc,
                                        tmp, env=env, finish_timeout_s=max(60.0, 2 * cfg.timeout_s),
-                                       peer_timeout_s=cfg.timeout_s)
+                                       peer_timeout_s=cfg.timeout_s, drop_stdout=GLOO_CONNECTED)
         except WorkerFailure as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_FAILED

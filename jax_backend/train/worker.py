@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
 
-from chunkzero.errors import ChunkZeroError, LossScaleError
+from chunkzero.errors import CheckpointSaveError, ChunkZeroError, LossScaleError
 from chunkzero.job.guards import stop_message
 from chunkzero.process_exit import exit_without_finalization
 from chunkzero.run_dir import write_run_config
@@ -28,6 +29,7 @@ from chunkzero.train_config import TrainConfig
 from chunkzero.workers import (
     EXIT_PEER_LOST,
     exit_on_stop_signals,
+    outlive_on_stop,
     remove_orphaned_launch_dir,
     watch_launcher,
     write_result,
@@ -113,12 +115,19 @@ def worker_main(cfg: TrainConfig) -> dict:
 
     place = process_place()
     setup_logging(place.process_id, None)
-    exit_on_stop_signals()
+    # process 0 hosts JAX's coordination service, whose loss makes the others' JAX clients abort with absl's
+    # fatal lines: it leaves last, the others at the signal itself (chunkzero.workers.outlive_on_stop)
+    at_once = place.process_id != 0
+    exit_on_stop_signals(at_once=at_once)
     watch_launcher()
     try:
         join_processes(cfg.devices_per_process, cfg.timeout_s, place)
         use_compilation_cache(compilation_cache_dir())  # a restarted run loads its step instead of compiling it
-        exit_on_stop_signals()  # again: jax.distributed.initialize installed its preemption notifier's SIGTERM handler
+        exit_on_stop_signals(at_once=at_once)  # again: jax.distributed.initialize's preemption notifier took SIGTERM
+        host = socket.gethostname()
+        peers = all_gather_json([host, os.getpid()])
+        if place.process_id == 0:
+            outlive_on_stop(pid for peer_host, pid in peers if peer_host == host)  # (another host's: out of reach)
         error, cfg, corpus = _check_together(cfg, place)
         if error is not None:
             return {"status": "error", "message": error}
@@ -129,6 +138,8 @@ def worker_main(cfg: TrainConfig) -> dict:
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
         return {"status": "failed", "message": stop_message(e, cfg)}
+    except CheckpointSaveError as e:  # a save failed mid-run (a full disk ...): a failure too, exit 1
+        return {"status": "failed", "message": str(e)}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:

@@ -106,3 +106,18 @@ def normwise_rel_err(got: dict, ref: dict) -> float:
     """``||got − ref||₂ / ||ref||₂`` over every tensor of ``ref`` (float64)."""
     num = sum(float(((np.asarray(got[n], np.float64) - np.asarray(ref[n], np.float64)) ** 2).sum()) for n in ref)
     return (num / sum(float((np.asarray(ref[n], np.float64) ** 2).sum()) for n in ref)) ** 0.5
+
+
+def flip_saved_bit(step_dir, path):
+    """Flip one bit inside the saved bytes of array ``path`` (found on disk by its values)."""
+    from chunkzero.checkpoint import read_meta
+    from chunkzero.checkpoint.reader import ChunkReader
+
+    values = ChunkReader(step_dir, read_meta(step_dir)).read(path, 1000, 1004)
+    needle = np.asarray(values, np.float32).tobytes()
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d" and needle in (b := bytearray(f.read_bytes())):
+            b[b.find(needle) + 1] ^= 0x10
+            f.write_bytes(bytes(b))
+            return
+    raise AssertionError(f"the bytes of {path} were not found on disk")

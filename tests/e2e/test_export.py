@@ -6,6 +6,7 @@ with ``StandardCheckpointer``; import weights back into ZeroDDP from safetensors
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -142,6 +143,41 @@ def test_export_streams_one_chunk_at_a_time(trained, tmp_path, monkeypatch):
         export_checkpoint(root, tmp_path / "z", format="npz")
     with pytest.raises(ConfigError, match="export dtype must be one of"):
         export_checkpoint(root, tmp_path / "z", dtype="int8")
+
+
+def test_export_of_a_corrupted_step_names_the_step_to_export_instead(tmp_path, capsys):
+    """A flipped bit in the latest step's parameters: export refuses it in one line naming the array, the step
+    and ``--step`` of the newest older one, writes nothing, and exports that older step when asked."""
+    from torch_backend.checkpoint.sharded import save_checkpoint
+
+    from .helpers import flip_saved_bit
+
+    model, optim = _zero(0)
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        save_checkpoint(root, model, optim, step=step)
+    flip_saved_bit(root / "3", ("params", "chunk_0000"))
+
+    def refused(*args):
+        capsys.readouterr()
+        assert cli(["export", *args, "--format", "safetensors", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists(), err
+        assert "array 'params.chunk_0000'" in err and "is corrupted" in err, err
+        return err
+
+    err = refused(str(root))
+    assert "error: step 3 cannot be exported: " in err and "/ckpt/3/state" in err, err
+    assert err.endswith("; to export step 2 instead, pass --step 2"), err  # the newest older step
+    assert refused(str(root / "3")).endswith(f"pass --step 2 with the checkpoint root {str(root)!r}")
+    flip_saved_bit(root / "1", ("params", "chunk_0000"))
+    assert refused(str(root), "--step", "1").endswith("; to export step 3 instead, pass --step 3")  # none older
+    assert cli(["export", str(root), "--step", "2", "--format", "safetensors", str(tmp_path / "out")]) == 0
+    assert "exported step 2" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "out")
+    for step in (2, 3):
+        shutil.rmtree(root / str(step))
+    assert refused(str(root)).endswith("no other committed step is saved to export instead")
 
 
 def test_import_into_zero_ddp(trained, tmp_path):

@@ -10,25 +10,9 @@ from __future__ import annotations
 
 import subprocess
 
-import numpy as np
 import pytest
 
-from .helpers import SMALL, chunkzero_cmd, clean_env, describe, make_corpus, read_metrics, run_train
-
-
-def _flip(step_dir, path):
-    """Flip one bit inside the saved bytes of array ``path`` (found on disk by its values)."""
-    from chunkzero.checkpoint import read_meta
-    from chunkzero.checkpoint.reader import ChunkReader
-
-    values = ChunkReader(step_dir, read_meta(step_dir)).read(path, 1000, 1004)
-    needle = np.asarray(values, np.float32).tobytes()
-    for f in (step_dir / "state").rglob("*"):
-        if f.is_file() and f.parent.name == "d" and needle in (b := bytearray(f.read_bytes())):
-            b[b.find(needle) + 1] ^= 0x10
-            f.write_bytes(bytes(b))
-            return
-    raise AssertionError(f"the bytes of {path} were not found on disk")
+from .helpers import SMALL, chunkzero_cmd, clean_env, describe, flip_saved_bit, make_corpus, read_metrics, run_train
 
 
 @pytest.mark.slow
@@ -42,7 +26,7 @@ def test_corrupted_jax_checkpoint_is_refused_everywhere(tmp_path):
     from chunkzero.checkpoint import read_meta
 
     assert read_meta(out / "checkpoints" / "10").checksums is not None  # written at 2 processes too
-    _flip(out / "checkpoints" / "10", ("optim", "exp_avg_sq", "chunk_0000"))
+    flip_saved_bit(out / "checkpoints" / "10", ("optim", "exp_avg_sq", "chunk_0000"))
     trained = read_metrics(out)[0]
     for engine in ("jax", "torch"):
         p = run_train(*common, "--backend", engine, "--steps", "15", "--resume", cwd=tmp_path)
@@ -51,7 +35,7 @@ def test_corrupted_jax_checkpoint_is_refused_everywhere(tmp_path):
         assert "array 'optim.exp_avg_sq.chunk_0000'" in last and "/checkpoints/10/state" in last, describe(p)
         assert "step 10 cannot be loaded" in last and "--resume-step 5" in last, describe(p)
         assert read_metrics(out)[0] == trained, f"{engine} trained on the corrupted checkpoint"
-    _flip(out / "checkpoints" / "10", ("params", "chunk_0000"))
+    flip_saved_bit(out / "checkpoints" / "10", ("params", "chunk_0000"))
     p = subprocess.run(chunkzero_cmd("export", str(out / "checkpoints"), str(tmp_path / "exported"), "--format",
                                      "safetensors"), cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
                        timeout=300)
@@ -60,4 +44,5 @@ def test_corrupted_jax_checkpoint_is_refused_everywhere(tmp_path):
     assert "array 'params.chunk_0000'" in last and "/checkpoints/10/state" in last and "is corrupted" in last, describe(
         p
     )
+    assert "step 10 cannot be exported" in last and last.endswith("pass --step 5"), describe(p)
     assert not (tmp_path / "exported" / "model.safetensors").exists()

@@ -53,12 +53,21 @@ def runs(tmp_path_factory):
     p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2),
                   "--out", str(jax_out), cwd=tmp)
     assert p.returncode == 0, describe(p)
-    return tmp, common, torch_out, jax_out
+    return tmp, common, torch_out, jax_out, p
+
+
+@pytest.mark.slow
+def test_jax_run_prints_no_gloo_connection_lines(runs):
+    """jaxlib's gloo prints "[Gloo] Rank 0 is connected to 1 peer ranks ..." on each process's stdout; the
+    launcher leaves those lines out (and nothing else: the run's own lines are on stderr)."""
+    p = runs[-1]
+    assert "[Gloo]" not in p.stdout + p.stderr, describe(p)
+    assert "chunkzero train --backend jax: done" in p.stderr, describe(p)
 
 
 @pytest.mark.slow
 def test_jax_run_matches_torch(runs):
-    _, _, torch_out, jax_out = runs
+    _, _, torch_out, jax_out, _ = runs
     (t_train, t_val), (j_train, j_val) = _losses(torch_out), _losses(jax_out)
     assert sorted(j_train) == list(range(1, 7)) and sorted(j_val) == [0, 2, 4, 6]
     for s in j_train:
@@ -84,7 +93,7 @@ def test_jax_run_matches_torch(runs):
 def test_switch_torch_jax_torch(runs):
     """torch (W = 2) steps 1-2 → JAX (2 processes × 2 devices) steps 3-4 → torch (W = 3) steps 5-6, the
     same 12 sequences per step throughout: the losses and the EMA of the uninterrupted torch run (W = 2)."""
-    tmp, common, torch_out, _ = runs
+    tmp, common, torch_out, _, _ = runs
     out = tmp / "switch"
     shutil.copytree(torch_out, out)
     for step in ("4", "6"):

@@ -103,9 +103,6 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
         if not left_tmp or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    if left_tmp and engine == "torch" and how == "kill -9":  # seen once in a loaded full-suite run
-        pytest.xfail(f"open (issue 32 item 1): torch elastic's log directory outlived a kill -9 of the launcher: "
-                     f"{left_tmp}")
     assert left_tmp == [], f"temp directories of the run were left: {left_tmp}: " + ", ".join(
         str(f.relative_to(tmp_path)) for d in left_tmp for f in (tmp_path / "tmp" / d).rglob("*"))
     if how != "kill -9":
@@ -117,8 +114,7 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
             "every worker was stopped (checkpoints saved before are intact)"
         ), stderr[-3000:]
         assert "Traceback" not in stderr and "SavedView" not in stderr, stderr[-3000:]
-        if re.search(r"^[FE]\d{4} \d\d:", stderr, re.M):  # absl's fatal and error lines
-            if engine == "torch":  # a race, about one stop in two here
-                pytest.xfail("open (issue 32 item 12): after its first save a torch worker runs JAX's distributed "
-                             "client, which prints absl's fatal lines when another worker stopped first")
-            pytest.fail(stderr[-3000:])
+        # absl's fatal and error lines: a torch worker runs JAX's distributed client after its first save, which
+        # aborts with them should rank 0, the coordination service's host, leave first (about one stop in two,
+        # before rank 0 outlived the others)
+        assert not re.search(r"^[FE]\d{4} \d\d:", stderr, re.M), stderr[-3000:]

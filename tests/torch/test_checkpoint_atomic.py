@@ -152,7 +152,7 @@ def test_kill9_of_one_rank_mid_save_keeps_previous_step(tmp_path):
     out0 = ranks[0].communicate(timeout=240)[0]
     assert "committed" not in out0.splitlines(), out0
     assert re.search(
-        rf"CheckpointError after \d+ s: (step 2|a pending save) was not saved under "
+        rf"CheckpointSaveError after \d+ s: (step 2|a pending save) was not saved under "
         rf"'{re.escape(str(root.resolve()))}': "
         rf"another process did not arrive within timeout_s={DEAD_RANK_TIMEOUT_S} s",
         out0,
@@ -187,8 +187,9 @@ def test_a_rank_that_never_comes_to_the_save_ends_it_with_an_error(tmp_path):
         for p in ranks:
             p.kill()
             p.communicate()
-    found = re.search(rf"CheckpointError after (\d+) s: step 1 was not saved under '{re.escape(str(root.resolve()))}': "
-                      rf"another process did not arrive within timeout_s={DEAD_RANK_TIMEOUT_S} s", out0)
+    found = re.search(rf"CheckpointSaveError after (\d+) s: step 1 was not saved under "
+                      rf"'{re.escape(str(root.resolve()))}': another process did not arrive within "
+                      rf"timeout_s={DEAD_RANK_TIMEOUT_S} s", out0)
     assert found, out0
     assert int(found[1]) < DEAD_RANK_TIMEOUT_S + 60, out0  # its bound, plus the start of JAX on a loaded machine
     assert checkpoint_steps(root) == []

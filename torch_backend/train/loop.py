@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from chunkzero.checkpoint.orbax_store import FINITE_KEY
+from chunkzero.checkpoint.orbax_store import FINITE_KEY, wait_until_finished
 from chunkzero.errors import CheckpointError, ChunkZeroError
 from chunkzero.job import data as data_mod
 from chunkzero.job.guards import ema_resume_line
@@ -231,4 +231,6 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
                              chunks=list(chunks), prompt=prompt, sample=sample,
                              wall_time_s=time.perf_counter() - t_start)
     report.finish(summary)
+    if cfg.save_interval:  # the last save's failure (a full disk ...) ends the run here: at exit it went unheard
+        wait_until_finished(Path(cfg.out) / CHECKPOINT_DIR)
     return summary

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -25,13 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chunkzero.errors import ChunkZeroError, LossScaleError
+from chunkzero.errors import CheckpointSaveError, ChunkZeroError, LossScaleError
 from chunkzero.job.guards import stop_message
 from chunkzero.job.models import load_run_corpus
 from chunkzero.job.report import setup_logging
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
-from chunkzero.workers import exit_on_stop_signals, remove_orphaned_launch_dir
+from chunkzero.workers import exit_on_stop_signals, outlive_on_stop, remove_orphaned_launch_dir
 
 from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
@@ -132,10 +133,17 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
     ``on_step_end``: hooks for :func:`torch_backend.train.loop.train`."""
     rank = int(os.environ.get("RANK", 0))
     setup_logging(rank, None)
-    exit_on_stop_signals()  # SIGTERM/SIGINT (also the launcher's death: spawn's PR_SET_PDEATHSIG) end it quietly
+    # SIGTERM/SIGINT (also the launcher's death: spawn's PR_SET_PDEATHSIG) end it quietly; rank 0, which hosts
+    # JAX's coordination service once it saved, last (a JAX client that loses the service aborts, printing
+    # absl's fatal lines), so the others end at the signal itself, whatever their main thread is doing
+    exit_on_stop_signals(at_once=rank != 0)
     try:
         rank, world, _, device = init_distributed(cfg)
         group = world_group()
+        host = socket.gethostname()
+        peers = all_gather_json([host, os.getpid()], group)
+        if rank == 0:
+            outlive_on_stop(pid for peer_host, pid in peers if peer_host == host)  # (another node's: out of reach)
         error, cfg, corpus = _check_together(cfg, rank, group)
         if error is not None:
             return {"status": "error", "message": error}
@@ -144,6 +152,8 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
         return {"status": "ok", "summary": summary}
     except LossScaleError as e:  # the run started and cannot make progress: a failure, not bad input
         return {"status": "failed", "message": stop_message(e, cfg)}
+    except CheckpointSaveError as e:  # a save failed mid-run (a full disk ...): a failure too, exit 1
+        return {"status": "failed", "message": str(e)}
     except ChunkZeroError as e:
         return {"status": "error", "message": str(e)}
     except Exception as e:
