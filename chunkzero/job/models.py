@@ -4,7 +4,7 @@ block size, its tensors, its tokenizer and its corpus.
 ``--model`` is a byte-level GPT by name (:data:`chunkzero.configs.GPT_CONFIGS`) or a local Hugging Face
 causal-LM directory, read offline: its ``config.json`` as JSON (``transformers.AutoConfig`` imports
 torch), its tokenizer through :class:`chunkzero.job.data.HFTokenizer`. Each engine builds the model
-itself (``torch_backend.train.models.build_module``, ``jax_backend.train.engine``).
+itself (``torch_backend.train.models.build_module``, ``jax_backend.train.adapter``).
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from . import data as data_mod
 log = logging.getLogger("chunkzero.train")
 
 
-class Engine(Protocol):
-    """What the report reads of an engine (torch's ``Engine``, the JAX engine)."""
+class Adapter(Protocol):
+    """What the report reads of an engine (torch's ``TorchAdapter``, JAX's ``JaxAdapter``)."""
 
     loss_scale: float
     last_grad_norm: float | None
@@ -92,7 +92,7 @@ class Report:
         (saved with each checkpoint, so a resumed run continues them)."""
         return {"tokens": self.tokens, "train_time_s": round(self.run_train_time_s, 4)}
 
-    def begin(self, params: int, corpus: data_mod.Corpus, engine: Engine) -> None:
+    def begin(self, params: int, corpus: data_mod.Corpus, adapter: Adapter) -> None:
         """Log the run's set-up (rank 0)."""
         if not self.is_main:
             return
@@ -102,7 +102,7 @@ class Report:
                  self.backend, f"{self.tokens_per_step:,}")
         log.info("data %s: %s train / %s val tokens (%s)", corpus.description, f"{corpus.train.size:,}",
                  f"{corpus.val.size:,}", "; ".join(corpus.notes))
-        log.info("%s", engine.describe())
+        log.info("%s", adapter.describe())
 
     def open_progress(self) -> None:
         """Show the progress bar of the steps (rank 0, on stderr)."""
@@ -115,16 +115,16 @@ class Report:
                          dynamic_ncols=True, file=sys.stderr,
                          mininterval=0.5 if tty else 30.0, maxinterval=10.0 if tty else 60.0)
 
-    def train_step(self, step: int, loss: float, lr: float, engine: Engine, applied: bool, dt_s: float) -> None:
+    def train_step(self, step: int, loss: float, lr: float, adapter: Adapter, applied: bool, dt_s: float) -> None:
         """Record optimizer step ``step``: its loss (the mean over ranks), learning rate, whether the update
         was ``applied`` (not skipped for non-finite gradients) and its time ``dt_s`` in seconds."""
         self.train_time_s += dt_s
         self.run_train_time_s += dt_s
         self.tokens += self.tokens_per_step
         self.session_tokens += self.tokens_per_step
-        scale = engine.loss_scale
+        scale = adapter.loss_scale
         self.metrics.write({"kind": "train", "step": step, "loss": loss, "lr": lr, "loss_scale": scale,
-                            "grad_norm": engine.last_grad_norm, "skipped": not applied, "tokens": self.tokens,
+                            "grad_norm": adapter.last_grad_norm, "skipped": not applied, "tokens": self.tokens,
                             "tokens_per_s": self.tokens_per_step / dt_s, "time_s": round(self.run_train_time_s, 4)})
         if self.pbar is not None:
             self.pbar.set_postfix_str(f"loss {loss:.4f} | {self.session_tokens / self.train_time_s:,.0f} tok/s | "
@@ -150,11 +150,11 @@ class Report:
         if self.pbar is not None:
             self.pbar.close()
 
-    def summary(self, *, params: int, corpus: data_mod.Corpus, engine: Engine, val_loss: float, memory: list[dict],
+    def summary(self, *, params: int, corpus: data_mod.Corpus, adapter: Adapter, val_loss: float, memory: list[dict],
                 chunks: list[dict | None], prompt: str, sample: str, wall_time_s: float) -> dict:
         """The run's ``summary.json``: first and last losses of the whole run (all sessions, from
         ``metrics.jsonl``; on ranks other than 0, of this session) with their steps, tokens, times, peak
-        ``memory`` and ``chunks`` (:meth:`Engine.chunk_report`) per rank and the ``sample``.
+        ``memory`` and ``chunks`` (:meth:`Adapter.chunk_report`) per rank and the ``sample``.
         ``val_loss``: the last evaluation's. ``sample``: ``None`` with ``--sample-tokens 0`` (no sample drawn)."""
         cfg, nan = self.cfg, float("nan")
         m = self.metrics
@@ -167,7 +167,7 @@ class Report:
             "chunk_size_searched": cfg.chunk_size is None,
             "world_size": self.world_size, "device": self.device_type, "backend": self.backend,
             "data": corpus.summary(), "steps": cfg.steps,
-            "skipped_steps": engine.skipped_steps,
+            "skipped_steps": adapter.skipped_steps,
             "tokens_per_step": self.tokens_per_step, "tokens": self.tokens,
             "train_loss_first": first, "train_loss_last": last,
             "train_loss_first_step": t0_step, "train_loss_last_step": t1_step,
@@ -178,7 +178,7 @@ class Report:
             "ema_val_loss_final": m.ema_val[-1][1] if m.ema_val and m.ema_val[-1][0] == v1_step else None,
             "wall_time_s": wall_time_s, "train_time_s": self.train_time_s,
             "tokens_per_s": self.session_tokens / self.train_time_s if self.train_time_s else 0.0,
-            "peak_memory": memory, "memory_report": engine.memory_report(), "chunks": chunks,
+            "peak_memory": memory, "memory_report": adapter.memory_report(), "chunks": chunks,
             # the memory plan's predicted peak per rank (chunkzero plan), beside the measured peak_memory
             "planned_peak_bytes_per_rank": getattr(cfg, "planned_peak_bytes", None),
             "out": str(cfg.out),

@@ -73,7 +73,7 @@ def check_hf_model(cfg: TrainConfig) -> None:
     Raises:
         ConfigError: one line naming the directory and the field at fault.
     """
-    from .engine import run_program
+    from .adapter import run_program
 
     c = hf_config(cfg.model)
     if c["model_type"] not in HF_MODEL_TYPES:

@@ -1,5 +1,5 @@
 """``chunkzero train --backend jax``'s loop, the torch loop's steps (:mod:`torch_backend.train.loop`)
-with :class:`jax_backend.train.engine.JaxEngine`:
+with :class:`jax_backend.train.adapter.JaxAdapter`:
 
     build (or resume) → evaluate at the start → for each step: this process's devices' micro-batches,
     one ZeRO-3 step, log, [save a checkpoint], [evaluate] → sample text → summary and outputs (process 0)
@@ -43,7 +43,7 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
     from chunkzero.job.report import Report, peak_memory_mib
 
     from ..processes import all_gather_json, process_mesh
-    from .engine import JaxEngine
+    from .adapter import JaxAdapter
 
     t_start = time.perf_counter()
     mesh = process_mesh()
@@ -51,24 +51,24 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
     rank0 = place.process_id == 0
     if jax.process_count() > 1:  # the reduce-scatter guard, at this run's chunk sizes, before tracing the step
         from ..collectives import check_reduce_scatter
-        from .engine import build_layout
+        from .adapter import layout_for_config
 
-        sizes = sorted({c.size * 4 for c in build_layout(cfg, world).chunks if not c.keep_gathered})
+        sizes = sorted({c.size * 4 for c in layout_for_config(cfg, world).chunks if not c.keep_gathered})
         check_reduce_scatter(mesh, sizes)
     ckpt_root = Path(cfg.out) / CHECKPOINT_DIR
     resume_from = ckpt_root if cfg.resume else None  # its latest step, or --resume-step's
     error = None
     try:
-        engine = JaxEngine(cfg, mesh, resume_from=resume_from)
+        adapter = JaxAdapter(cfg, mesh, resume_from=resume_from)
     except ChunkZeroError as e:
         error = str(e)
     open_out(error)
-    params = sum(t.numel for t in engine.layout.tensors)
+    params = sum(t.numel for t in adapter.layout.tensors)
     samplers = {r: data_mod.BatchSampler(corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
-                                         world_size=world, seed=cfg.seed) for r, _ in engine.local_ranks}
+                                         world_size=world, seed=cfg.seed) for r, _ in adapter.local_ranks}
     start, counters = 1, None
-    if engine.meta is not None:
-        meta = engine.meta
+    if adapter.meta is not None:
+        meta = adapter.meta
         for s in samplers.values():
             s.load_state_dict(sampler_position(meta, cfg))
         extra = dict(meta.extra or {})
@@ -81,19 +81,19 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
     val_rows = {r: data_mod.val_batches(corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=r,
                                         world_size=world, seed=cfg.seed,
                                         n_sequences=cfg.val_sequences or cfg.eval_batches * cfg.batch_size * world)
-                for r, _ in engine.local_ranks}
+                for r, _ in adapter.local_ranks}
     n_val = len(next(iter(val_rows.values())))  # the same on every rank
-    val = [engine.global_batch({r: rows[k] for r, rows in val_rows.items()}) for k in range(n_val)]
+    val = [adapter.global_batch({r: rows[k] for r, rows in val_rows.items()}) for k in range(n_val)]
     backend = f"jax, {jax.process_count()} process(es) × {cfg.devices_per_process} device(s)"
     report = Report(cfg, rank=place.process_id, world_size=world, device_type="cpu", backend=backend, start=start,
                     tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
-    report.begin(params, corpus, engine)
+    report.begin(params, corpus, adapter)
     settings = run_settings(cfg, world, corpus.summary())
 
     val_loss = all_gather_json(report.metrics.val_at(start - 1))[0]
     if val_loss is None:
-        val_loss = engine.evaluate(val)
-        report.val(start - 1, val_loss, ema_val_loss=engine.evaluate_ema(val))
+        val_loss = adapter.evaluate(val)
+        report.val(start - 1, val_loss, ema_val_loss=adapter.evaluate_ema(val))
 
     report.open_progress()
     try:
@@ -105,22 +105,22 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
                 xs, ys = zip(*(s.arrays_at(s.offsets(s.index + m)) for m in range(cfg.grad_accum)))
                 s.index += cfg.grad_accum
                 rows[r] = (_cat(xs), _cat(ys))
-            loss, applied = engine.step(step, engine.global_batch(rows))  # a LossScaleError on every process alike
-            report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
+            loss, applied = adapter.step(step, adapter.global_batch(rows))  # a LossScaleError on every process alike
+            report.train_step(step, loss, lr, adapter, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
                 sampler = next(iter(samplers.values()))
-                engine.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=cfg.keep,
+                adapter.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=cfg.keep,
                             extra={**settings, "counters": report.counters(), "backend": "jax",
                                    FINITE_KEY: math.isfinite(float(loss))})
             if step % cfg.eval_interval == 0 or step == cfg.steps:
-                val_loss = engine.evaluate(val)
-                report.val(step, val_loss, train_loss=loss, ema_val_loss=engine.evaluate_ema(val))
+                val_loss = adapter.evaluate(val)
+                report.val(step, val_loss, train_loss=loss, ema_val_loss=adapter.evaluate_ema(val))
     finally:
         report.close_progress()
 
-    prompt, sample = _sample(engine, corpus, cfg) if cfg.sample_tokens else (None, None)
-    memory, chunks = zip(*all_gather_json([peak_memory_mib(), engine.chunk_report(place.process_id)]))
-    summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=list(memory),
+    prompt, sample = _sample(adapter, corpus, cfg) if cfg.sample_tokens else (None, None)
+    memory, chunks = zip(*all_gather_json([peak_memory_mib(), adapter.chunk_report(place.process_id)]))
+    summary = report.summary(params=params, corpus=corpus, adapter=adapter, val_loss=val_loss, memory=list(memory),
                              chunks=list(chunks), prompt=prompt, sample=sample,
                              wall_time_s=time.perf_counter() - t_start)
     report.finish(summary)
@@ -148,8 +148,8 @@ def _cat(parts):
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _sample(engine, corpus, cfg: TrainConfig) -> tuple[str, str]:
+def _sample(adapter, corpus, cfg: TrainConfig) -> tuple[str, str]:
     """The run's sample, drawn in JAX from the trained weights (gathered on every process; all sample alike)."""
     from .sampling import sample_text
 
-    return sample_text(engine.program, engine.full_params(), corpus, cfg)
+    return sample_text(adapter.program, adapter.full_params(), corpus, cfg)

@@ -48,7 +48,7 @@ def test_jax_reports_the_ema_and_torch_resumes_it(corpus, jax_run, tmp_path):
     from chunkzero.checkpoint import read_meta
     from chunkzero.train_config import TrainConfig, with_device_defaults
     from torch_backend import load_checkpoint
-    from torch_backend.train.adapter import Engine
+    from torch_backend.train.adapter import TorchAdapter
     from torch_backend.train.models import build_module
 
     _, val = read_metrics(jax_run)
@@ -62,7 +62,7 @@ def test_jax_reports_the_ema_and_torch_resumes_it(corpus, jax_run, tmp_path):
 
     # the torch engine's loader, right after the load: the saved EMA, not the weights
     cfg = with_device_defaults(TrainConfig(model="gpt-tiny", ema_decay=0.5), "cpu")
-    engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
+    engine = TorchAdapter(build_module(cfg), cfg, torch.device("cpu"))
     load_checkpoint(root, engine.model, engine.optim, load_rng=False)
     assert (engine.ema.decay, engine.ema.update_count) == (0.9, 2)
     with engine.ema.ema_weights():
@@ -90,7 +90,7 @@ def test_torch_ema_resumes_on_jax(corpus, tmp_path):
     import jax_backend as jb
     from chunkzero.checkpoint import read_meta
     from chunkzero.train_config import TrainConfig, with_device_defaults
-    from jax_backend.train.engine import JaxEngine
+    from jax_backend.train.adapter import JaxAdapter
 
     out = tmp_path / "run"
     common = ["--data", str(corpus), *ARGS, "--ema-decay", "0.9", "--out", str(out)]
@@ -100,7 +100,7 @@ def test_torch_ema_resumes_on_jax(corpus, tmp_path):
 
     cfg = with_device_defaults(TrainConfig(model="gpt-tiny", backend="jax", ema_decay=0.9, ema_warmup=True,
                                            out=str(out), resume=True), "cpu")
-    engine = JaxEngine(cfg, jb.make_mesh(2), resume_from=root)
+    engine = JaxAdapter(cfg, jb.make_mesh(2), resume_from=root)
     assert engine.ema.update_count == 2 and engine.ema.current_decay() == pytest.approx(3 / 12)
     loaded = jb.unflatten(engine.ema.weights(engine.state), engine.layout, nested=False)
     for name, want in saved_tensors(root / "2", "ema").items():
@@ -147,10 +147,10 @@ def test_a_skipped_step_leaves_the_ema(monkeypatch):
 
     import jax_backend as jb
     from chunkzero.train_config import TrainConfig, with_device_defaults
-    from jax_backend.train.engine import JaxEngine
+    from jax_backend.train.adapter import JaxAdapter
 
     cfg = with_device_defaults(TrainConfig(model="gpt-tiny", backend="jax", ema_decay=0.5), "cpu")
-    engine = JaxEngine(cfg, jb.make_mesh(2))
+    engine = JaxAdapter(cfg, jb.make_mesh(2))
     norm = {"value": float("nan")}
     fake = lambda state, batch: (state, jnp.zeros((2,)), jnp.asarray(norm["value"]))  # noqa: E731
     monkeypatch.setattr(type(engine.trainer), "step_fn", property(lambda self: fake))

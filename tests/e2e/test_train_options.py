@@ -31,10 +31,10 @@ def test_ema_warmup_needs_an_ema_and_reaches_zero_ema():
     cfg = TrainConfig(ema_decay=0.9, ema_warmup=True, model="gpt-tiny", mixed_precision="fp32", lr=1e-3)
     cfg.check()
     assert cfg.to_dict()["ema_warmup"] is True  # what config.json records
-    from torch_backend.train.adapter import Engine
+    from torch_backend.train.adapter import TorchAdapter
     from torch_backend.train.models import build_module
 
-    engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
+    engine = TorchAdapter(build_module(cfg), cfg, torch.device("cpu"))
     assert engine.ema.warmup and engine.ema.decay == 0.9 and engine.ema.current_decay() == pytest.approx(0.1)
 
 
@@ -75,7 +75,7 @@ def _report(tmp_path, history, **cfg_kwargs):
         report.metrics.write(r)
     engine = SimpleNamespace(skipped_steps=0, memory_report=lambda: None)
     corpus = SimpleNamespace(summary=lambda: {"source": "x", "train_tokens": 1, "val_tokens": 1})
-    return report, lambda **kw: report.summary(params=1, corpus=corpus, engine=engine, val_loss=1.0, memory=[{}],
+    return report, lambda **kw: report.summary(params=1, corpus=corpus, adapter=engine, val_loss=1.0, memory=[{}],
                                                chunks=[None], wall_time_s=1.0, **kw)
 
 
@@ -110,13 +110,13 @@ def test_sample_tokens_zero_writes_and_logs_no_sample(tmp_path, caplog):
 def test_the_sample_names_the_prompt_it_was_given(tmp_path):
     """With a sample, the summary's prompt is --prompt (decoded from the byte tokens), not ''."""
     from chunkzero.job.models import load_run_corpus
-    from torch_backend.train.adapter import Engine
+    from torch_backend.train.adapter import TorchAdapter
     from torch_backend.train.models import build_module, sample_text
 
     (tmp_path / "a.py").write_text("def f(x):\n    return x\n" * 400)
     cfg = TrainConfig(model="gpt-tiny", mixed_precision="fp32", lr=1e-3, data=[str(tmp_path / "a.py")], seq_len=16,
                       sample_tokens=4, block_size=64)
-    engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
+    engine = TorchAdapter(build_module(cfg), cfg, torch.device("cpu"))
     prompt, text = sample_text(engine.model, load_run_corpus(cfg), cfg, torch.device("cpu"))
     assert prompt == "def " and text.startswith("def ")
 

@@ -161,7 +161,7 @@ def test_both_engines_start_from_the_numpy_initialization():
     """torch's GPT and the JAX engine load chunkzero.job.init's weights of the run's seed (no torch in JAX's)."""
     from chunkzero.job.init import gpt_initial_params
     from chunkzero.train_config import TrainConfig
-    from jax_backend.train.engine import initial_params, run_program
+    from jax_backend.train.adapter import initial_params, run_program
 
     cfg = TrainConfig(model="gpt-tiny", seed=11)
     cfg.model_kind = "gpt"

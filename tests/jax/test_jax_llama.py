@@ -111,7 +111,7 @@ def test_engine_reads_bf16_safetensors(tmp_path):
     import torch
 
     from chunkzero.train_config import TrainConfig
-    from jax_backend.train.engine import initial_params
+    from jax_backend.train.adapter import initial_params
 
     path, model = _hf_dir(tmp_path, "llama")
     model.to(torch.bfloat16).save_pretrained(path)

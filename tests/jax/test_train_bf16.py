@@ -1,6 +1,6 @@
 """``chunkzero train --mixed-precision bf16`` on both engines: from the same checkpoint, 3 steps of the
-torch engine (:class:`torch_backend.train.adapter.Engine`, ``ZeroDDP`` bf16 at W = 1) and 3 steps of the
-JAX engine (:class:`jax_backend.train.engine.JaxEngine`, 2 devices) move the parameters alike.
+torch engine (:class:`torch_backend.train.adapter.TorchAdapter`, ``ZeroDDP`` bf16 at W = 1) and 3 steps of the
+JAX engine (:class:`jax_backend.train.adapter.JaxAdapter`, 2 devices) move the parameters alike.
 
 The measure is torch's own for bf16 (``tests/torch/optim_cases.py``): the update ``Δ = θ₃ − θ₀`` of
 every parameter, ``‖Δ_jax − Δ_torch‖ / ‖Δ_torch‖ ≤ 5 %``. On this model bf16 rounding moves the update by
@@ -21,9 +21,9 @@ import torch
 import jax_backend as jb
 from chunkzero.checkpoint.steps import read_meta
 from chunkzero.train_config import TrainConfig, lr_at
-from jax_backend.train.engine import JaxEngine
+from jax_backend.train.adapter import JaxAdapter
 from torch_backend.checkpoint.sharded import load_checkpoint, save_checkpoint
-from torch_backend.train.adapter import Engine
+from torch_backend.train.adapter import TorchAdapter
 from torch_backend.train.models import build_module, lm_loss
 
 UPDATE_RTOL = 0.05
@@ -47,7 +47,7 @@ def _batch(step: int):
     return data[:, :-1], data[:, 1:]
 
 
-def _torch_steps(engine: Engine, cfg: TrainConfig, steps) -> None:
+def _torch_steps(engine: TorchAdapter, cfg: TrainConfig, steps) -> None:
     """torch's loop: the step's LR, one micro-batch of the whole global batch (W = 1), the step."""
     for s in steps:
         engine.set_lr(lr_at(s - 1, cfg))
@@ -57,7 +57,7 @@ def _torch_steps(engine: Engine, cfg: TrainConfig, steps) -> None:
         engine.zero_grad()
 
 
-def _torch_params(engine: Engine) -> dict[str, np.ndarray]:
+def _torch_params(engine: TorchAdapter) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy().copy() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
 
 
@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
     torch fp32 and JAX bf16 from it."""
     ckpt = tmp_path_factory.mktemp("bf16") / "checkpoints"
     cfg = _cfg("bf16")
-    engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
+    engine = TorchAdapter(build_module(cfg), cfg, torch.device("cpu"))
     _torch_steps(engine, cfg, range(1, SAVED_AT + 1))
     save_checkpoint(ckpt, engine.model, engine.optim, step=SAVED_AT)
     start = _torch_params(engine)
@@ -82,12 +82,12 @@ def runs(tmp_path_factory):
     torch_bf16 = _torch_params(engine)
 
     cfg32 = _cfg("fp32")
-    fp32 = Engine(build_module(cfg32), cfg32, torch.device("cpu"))
+    fp32 = TorchAdapter(build_module(cfg32), cfg32, torch.device("cpu"))
     load_checkpoint(ckpt, fp32.model, fp32.optim, load_rng=False)
     _torch_steps(fp32, cfg32, range(SAVED_AT + 1, STEPS + 1))
     torch_fp32 = _torch_params(fp32)
 
-    jax_engine = JaxEngine(cfg, jb.make_mesh(WORLD), resume_from=ckpt)
+    jax_engine = JaxAdapter(cfg, jb.make_mesh(WORLD), resume_from=ckpt)
     dtypes = ({str(v.dtype) for v in (jax_engine.state.params or {}).values()},
               {str(v.dtype) for v in jax_engine.state.master.values()})
     for s in range(SAVED_AT + 1, STEPS + 1):

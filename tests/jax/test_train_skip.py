@@ -20,10 +20,10 @@ from chunkzero import ChunkLayout
 from chunkzero.train_config import TrainConfig, lr_at
 from jax_backend.optim import adam_state_to_chunks
 from jax_backend.schedule import TrainState
-from jax_backend.train.engine import JaxEngine
+from jax_backend.train.adapter import JaxAdapter
 from jax_backend.zero import ZeroTrainer
 from torch_backend.checkpoint.sharded import read_meta, save_checkpoint
-from torch_backend.train.adapter import Engine
+from torch_backend.train.adapter import TorchAdapter
 from torch_backend.train.models import build_module, lm_loss
 
 FP32_RTOL = 1e-5
@@ -105,7 +105,7 @@ def _batch(step: int):
     return data[:, :-1], data[:, 1:]
 
 
-def _torch_params(engine: Engine) -> dict[str, np.ndarray]:
+def _torch_params(engine: TorchAdapter) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy().copy() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
 
 
@@ -113,7 +113,7 @@ def test_a_resume_after_a_skipped_step_continues_torchs_schedule(tmp_path):
     """torch (W = 1) skips step 2 (an infinite loss) and saves at step 3 (2 steps applied); the JAX engine
     (2 devices) resumed there trains steps 4-5 as torch does: at ``lr_at(3)`` and ``lr_at(4)``."""
     cfg = _cfg()
-    engine = Engine(build_module(cfg), cfg, torch.device("cpu"))
+    engine = TorchAdapter(build_module(cfg), cfg, torch.device("cpu"))
     for s in range(1, STEPS + 1):
         engine.set_lr(lr_at(s - 1, cfg))
         x, y = _batch(s)
@@ -128,7 +128,7 @@ def test_a_resume_after_a_skipped_step_continues_torchs_schedule(tmp_path):
     meta = read_meta(tmp_path)
     assert (meta.step, meta.optimizer.step) == (SAVED_AT, SAVED_AT - 1)
 
-    jax_engine = JaxEngine(cfg, jb.make_mesh(2), resume_from=tmp_path)
+    jax_engine = JaxAdapter(cfg, jb.make_mesh(2), resume_from=tmp_path)
     for s in range(SAVED_AT + 1, STEPS + 1):
         x, y = _batch(s)
         half = BATCH // 2

@@ -292,11 +292,11 @@ def test_old_checkpoint_without_groups_keeps_several_groups_own(tmp_path, caplog
 def test_train_engine_decays_matrices_only(engine):
     """``chunkzero train``'s optimizer: nanoGPT's two groups, weight decay on tensors of >= 2 dimensions."""
     from chunkzero.train_config import TrainConfig, with_device_defaults
-    from torch_backend.train.adapter import Engine
+    from torch_backend.train.adapter import TorchAdapter
     from torch_backend.train.gpt import GPT, gpt_config
 
     cfg = with_device_defaults(TrainConfig(engine=engine, weight_decay=0.1), "cpu")  # as validate() fills it
-    e = Engine(GPT(gpt_config("gpt-tiny")), cfg, torch.device("cpu"))
+    e = TorchAdapter(GPT(gpt_config("gpt-tiny")), cfg, torch.device("cpu"))
     groups = e.param_groups()
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     dims = [{p.dim() >= 2 for p in g["params"]} for g in groups] if engine == "ddp" else [

@@ -1,4 +1,4 @@
-"""The model and its optimizer behind one small interface (:class:`Engine`), so the training loop reads
+"""The model and its optimizer behind one small interface (:class:`TorchAdapter`), so the training loop reads
 the same for chunk ZeRO-3 (:class:`torch_backend.ZeroDDP` + :class:`torch_backend.ZeroOptimizer`, the
 default) and the plain-PyTorch baseline (``DistributedDataParallel`` + ``AdamW``, ``--engine ddp``).
 """
@@ -24,7 +24,7 @@ def decay_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-class Engine:
+class TorchAdapter:
     """``model`` (the wrapped module) and ``optim`` for ``cfg.engine``, on ``device``; AdamW with betas
     (0.9, 0.95), ``cfg.lr``, weight decay ``cfg.weight_decay`` on tensors of 2 or more dimensions
     only (:func:`decay_groups`) and clipping at ``cfg.max_norm`` (0: none).

@@ -2,7 +2,7 @@
 
 Run by every worker (rank) of a data-parallel group (:mod:`torch_backend.train.worker` starts it):
 
-    build the module → wrap it (Engine: ZeroDDP + ZeroOptimizer) → [resume] → evaluate at the start
+    build the module → wrap it (TorchAdapter: ZeroDDP + ZeroOptimizer) → [resume] → evaluate at the start
     → for each step: LR schedule, grad-accum micro-batches (forward, backward), optimizer step, log,
       [save a checkpoint], [evaluate], hooks → sample text → summary and outputs (rank 0)
 
@@ -42,7 +42,7 @@ from chunkzero.run_dir import CHECKPOINT_DIR, resume_failed
 from chunkzero.train_config import TrainConfig, lr_at
 
 from ..zero.collectives import all_gather_json, all_mean, world_group
-from .adapter import Engine
+from .adapter import TorchAdapter
 from .models import build_module, lm_loss, logits_of, sample_text
 
 log = logging.getLogger("chunkzero.train")
@@ -51,13 +51,13 @@ log = logging.getLogger("chunkzero.train")
 @dataclass(frozen=True)
 class StepEnd:
     """What an ``on_step_end`` hook sees after optimizer step ``step`` (1-based) on rank ``rank``:
-    ``loss``, the step's training loss averaged over the ranks (nats per token), and the ``engine``."""
+    ``loss``, the step's training loss averaged over the ranks (nats per token), and the ``adapter``."""
 
     step: int
     rank: int
     world_size: int
     loss: float
-    engine: Engine
+    adapter: TorchAdapter
 
 
 StepHook = Callable[[StepEnd], None]
@@ -78,31 +78,31 @@ def device_peak_memory_mib(device: torch.device) -> dict:
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, batches, device: torch.device, group) -> float:
+def evaluate(adapter: TorchAdapter, batches, device: torch.device, group) -> float:
     """Validation loss of the run's fixed validation set (this rank's share: ``(x, y, w)`` micro-batches of
     :func:`data_mod.val_batches`): the mean over its sequences of each one's mean token loss, all ranks
     together, padding rows (``w`` 0) left out, so the same at any world size."""
-    engine.model.eval()
+    adapter.model.eval()
     total, count = 0.0, 0.0
     for x, y, w in batches:
-        logits = logits_of(engine.model(to_device(x, device))).float()
+        logits = logits_of(adapter.model(to_device(x, device))).float()
         tokens = F.cross_entropy(logits.reshape(-1, logits.size(-1)), to_device(y, device).reshape(-1),
                                  reduction="none")
         total += float(tokens.view(len(x), -1).mean(1).cpu().double() @ torch.from_numpy(w).double())
         count += float(w.sum())
-    engine.model.train()
+    adapter.model.train()
     return all_mean(total, group) / all_mean(count, group)
 
 
-def evaluate_ema(engine: Engine, batches, device: torch.device, group) -> float | None:
+def evaluate_ema(adapter: TorchAdapter, batches, device: torch.device, group) -> float | None:
     """:func:`evaluate` with the EMA weights swapped in (``--ema-decay``), or ``None`` without an EMA."""
-    if engine.ema is None:
+    if adapter.ema is None:
         return None
-    with engine.ema.ema_weights():
-        return evaluate(engine, batches, device, group)
+    with adapter.ema.ema_weights():
+        return evaluate(adapter, batches, device, group)
 
 
-def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, counters: dict,
+def save_step(step: int, adapter: TorchAdapter, sampler: data_mod.BatchSampler, cfg: TrainConfig, counters: dict,
               settings: dict, finite: bool = True) -> None:
     """An asynchronous Orbax checkpoint of step ``step`` in ``<out>/checkpoints/<step>`` (the newest
     ``--keep`` are kept, and the newest saved with a finite loss: ``finite``, the step's), with the data
@@ -112,12 +112,13 @@ def save_step(step: int, engine: Engine, sampler: data_mod.BatchSampler, cfg: Tr
     the save for the other ranks is bounded by ``--timeout`` (``cfg.timeout_s``)."""
     from torch_backend import save_checkpoint
 
-    save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, engine.model, engine.optim, step=step, async_save=True,
+    save_checkpoint(Path(cfg.out) / CHECKPOINT_DIR, adapter.model, adapter.optim, step=step, async_save=True,
                     max_to_keep=cfg.keep, timeout_s=cfg.timeout_s, data_position={"sampler": sampler.state_dict()},
                     extra={**settings, "counters": counters, FINITE_KEY: finite})
 
 
-def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, rank: int) -> tuple[int, dict | None]:
+def resume(adapter: TorchAdapter, sampler: data_mod.BatchSampler, cfg: TrainConfig,
+           rank: int) -> tuple[int, dict | None]:
     """``--resume``: load the latest checkpoint of ``<out>/checkpoints`` (or ``--resume-step``'s) into the
     engine (parameters, optimizer, loss scaler, RNG states) and the sampler's position (with
     ``--allow-change`` and another ``--seed``, its index in the new seed's stream). Returns the next step to
@@ -129,15 +130,15 @@ def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, ran
 
     root = Path(cfg.out) / CHECKPOINT_DIR
     saved = read_meta(resolve_step_dir(root, cfg.resume_step))  # metadata only: the EMA settings, said once below
-    if engine.ema is not None and saved.ema is not None:  # load_checkpoint then replaces nothing
-        engine.ema.decay, engine.ema.warmup = saved.ema.decay, saved.ema.warmup
+    if adapter.ema is not None and saved.ema is not None:  # load_checkpoint then replaces nothing
+        adapter.ema.decay, adapter.ema.warmup = saved.ema.decay, saved.ema.warmup
     try:
-        meta = load_checkpoint(root, engine.model, engine.optim, step=saved.step)
+        meta = load_checkpoint(root, adapter.model, adapter.optim, step=saved.step)
     except CheckpointError as e:
         raise resume_failed(root, saved.step, e) from None
     sampler.load_state_dict(sampler_position(meta, cfg))
     log.info("resumed from step %d (%s/%s/%d)", meta.step, cfg.out, CHECKPOINT_DIR, meta.step)
-    resume_ema_settings(engine, meta, cfg, rank)
+    resume_ema_settings(adapter, meta, cfg, rank)
     extra = dict(meta.extra or {})
     if rank == 0:
         if not cfg.save_interval:
@@ -147,15 +148,15 @@ def resume(engine: Engine, sampler: data_mod.BatchSampler, cfg: TrainConfig, ran
     return meta.step + 1, (counters if isinstance(counters, dict) else None)
 
 
-def resume_ema_settings(engine: Engine, meta, cfg: TrainConfig, rank: int) -> None:
+def resume_ema_settings(adapter: TorchAdapter, meta, cfg: TrainConfig, rank: int) -> None:
     """The resumed run's command line wins for the EMA's hyper-parameters: ``load_checkpoint`` put the
-    checkpoint's decay and warm-up into ``engine.ema`` (with its shards and update count); a different
+    checkpoint's decay and warm-up into ``adapter.ema`` (with its shards and update count); a different
     ``--ema-decay`` / ``--ema-warmup`` replaces them, and rank 0 says so in one line (so ``config.json``,
     which records this run's options, is true of the EMA). Without ``--ema-decay`` the checkpoint's EMA
     is dropped: ``load_checkpoint`` warns (rank 0)."""
-    if engine.ema is None or meta.ema is None:
+    if adapter.ema is None or meta.ema is None:
         return
-    engine.ema.decay, engine.ema.warmup = float(cfg.ema_decay), bool(cfg.ema_warmup)
+    adapter.ema.decay, adapter.ema.warmup = float(cfg.ema_decay), bool(cfg.ema_warmup)
     if rank == 0:
         log.info("%s", ema_resume_line(meta.ema, cfg, meta.step))
 
@@ -174,13 +175,13 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
     # build: the same initial weights on every rank, then a per-rank RNG stream (dropout)
     module = build_module(cfg)
     params = sum(p.numel() for p in module.parameters())
-    engine = Engine(module, cfg, device)
+    adapter = TorchAdapter(module, cfg, device)
     torch.manual_seed(cfg.seed + 1 + rank)
     sampler = data_mod.BatchSampler(corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, rank=rank,
                                     world_size=world, seed=cfg.seed)
     error, start, counters = None, 1, None
     try:
-        start, counters = resume(engine, sampler, cfg, rank) if cfg.resume else (1, None)  # saved RNGs win
+        start, counters = resume(adapter, sampler, cfg, rank) if cfg.resume else (1, None)  # saved RNGs win
     except ChunkZeroError as e:
         error = str(e)
     open_out(error)
@@ -189,45 +190,45 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
                                n_sequences=cfg.val_sequences or cfg.eval_batches * cfg.batch_size * world)
     report = Report(cfg, rank=rank, world_size=world, device_type=device.type, backend=backend, start=start,
                     tokens_per_step=world * cfg.grad_accum * cfg.batch_size * cfg.seq_len, counters=counters)
-    report.begin(params, corpus, engine)
+    report.begin(params, corpus, adapter)
     settings = run_settings(cfg, world, corpus.summary())
 
     # The evaluation at the start step, unless the earlier session logged it (before the checkpoint was
     # taken, so of the same weights). Rank 0's verdict is shared, as every rank must join evaluate().
     val_loss = all_gather_json(report.metrics.val_at(start - 1), group)[0]
     if val_loss is None:
-        val_loss = evaluate(engine, val, device, group)
-        report.val(start - 1, val_loss, ema_val_loss=evaluate_ema(engine, val, device, group))
+        val_loss = evaluate(adapter, val, device, group)
+        report.val(start - 1, val_loss, ema_val_loss=evaluate_ema(adapter, val, device, group))
 
     report.open_progress()
     try:
         for step in range(start, cfg.steps + 1):
             t0 = time.perf_counter()
             lr = lr_at(step - 1, cfg)
-            engine.set_lr(lr)
+            adapter.set_lr(lr)
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):  # gradients are reduced at the last micro-batch only
                 x, y = (to_device(a, device) for a in sampler.next())
-                loss = lm_loss(engine.model(x), y)
-                engine.backward(loss / cfg.grad_accum, sync=micro == cfg.grad_accum - 1)
+                loss = lm_loss(adapter.model(x), y)
+                adapter.backward(loss / cfg.grad_accum, sync=micro == cfg.grad_accum - 1)
                 loss_sum += loss.detach()
-            applied = engine.step()  # a LossScaleError comes on every rank at the same step
-            engine.zero_grad()
+            applied = adapter.step()  # a LossScaleError comes on every rank at the same step
+            adapter.zero_grad()
             loss = all_mean(loss_sum / cfg.grad_accum, group)  # also a sync point, so the timing is honest
-            report.train_step(step, loss, lr, engine, applied, time.perf_counter() - t0)
+            report.train_step(step, loss, lr, adapter, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
-                save_step(step, engine, sampler, cfg, report.counters(), settings, finite=math.isfinite(float(loss)))
+                save_step(step, adapter, sampler, cfg, report.counters(), settings, finite=math.isfinite(float(loss)))
             if step % cfg.eval_interval == 0 or step == cfg.steps:
-                val_loss = evaluate(engine, val, device, group)
-                report.val(step, val_loss, train_loss=loss, ema_val_loss=evaluate_ema(engine, val, device, group))
+                val_loss = evaluate(adapter, val, device, group)
+                report.val(step, val_loss, train_loss=loss, ema_val_loss=evaluate_ema(adapter, val, device, group))
             for hook in on_step_end:
-                hook(StepEnd(step=step, rank=rank, world_size=world, loss=loss, engine=engine))
+                hook(StepEnd(step=step, rank=rank, world_size=world, loss=loss, adapter=adapter))
     finally:
         report.close_progress()
 
-    prompt, sample = sample_text(engine.model, corpus, cfg, device) if cfg.sample_tokens else (None, None)
-    memory, chunks = zip(*all_gather_json([device_peak_memory_mib(device), engine.chunk_report(rank)], group))
-    summary = report.summary(params=params, corpus=corpus, engine=engine, val_loss=val_loss, memory=list(memory),
+    prompt, sample = sample_text(adapter.model, corpus, cfg, device) if cfg.sample_tokens else (None, None)
+    memory, chunks = zip(*all_gather_json([device_peak_memory_mib(device), adapter.chunk_report(rank)], group))
+    summary = report.summary(params=params, corpus=corpus, adapter=adapter, val_loss=val_loss, memory=list(memory),
                              chunks=list(chunks), prompt=prompt, sample=sample,
                              wall_time_s=time.perf_counter() - t_start)
     report.finish(summary)

@@ -1,4 +1,4 @@
-""":class:`JaxEngine`: :class:`jax_backend.ZeroTrainer` set up as ``chunkzero train`` sets up the torch
+""":class:`JaxAdapter`: :class:`jax_backend.ZeroTrainer` set up as ``chunkzero train`` sets up the torch
 engine, behind the interface the loop and :class:`chunkzero.job.report.Report` read.
 
 The same run as torch's: the model initialised from the same bytes (:func:`initial_params`: the core's
@@ -52,7 +52,7 @@ from ..optim import adamw_meta, param_groups_adamw
 from ..zero import ZeroTrainer
 
 BETAS, EPS = (0.9, 0.95), 1e-8
-"""AdamW's betas and eps, as :class:`torch_backend.train.adapter.Engine` uses them."""
+"""AdamW's betas and eps, as :class:`torch_backend.train.adapter.TorchAdapter` uses them."""
 
 
 def lr_schedule(cfg: TrainConfig):
@@ -91,7 +91,7 @@ def run_model_config(cfg: TrainConfig) -> dict:
     return GPT_CONFIGS[cfg.model].to_dict()
 
 
-def build_layout(cfg: TrainConfig, world: int) -> ChunkLayout:
+def layout_for_config(cfg: TrainConfig, world: int) -> ChunkLayout:
     """The layout ZeroDDP builds for ``cfg.model`` at ``world`` ranks (same specs, same search)."""
     dtype = "bfloat16" if cfg.mixed_precision == "bf16" else "float32"
     specs = [dataclasses.replace(s, dtype=dtype) for s in run_program(cfg).specs]
@@ -142,7 +142,7 @@ def initial_params(cfg: TrainConfig, specs) -> dict[str, np.ndarray]:
     return out
 
 
-class JaxEngine:
+class JaxAdapter:
     """The trainer, its state and the mesh of one run (see the module docstring).
 
     Raises:
@@ -171,7 +171,7 @@ class JaxEngine:
                 raise resume_failed(resume_from, cfg.resume_step or latest_step(resume_from), e) from None
             layout, self.meta = restored.layout, restored.meta
         else:
-            layout = build_layout(cfg, self.world)
+            layout = layout_for_config(cfg, self.world)
         groups = param_groups(layout, cfg)
         tx = param_groups_adamw(lr_schedule(cfg), BETAS[0], BETAS[1], EPS, layout, groups)
         optim_meta = dataclasses.replace(
