@@ -155,7 +155,7 @@ class TrainConfig:
         "zero", "zero: chunk ZeRO-3 (ZeroDDP + ZeroOptimizer); ddp: plain PyTorch DDP + AdamW in fp32, a "
                 "baseline for comparison", "model", choices=ENGINES)
     # optimization
-    steps: int = option(500, "optimizer steps", "optimization", metavar="N", minimum=1)
+    steps: int = option(750, "optimizer steps", "optimization", metavar="N", minimum=1)
     batch_size: int = option(16, "sequences per worker per micro-batch", "optimization", metavar="N", minimum=1)
     seq_len: int = option(128, "tokens per sequence, at most the model's block size", "optimization",
                           metavar="N", minimum=1)
