@@ -322,10 +322,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         from chunkzero.checkpoint.export import export_checkpoint  # lazily: imports orbax and tensorstore
+        from chunkzero.run_dir import checkpoint_root
 
         t0 = time.perf_counter()
-        r = export_checkpoint(args.checkpoint, args.out, format=args.format, dtype=args.dtype, step=args.step,
-                              max_shard_size=args.max_shard_size, ema=args.ema)
+        r = export_checkpoint(checkpoint_root(args.checkpoint), args.out, format=args.format, dtype=args.dtype,
+                              step=args.step, max_shard_size=args.max_shard_size, ema=args.ema)
     except ChunkZeroError as e:
         return fail("chunkzero export", str(e))
     print(

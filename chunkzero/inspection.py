@@ -14,7 +14,7 @@ from typing import Any
 
 from .checkpoint import META_FILENAME, META_ITEM, PARAMS_KEY, chunk_key, list_steps, read_meta, resolve_step_dir
 from .dtypes import itemsize_bytes
-from .run_dir import CHECKPOINT_DIR
+from .run_dir import checkpoint_root
 
 
 def _dir_bytes(path: Path) -> int:
@@ -38,10 +38,7 @@ def inspect_checkpoint(path: str | os.PathLike, step: int | None = None) -> dict
     Raises:
         CheckpointError / CheckpointFormatError: no such checkpoint or step, malformed metadata.
     """
-    run_checkpoints = Path(path) / CHECKPOINT_DIR
-    if not list_steps(path) and run_checkpoints.is_dir():  # a `chunkzero train` run folder: its checkpoints
-        path = run_checkpoints
-    step_dir = resolve_step_dir(path, step)
+    step_dir = resolve_step_dir(checkpoint_root(path), step)
     meta = read_meta(step_dir)
     doc = json.loads((step_dir / META_ITEM / META_FILENAME).read_text())
     layout = meta.layout

@@ -36,6 +36,14 @@ RUN_OUTPUTS = RUN_MARKERS + ("summary.txt", "loss.png", "sample.txt", "train.log
 """Everything a run writes in ``--out``; ``--overwrite`` removes exactly these first."""
 
 
+def checkpoint_root(path: str | os.PathLike) -> Path:
+    """``path`` as a checkpoint root: a ``chunkzero train`` run folder (no step of its own, a
+    ``checkpoints/`` inside) gives its ``checkpoints/``; anything else is returned as it is."""
+    path = Path(path)
+    inner = path / CHECKPOINT_DIR
+    return inner if not list_steps(path) and inner.is_dir() else path
+
+
 def fresh_run_dir(root: Path) -> Path:
     """``root/<YYYYmmdd-HHMMSS>`` (with ``-2``, ``-3`` … appended while that exists); not created."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

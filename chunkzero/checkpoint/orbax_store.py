@@ -132,8 +132,13 @@ def _manager_options(max_to_keep: int | None, options: Any = None, *, timeout_s:
 
 
 FINITE_KEY = "finite"
-"""``meta.extra[FINITE_KEY]``: whether the step was saved with a finite training loss (a step without it
+"""``meta.extra[FINITE_KEY]``: whether the step was saved healthy: a finite training loss, and the step applied
+(not skipped for non-finite gradients), as the training loops of both engines set it (a step without it
 counts as finite). :func:`save_step`'s ``max_to_keep`` never deletes the newest finite step."""
+
+_SAVING_FINITE: dict[tuple[str, int], bool] = {}
+"""``(root, step) -> finite`` of the steps this process is saving or has saved: the preservation policy reads
+it before a step's metadata is on disk (an asynchronous save), so the step being saved counts at once."""
 
 
 def saved_finite(step_dir: str | os.PathLike) -> bool:
@@ -169,9 +174,13 @@ def _newest_finite_policy() -> type:
         root: str
 
         def should_preserve(self, checkpoints, *, context):  # noqa: ARG002 - Orbax's PreservationPolicy signature
-            finite = [c.step for c in checkpoints if saved_finite(Path(self.root) / str(c.step))]
+            finite = [c.step for c in checkpoints if self.finite(c.step)]
             newest = max(finite, default=None)
             return [c.step == newest for c in checkpoints]
+
+        def finite(self, step: int) -> bool:
+            known = _SAVING_FINITE.get((self.root, step))
+            return saved_finite(Path(self.root) / str(step)) if known is None else known
 
     return NewestFinite
 
@@ -382,6 +391,8 @@ def save_step(
                 STATE_ITEM: ocp.args.PyTreeSave(tree, save_args=_save_args(meta, tree)),
                 META_ITEM: ocp.args.JsonSave(doc),
             }
+            extra = doc.get("extra")
+            _SAVING_FINITE[(str(directory), step)] = not isinstance(extra, dict) or extra.get(FINITE_KEY) is not False
             saved = manager.save(step, args=ocp.args.Composite(**items), force=True)
             with _MANAGERS_LOCK:
                 if (m := _MANAGERS.get(str(directory))) is not None:

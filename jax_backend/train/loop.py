@@ -111,7 +111,7 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
                 sampler = next(iter(samplers.values()))
                 adapter.save(ckpt_root, step, data_position={"sampler": sampler.state_dict()}, keep=cfg.keep,
                             extra={**settings, "counters": report.counters(), "backend": "jax",
-                                   FINITE_KEY: math.isfinite(float(loss))})
+                                   FINITE_KEY: applied and math.isfinite(float(loss))})
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = adapter.evaluate(val)
                 report.val(step, val_loss, train_loss=loss, ema_val_loss=adapter.evaluate_ema(val))

@@ -249,6 +249,8 @@ def test_inspect(trained, tmp_path, capsys):
     (run / "checkpoints").symlink_to(root, target_is_directory=True)
     assert cli(["inspect", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step"] == 2
+    assert cli(["export", "--format", "safetensors", str(run), str(tmp_path / "from-run")]) == 0
+    assert "exported step 2" in capsys.readouterr().out
     assert cli(["inspect", str(tmp_path / "nope")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

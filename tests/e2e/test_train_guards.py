@@ -47,6 +47,10 @@ def test_non_finite_loss_stops_at_the_skip_limit_and_saves_nothing_non_finite(tm
     flagged = [r for r in train if r.get("non_finite")]
     assert flagged and all(r["non_finite"] is True and None in (r["loss"], r["grad_norm"]) for r in flagged)
     assert sorted(d.name for d in (out / "checkpoints").iterdir() if d.name.isdigit()) == ["10"]
+    from chunkzero.checkpoint import read_meta
+
+    # step 10 was skipped: not a healthy step for --keep to protect, whatever its loss (JAX's is finite, 1e18)
+    assert read_meta(out / "checkpoints" / "10").extra["finite"] is False
     import jax_backend as jb
 
     chunks, _ = jb.restore_chunks(out / "checkpoints", jb.make_mesh(1))

@@ -233,14 +233,15 @@ def test_jax_save_writes_torch_compatible_checksums(torch_run, tmp_path):
         assert ours["arrays"] == r.meta.checksums["arrays"]
 
 
-@pytest.mark.parametrize("flags, kept", [
-    ([True, True, False, False, False, False], [2, 4, 5, 6]),  # the newest finite step outlives keep-last-3
-    ([None] * 6, [4, 5, 6]),  # checkpoints without the flag count as finite: plain keep-last-3
-    # a step counts once committed: the finite step 3 is released by the save after finite step 6
-    ([True] * 3 + [False] * 2 + [True], [3, 4, 5, 6]),
-    ([True] * 3 + [False] * 2 + [True, True], [5, 6, 7]),
+@pytest.mark.parametrize("flags, kept, keep", [
+    ([True, True, False, False, False, False], [2, 4, 5, 6], 3),  # the newest finite step outlives keep-last-3
+    ([None] * 6, [4, 5, 6], 3),  # checkpoints without the flag count as finite: plain keep-last-3
+    ([True] * 3, [3], 1),  # keep-last-1 of finite steps: one step, not the one before it too
+    # the step being saved counts at once (its metadata is not on disk yet): finite step 6 releases step 3
+    ([True] * 3 + [False] * 2 + [True], [4, 5, 6], 3),
+    ([True] * 3 + [False] * 2 + [True, True], [5, 6, 7], 3),
 ])
-def test_keep_last_n_never_deletes_the_newest_finite_step(tmp_path, flags, kept):
+def test_keep_last_n_never_deletes_the_newest_finite_step(tmp_path, flags, kept, keep):
     """``max_to_keep`` (``--keep``) rotates out old steps, except the newest one saved with a finite loss
     (``meta.extra["finite"]``), as the training loops of both engines save them (``orbax_store.save_step``)."""
     layout = ChunkLayout.build([TensorSpec("a", (100,))], 128, 1)
@@ -252,7 +253,7 @@ def test_keep_last_n_never_deletes_the_newest_finite_step(tmp_path, flags, kept)
             layout,
             step=step,
             extra=extra,
-            options=ocp.CheckpointManagerOptions(max_to_keep=3),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep),
         )
     assert ckpt.list_steps(tmp_path) == kept
 

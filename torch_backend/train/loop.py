@@ -217,7 +217,8 @@ def train(cfg: TrainConfig, corpus: data_mod.Corpus, rank: int, world: int, devi
             loss = all_mean(loss_sum / cfg.grad_accum, group)  # also a sync point, so the timing is honest
             report.train_step(step, loss, lr, adapter, applied, time.perf_counter() - t0)
             if cfg.save_interval and (step % cfg.save_interval == 0 or step == cfg.steps):
-                save_step(step, adapter, sampler, cfg, report.counters(), settings, finite=math.isfinite(float(loss)))
+                save_step(step, adapter, sampler, cfg, report.counters(), settings,
+                          finite=applied and math.isfinite(float(loss)))
             if step % cfg.eval_interval == 0 or step == cfg.steps:
                 val_loss = evaluate(adapter, val, device, group)
                 report.val(step, val_loss, train_loss=loss, ema_val_loss=evaluate_ema(adapter, val, device, group))
