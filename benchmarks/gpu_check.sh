@@ -17,7 +17,9 @@
 #   gpt2-355M       90     80   as gpt2-124M, the GPT-2 medium shape
 #   largest        120   per rung  the largest byte-level GPT with offload_optim_frac=1.0, sized from MemAvailable and
 #                               the GPU's free memory now (>= 22 bytes per parameter on the host), down the ladder
-#   total          490 s, plus ~1 s per part to rebuild the table
+#   plan            80     -    gpu_plan.py: chunkzero plan's peak against a 3-step chunkzero train's
+#                               torch.cuda.max_memory_allocated (gpt2, bf16, 8 x 1024 tokens, one worker)
+#   total          570 s, plus ~1 s per part to rebuild the table
 # --smoke: the same parts, but gpt2-124M, gpt2-355M and the one-rung largest share one bench_engine.py
 # run (--parts: outer 60 s per part + 15, inner 60 s each; the ranks are forks of one server that imported
 # torch once), so the whole smoke costs a handful of torch imports rather than one per part.
@@ -48,7 +50,7 @@ LOG=$DEST/gpu_check.log
 : >"$JSONL"
 : >"$LOG"
 START=$(date +%s)
-PARTS=${GPU_CHECK_PARTS:-env,streams,gpt2-124M,placement,gpt2-355M,largest}
+PARTS=${GPU_CHECK_PARTS:-env,streams,gpt2-124M,placement,gpt2-355M,largest,plan}
 HOST_BPP=${GPU_CHECK_HOST_BYTES_PER_PARAM:-24}
 ((HOST_BPP < 22)) && HOST_BPP=22
 HEADER="# chunkzero GPU check ($(date -u +%Y-%m-%dT%H:%MZ)$( ((SMOKE)) && echo ', --smoke: CPU plumbing only'))
@@ -292,6 +294,9 @@ else
     largest_note "$LARGEST"
   fi
 fi
+
+# ---- plan: chunkzero plan's predicted peak against a 3-step chunkzero train's measured one (one row)
+want plan && run_part plan 80 "$PY" benchmarks/gpu_plan.py "$JSONL" "$DEST" $( ((SMOKE)) && echo --smoke)
 
 row "{\"part\": \"total\", \"kind\": \"part\", \"status\": \"finished\", \"seconds\": $(($(date +%s) - START)), \"rows\": $(wc -l <"$JSONL")}"
 table

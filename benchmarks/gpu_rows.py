@@ -4,8 +4,9 @@ the markdown tables assembled from them.
 Every row has ``part`` (the part of the check that wrote it) and ``kind`` (what it is: ``env``,
 ``part`` = a part's outcome, ``engine`` = a ``bench_engine.py`` system, ``streams`` = a prefetch
 comparison of ``gpu_streams.py``, ``placement`` = a ``gpu_placement.py`` configuration, ``rung`` = a
-try of the largest-model ladder, ``note``). A part that is killed keeps the rows it appended before: each
-row is one ``write`` of a whole line, flushed at once.
+try of the largest-model ladder, ``plan`` = the memory plan against a measured run, ``note``). A part
+that is killed keeps the rows it appended before: each row is one ``write`` of a whole line, flushed at
+once.
 
     python benchmarks/gpu_rows.py add ROWS.jsonl '{"part": "x", "kind": "note", "text": "..."}'
     python benchmarks/gpu_rows.py table ROWS.jsonl OUT.md      # every part's rows as markdown tables
@@ -27,6 +28,7 @@ COLUMNS = {
                   "optim_host", "error"],
     "rung": ["n_layer", "n_embd", "n_params", "host_need_gib", "host_available_gib", "device_need_gib",
              "device_free_gib", "result", "tokens_per_s", "peak_cuda_mib", "peak_rss_mib", "seconds"],
+    "plan": ["options", "measured_as", "planned_mib", "measured_mib", "planned_over_measured"],
     "part": ["status", "rc", "seconds", "limit_s", "rows"],
 }
 """The columns shown per row kind (a row's other fields stay in the JSONL); other kinds show every field."""

@@ -180,7 +180,7 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def exit_on_stop_signals(*, at_once: bool = False) -> None:
+def exit_on_stop_signals(*, at_once: bool = False, launcher_exit_wait_s: float = 0.0) -> None:
     """In a worker's main thread: :data:`STOP_SIGNALS` end the process at once with status
     ``128 + signal``, without a traceback or interpreter finalization (where a framework's threads and
     destructors print errors or abort). A checkpoint being written stays an uncommitted temporary, which
@@ -193,6 +193,11 @@ def exit_on_stop_signals(*, at_once: bool = False) -> None:
     signal", with nothing flushed or removed. For every worker but the one that is last out
     (:func:`outlive_on_stop`).
 
+    ``launcher_exit_wait_s``: on SIGINT, how long to wait for the launcher to be gone before leaving its temp
+    directory to it (:data:`LAUNCHER_EXIT_WAIT_S` for torch's spawned workers, whose ``PR_SET_PDEATHSIG``
+    SIGINT can come while the launcher still dies; 0 for the JAX engine's, which see their launcher end on a
+    pipe, and whose processes must leave together).
+
     Call it again after a library installs its own handler: ``jax.distributed.initialize`` installs a
     SIGTERM handler for its preemption notifier, under which ``kill`` would not stop the process
     (:func:`reclaim_stop_signals`). Does nothing outside the main thread (Python allows handlers only there)."""
@@ -204,17 +209,17 @@ def exit_on_stop_signals(*, at_once: bool = False) -> None:
         if _outlived:
             _wait_until_gone(*_outlived)
         # the launcher died (torch's spawn: PR_SET_PDEATHSIG sends SIGINT, maybe while the launcher still dies)
-        remove_orphaned_launch_dir(wait_s=LAUNCHER_EXIT_WAIT_S if signum == signal.SIGINT else 0.0)
+        remove_orphaned_launch_dir(wait_s=launcher_exit_wait_s if signum == signal.SIGINT else 0.0)
         _exit_now(128 + signum)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL if at_once else stop)
-    _stop_signals_owned = "at once" if at_once else "handler"
+    _stop_signals_owned = {"at_once": at_once, "launcher_exit_wait_s": launcher_exit_wait_s}
 
 
-_stop_signals_owned: str | None = None
-"""How :func:`exit_on_stop_signals` set this process's stop signals (``"handler"``, ``"at once"``), ``None``
-outside a worker of ``chunkzero train``."""
+_stop_signals_owned: dict | None = None
+"""How :func:`exit_on_stop_signals` set this process's stop signals (its arguments), ``None`` outside a worker
+of ``chunkzero train``."""
 _outlived: tuple[tuple[int, ...], float] | None = None
 """The processes a stop waits for, and for how long at most (:func:`outlive_on_stop`)."""
 LAUNCHER_EXIT_WAIT_S = 1.0
@@ -231,15 +236,16 @@ def reclaim_stop_signals() -> None:
     torch worker's first checkpoint save): :func:`exit_on_stop_signals` again, as this process had it, where
     it is a worker that had it; nothing elsewhere (a user's own process keeps its handlers)."""
     if _stop_signals_owned:
-        exit_on_stop_signals(at_once=_stop_signals_owned == "at once")
+        exit_on_stop_signals(**_stop_signals_owned)
 
 
 def outlive_on_stop(pids: Iterable[int], wait_s: float = OUTLIVE_WAIT_S) -> None:
     """Make a stop signal end this process only once the processes ``pids`` are gone (this one's own pid is
     ignored), or after ``wait_s`` seconds; a signal handled by :func:`exit_on_stop_signals` (not ``at_once``).
 
-    For the worker that hosts JAX's coordination service, process 0 of ``jax.distributed`` (a torch worker's
-    rank 0 once it saved, the JAX engine's process 0): when it exits first, every other process's JAX client
+    For the worker that hosts JAX's coordination service, process 0 of ``jax.distributed`` in a torch run
+    (rank 0 once it saved; not the JAX engine, whose processes all stop in their handlers, being in JAX
+    collectives with each other): when it exits first, every other process's JAX client
     loses the service and ends its process with absl's fatal lines (``F… Terminating process because the JAX
     distributed service detected fatal errors``). The others stop ``at_once``, so this one is last out, and
     also the one to remove an orphaned launcher's temp directory after them."""

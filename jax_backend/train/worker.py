@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,6 @@ from chunkzero.train_config import TrainConfig
 from chunkzero.workers import (
     EXIT_PEER_LOST,
     exit_on_stop_signals,
-    outlive_on_stop,
     remove_orphaned_launch_dir,
     watch_launcher,
     write_result,
@@ -115,19 +113,15 @@ def worker_main(cfg: TrainConfig) -> dict:
 
     place = process_place()
     setup_logging(place.process_id, None)
-    # process 0 hosts JAX's coordination service, whose loss makes the others' JAX clients abort with absl's
-    # fatal lines: it leaves last, the others at the signal itself (chunkzero.workers.outlive_on_stop)
-    at_once = place.process_id != 0
-    exit_on_stop_signals(at_once=at_once)
+    # Every process stops in its handler, between two calls: a process ended by the signal itself (as a torch
+    # worker's but rank 0 are) can leave the others blocked in a JAX collective with it, until the coordination
+    # service sees it gone and aborts them with absl's fatal lines.
+    exit_on_stop_signals()
     watch_launcher()
     try:
         join_processes(cfg.devices_per_process, cfg.timeout_s, place)
         use_compilation_cache(compilation_cache_dir())  # a restarted run loads its step instead of compiling it
-        exit_on_stop_signals(at_once=at_once)  # again: jax.distributed.initialize's preemption notifier took SIGTERM
-        host = socket.gethostname()
-        peers = all_gather_json([host, os.getpid()])
-        if place.process_id == 0:
-            outlive_on_stop(pid for peer_host, pid in peers if peer_host == host)  # (another host's: out of reach)
+        exit_on_stop_signals()  # again: jax.distributed.initialize's preemption notifier took SIGTERM
         error, cfg, corpus = _check_together(cfg, place)
         if error is not None:
             return {"status": "error", "message": error}

@@ -119,8 +119,8 @@ def test_the_service_host_waits_for_the_others_only_so_long():
         _kill(peer)
 
 
-WORKER = "import time\nfrom chunkzero.workers import exit_on_stop_signals\nexit_on_stop_signals()\n" \
-         "print('ready', flush=True)\ntime.sleep(600)"
+WORKER = "import time\nfrom chunkzero.workers import LAUNCHER_EXIT_WAIT_S, exit_on_stop_signals\n" \
+         "exit_on_stop_signals(launcher_exit_wait_s=LAUNCHER_EXIT_WAIT_S)\nprint('ready', flush=True)\ntime.sleep(600)"
 LAUNCHER = f"""
 import ctypes, os, subprocess, sys, threading, time
 from chunkzero.workers import launch_env

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_streams  # noqa: E402
 
-PARTS = ("streams", "gpt2-124M", "placement", "gpt2-355M", "largest")
+PARTS = ("streams", "gpt2-124M", "placement", "gpt2-355M", "largest", "plan")
 
 
 def _run_smoke(out: Path) -> subprocess.CompletedProcess:
@@ -58,6 +58,8 @@ def test_gpu_check_smoke_writes_every_part(tmp_path):
             assert r["tokens_per_s"] > 0 and r["timed_steps"] >= 1, r
     assert [r for r in rows if r["kind"] == "placement"][0]["moved_mib_per_step"] > 0
     assert [r["result"] for r in rows if r["kind"] == "rung"][-1] == "trains"
+    plan = [r for r in rows if r["kind"] == "plan"]
+    assert len(plan) == 1 and plan[0]["measured_mib"] > 0 and 0.5 < plan[0]["planned_over_measured"] < 2, plan
 
     md = (tmp_path / "gpu_check.md").read_text()
     for part in PARTS:

@@ -32,7 +32,12 @@ from chunkzero.job.models import load_run_corpus
 from chunkzero.job.report import setup_logging
 from chunkzero.run_dir import write_run_config
 from chunkzero.train_config import TrainConfig
-from chunkzero.workers import exit_on_stop_signals, outlive_on_stop, remove_orphaned_launch_dir
+from chunkzero.workers import (
+    LAUNCHER_EXIT_WAIT_S,
+    exit_on_stop_signals,
+    outlive_on_stop,
+    remove_orphaned_launch_dir,
+)
 
 from ..zero.collectives import all_gather_json, barrier, world_group
 from .launch import EXIT_PEER_LOST
@@ -136,7 +141,7 @@ def worker_main(cfg: TrainConfig, on_step_end: Sequence[StepHook] = ()) -> dict:
     # SIGTERM/SIGINT (also the launcher's death: spawn's PR_SET_PDEATHSIG) end it quietly; rank 0, which hosts
     # JAX's coordination service once it saved, last (a JAX client that loses the service aborts, printing
     # absl's fatal lines), so the others end at the signal itself, whatever their main thread is doing
-    exit_on_stop_signals(at_once=rank != 0)
+    exit_on_stop_signals(at_once=rank != 0, launcher_exit_wait_s=LAUNCHER_EXIT_WAIT_S)
     try:
         rank, world, _, device = init_distributed(cfg)
         group = world_group()
