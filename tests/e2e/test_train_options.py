@@ -5,9 +5,11 @@ inspect`` of a hybrid checkpoint, and a safetensors export loading strictly into
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,3 +133,31 @@ def test_cli_refuses_jax_hybrid_in_one_line(tmp_path):
         "flat ZeRO-3 over all 2 devices (jax_backend.hybrid is not wired into chunkzero train); drop the option or "
         "pass --shard-group-size 2"]
     assert not (tmp_path / "o").exists()
+
+
+def test_a_resume_takes_this_sessions_clipping_and_weight_decay(tmp_path):
+    """``--resume --max-norm 0 --weight-decay 0.5`` clips nothing and decays at 0.5 from the resumed step on,
+    although the checkpoint's optimizer settings (clipping at 1, decay 0.1) come back with its state."""
+    from chunkzero.checkpoint.orbax_store import wait_until_finished
+    from chunkzero.job import data as data_mod
+    from chunkzero.run_dir import CHECKPOINT_DIR
+    from torch_backend.train.adapter import TorchAdapter
+    from torch_backend.train.loop import resume, save_step
+    from torch_backend.train.models import build_module
+
+    (tmp_path / "a.py").write_text("def f(x):\n    return x\n" * 400)
+    from chunkzero.train_config import with_device_defaults
+
+    first = with_device_defaults(TrainConfig(model="gpt-tiny", mixed_precision="fp32", data=[str(tmp_path / "a.py")],
+                                             seq_len=16, out=str(tmp_path / "run"), max_norm=1.0, weight_decay=0.1),
+                                 "cpu")
+    adapter = TorchAdapter(build_module(first), first, torch.device("cpu"))
+    sampler = data_mod.BatchSampler(np.arange(4096, dtype=np.uint16) % 256, seq_len=16, batch_size=2, rank=0,
+                                    world_size=1, seed=0)
+    save_step(1, adapter, sampler, first, {"tokens": 0, "train_time_s": 0.0}, {})
+    wait_until_finished(tmp_path / "run" / CHECKPOINT_DIR)
+    again = dataclasses.replace(first, max_norm=0.0, weight_decay=0.5, resume=True)
+    resumed = TorchAdapter(build_module(again), again, torch.device("cpu"))
+    assert resume(resumed, sampler, again, 0)[0] == 2
+    assert resumed.optim.max_norm is None
+    assert [g["weight_decay"] for g in resumed.optim.param_groups] == [0.5, 0.0]

@@ -136,6 +136,11 @@ def resume(adapter: TorchAdapter, sampler: data_mod.BatchSampler, cfg: TrainConf
         meta = load_checkpoint(root, adapter.model, adapter.optim, step=saved.step)
     except CheckpointError as e:
         raise resume_failed(root, saved.step, e) from None
+    # this session's clipping and weight decay, as a fresh run and a JAX resume take them (the checkpoint's
+    # param groups and max_norm came back with its state); the LR is set at every step
+    adapter.optim.param_groups[0]["weight_decay"] = cfg.weight_decay  # decay_groups' first group
+    if adapter.kind == "zero":
+        adapter.optim.max_norm = cfg.max_norm or None
     sampler.load_state_dict(sampler_position(meta, cfg))
     log.info("resumed from step %d (%s/%s/%d)", meta.step, cfg.out, CHECKPOINT_DIR, meta.step)
     resume_ema_settings(adapter, meta, cfg, rank)
