@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
+from engine_steps import BATCH, SEQ, step_batch, torch_params, update_error
 
 import jax_backend as jb
 from chunkzero.checkpoint.steps import read_meta
@@ -30,7 +30,7 @@ UPDATE_RTOL = 0.05
 """Normwise relative error of the 3-step update allowed between the engines (torch's bf16 bound)."""
 BF16_DISTANCE_FACTOR = 3.0
 """The JAX bf16 update's distance from the fp32 update is within this factor of torch's bf16 distance."""
-BATCH, SEQ, WORLD = 8, 32, 2
+WORLD = 2
 SAVED_AT, STEPS = 2, 5
 
 
@@ -41,31 +41,14 @@ def _cfg(precision: str) -> TrainConfig:
     return cfg
 
 
-def _batch(step: int):
-    g = torch.Generator().manual_seed(100 + step)
-    data = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
-
-
 def _torch_steps(engine: TorchAdapter, cfg: TrainConfig, steps) -> None:
     """torch's loop: the step's LR, one micro-batch of the whole global batch (W = 1), the step."""
     for s in steps:
         engine.set_lr(lr_at(s - 1, cfg))
-        x, y = _batch(s)
+        x, y = step_batch(s)
         engine.backward(lm_loss(engine.model(x), y))
         engine.step()
         engine.zero_grad()
-
-
-def _torch_params(engine: TorchAdapter) -> dict[str, np.ndarray]:
-    return {k: v.detach().float().numpy().copy() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
-
-
-def _update_error(got: dict, want: dict, start: dict) -> float:
-    """``‖Δgot − Δwant‖ / ‖Δwant‖`` over every parameter, ``Δ = final − start`` (float64)."""
-    num = sum(float(((got[n].astype(np.float64) - want[n]) ** 2).sum()) for n in want)
-    den = sum(float(((want[n].astype(np.float64) - start[n]) ** 2).sum()) for n in want)
-    return (num / den) ** 0.5
 
 
 @pytest.fixture(scope="module")
@@ -77,21 +60,21 @@ def runs(tmp_path_factory):
     engine = TorchAdapter(build_module(cfg), cfg, torch.device("cpu"))
     _torch_steps(engine, cfg, range(1, SAVED_AT + 1))
     save_checkpoint(ckpt, engine.model, engine.optim, step=SAVED_AT)
-    start = _torch_params(engine)
+    start = torch_params(engine)
     _torch_steps(engine, cfg, range(SAVED_AT + 1, STEPS + 1))
-    torch_bf16 = _torch_params(engine)
+    torch_bf16 = torch_params(engine)
 
     cfg32 = _cfg("fp32")
     fp32 = TorchAdapter(build_module(cfg32), cfg32, torch.device("cpu"))
     load_checkpoint(ckpt, fp32.model, fp32.optim, load_rng=False)
     _torch_steps(fp32, cfg32, range(SAVED_AT + 1, STEPS + 1))
-    torch_fp32 = _torch_params(fp32)
+    torch_fp32 = torch_params(fp32)
 
     jax_engine = JaxAdapter(cfg, jb.make_mesh(WORLD), resume_from=ckpt)
     dtypes = ({str(v.dtype) for v in (jax_engine.state.params or {}).values()},
               {str(v.dtype) for v in jax_engine.state.master.values()})
     for s in range(SAVED_AT + 1, STEPS + 1):
-        x, y = _batch(s)
+        x, y = step_batch(s)
         half = BATCH // WORLD
         jax_engine.step(s, jax_engine.global_batch({r: (x[r * half:(r + 1) * half].numpy(),
                                                     y[r * half:(r + 1) * half].numpy()) for r in range(WORLD)}))
@@ -104,11 +87,11 @@ def runs(tmp_path_factory):
 
 def test_bf16_updates_of_the_engines_agree(runs):
     start, want = runs["start"], runs["torch_bf16"]
-    err = _update_error(runs["jax_bf16"], want, start)
+    err = update_error(runs["jax_bf16"], want, start)
     print(f"bf16, 3 steps from one checkpoint: JAX (2 devices) vs torch (W=1) update error {err:.3%}")
     assert err <= UPDATE_RTOL
     halved = {n: start[n] + 0.5 * (runs["jax_bf16"][n] - start[n]) for n in want}  # an update half as large
-    assert _update_error(halved, want, start) > UPDATE_RTOL, "the update check cannot fail"
+    assert update_error(halved, want, start) > UPDATE_RTOL, "the update check cannot fail"
 
 
 def test_jax_computes_in_bf16_on_fp32_masters(runs):
@@ -116,8 +99,8 @@ def test_jax_computes_in_bf16_on_fp32_masters(runs):
     update is, and the checkpoint records bf16."""
     assert runs["dtypes"] == ({str(jnp.dtype(jnp.bfloat16))}, {"float32"})
     start, fp32 = runs["start"], runs["torch_fp32"]
-    torch_dist = _update_error(runs["torch_bf16"], fp32, start)
-    jax_dist = _update_error(runs["jax_bf16"], fp32, start)
+    torch_dist = update_error(runs["torch_bf16"], fp32, start)
+    jax_dist = update_error(runs["jax_bf16"], fp32, start)
     print(f"distance of the bf16 update from fp32's: torch {torch_dist:.3%}, JAX {jax_dist:.3%}")
     assert torch_dist / BF16_DISTANCE_FACTOR <= jax_dist <= torch_dist * BF16_DISTANCE_FACTOR
     assert read_meta(Path(runs["ckpt"]), STEPS).mixed_precision == "bf16"

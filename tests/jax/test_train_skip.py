@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import optax
 import torch
+from engine_steps import BATCH, SEQ, step_batch, torch_params, update_error
 from zero_utils import CHUNK_SIZE, WORLD, batches, tiny_program
 
 import jax_backend as jb
@@ -48,13 +49,6 @@ def _schedule_count(opt_state) -> int:
     return counts[0]
 
 
-def _update_error(got: dict, want: dict, start: dict) -> float:
-    """``‖Δgot − Δwant‖ / ‖Δwant‖`` over every tensor of ``want``, ``Δ = final − start`` (float64)."""
-    num = sum(float(((np.asarray(got[n], np.float64) - want[n]) ** 2).sum()) for n in want)
-    den = sum(float(((np.asarray(want[n], np.float64) - start[n]) ** 2).sum()) for n in want)
-    return (num / den) ** 0.5
-
-
 def test_a_skipped_step_keeps_adam_and_moves_the_schedule_on():
     """Step 1 skipped (a NaN weight), step 2 applied: the update is Adam's first (bias correction t = 1) at the
     schedule's second LR, as a run that started at step 2 computes it."""
@@ -82,13 +76,12 @@ def test_a_skipped_step_keeps_adam_and_moves_the_schedule_on():
 
     reference = ZeroTrainer(program, layout, mesh, _adam(lambda c: _schedule(c + 1)))  # starts at the 2nd LR
     want = reference.full_params(reference.step_fn(reference.init(p0), reference.shard_batch(b1))[0])
-    assert _update_error(got, want, p0) <= FP32_RTOL
+    assert update_error(got, want, p0) <= FP32_RTOL
     lagging = ZeroTrainer(program, layout, mesh, _adam(_schedule))  # the schedule one step behind
     behind = lagging.full_params(lagging.step_fn(lagging.init(p0), lagging.shard_batch(b1))[0])
-    assert _update_error(behind, want, p0) > FP32_RTOL, "the check cannot tell the schedule's step"
+    assert update_error(behind, want, p0) > FP32_RTOL, "the check cannot tell the schedule's step"
 
 
-BATCH, SEQ = 8, 32
 SKIPPED, SAVED_AT, STEPS = 2, 3, 5
 
 
@@ -99,16 +92,6 @@ def _cfg() -> TrainConfig:
     return cfg
 
 
-def _batch(step: int):
-    g = torch.Generator().manual_seed(100 + step)
-    data = torch.randint(0, 256, (BATCH, SEQ + 1), generator=g)
-    return data[:, :-1], data[:, 1:]
-
-
-def _torch_params(engine: TorchAdapter) -> dict[str, np.ndarray]:
-    return {k: v.detach().float().numpy().copy() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
-
-
 def test_a_resume_after_a_skipped_step_continues_torchs_schedule(tmp_path):
     """torch (W = 1) skips step 2 (an infinite loss) and saves at step 3 (2 steps applied); the JAX engine
     (2 devices) resumed there trains steps 4-5 as torch does: at ``lr_at(3)`` and ``lr_at(4)``."""
@@ -116,26 +99,26 @@ def test_a_resume_after_a_skipped_step_continues_torchs_schedule(tmp_path):
     engine = TorchAdapter(build_module(cfg), cfg, torch.device("cpu"))
     for s in range(1, STEPS + 1):
         engine.set_lr(lr_at(s - 1, cfg))
-        x, y = _batch(s)
+        x, y = step_batch(s)
         loss = lm_loss(engine.model(x), y)
         engine.backward(loss * float("inf") if s == SKIPPED else loss)
         assert engine.step() is (s != SKIPPED)
         engine.zero_grad()
         if s == SAVED_AT:
             save_checkpoint(tmp_path, engine.model, engine.optim, step=s)
-            start = _torch_params(engine)
-    want = _torch_params(engine)
+            start = torch_params(engine)
+    want = torch_params(engine)
     meta = read_meta(tmp_path)
     assert (meta.step, meta.optimizer.step) == (SAVED_AT, SAVED_AT - 1)
 
     jax_engine = JaxAdapter(cfg, jb.make_mesh(2), resume_from=tmp_path)
     for s in range(SAVED_AT + 1, STEPS + 1):
-        x, y = _batch(s)
+        x, y = step_batch(s)
         half = BATCH // 2
         jax_engine.step(s, jax_engine.global_batch({r: (x[r * half:(r + 1) * half].numpy(),
                                                         y[r * half:(r + 1) * half].numpy()) for r in range(2)}))
     full = jax_engine.full_params()
     got = {k: full[k] for k in want}
-    assert _update_error(got, want, start) <= CROSS_RTOL  # a schedule one step behind: 1.6 (lr_at(2), lr_at(3))
+    assert update_error(got, want, start) <= CROSS_RTOL  # a schedule one step behind: 1.6 (lr_at(2), lr_at(3))
     assert adam_state_to_chunks(jax_engine.state.opt_state)[1] == STEPS - 1
     assert _schedule_count(jax_engine.state.opt_state) == STEPS
