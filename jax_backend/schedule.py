@@ -14,7 +14,9 @@ as one ``jax.jit`` of one ``jax.shard_map`` over the data axis. Inside, per devi
   (rematerialization per stage), gathering ``u`` again before the first stage (in backward order)
   that reads it — so a gathered unit is never kept alive from forward to backward. Gradients of
   ``u``'s tensors accumulate until the last stage that reads ``u``, then are **reduced** to the
-  device's local gradient (:meth:`GatherUnit.reduce`).
+  device's local gradient (:meth:`GatherUnit.reduce`). With ``remat=False`` a stage is not recomputed:
+  its forward kept its matrix products' outputs and its backward, less its gathered tensors, which
+  backward gathers again (:func:`_stage_vjp`).
 - ``optax`` (AdamW) updates the fp32 **master** values locally (elementwise, so sharded = unsharded);
   with ``mixed_precision="bf16"`` the bf16 parameters used for the gathers are refreshed from them.
 
