@@ -4,12 +4,15 @@ Each repeat runs ``chunkzero train`` once per engine, in an order that alternate
 (so a shared machine's drifting load hits both alike), on the same settings: the CPU default model
 (``gpt-mini``), ``--seq-len`` and ``--batch-size`` at their defaults, fp32, W = 2 — torch as 2 gloo workers
 (``--nproc 2``, each with cores / 2 intra-op threads, as ``chunkzero train`` sets them), JAX as 2 JAX
-processes of 1 CPU device each (``--backend jax --nproc 2``; XLA's CPU thread pool is its default, the
-machine's cores, in each process), twice: ``jax cold`` with an empty persistent compilation cache
-(``CHUNKZERO_JAX_CACHE``, a new directory per run: a first start) and ``jax warm`` with the cache a
-previous run filled (a restart; one run fills it before the repeats); and ``jax-1proc``, one JAX process
-of 2 CPU devices (``--nproc 1 --devices-per-process 2``: the same W = 2, its collectives inside one
-process), warm. No evaluation beyond the one at step 0, no checkpoint, no sample.
+processes of 1 CPU device each (``--backend jax --nproc 2``; XLA:CPU's threads bound to cores / 2 in each
+process as torch's, ``CHUNKZERO_CPU_THREADS``), twice: ``jax cold`` with an empty persistent compilation
+cache (``CHUNKZERO_JAX_CACHE``, a new directory per run: a first start) and ``jax warm`` with the cache a
+previous run filled (a restart; one run fills it before the repeats); ``jax-1proc``, one JAX process of
+2 CPU devices (``--nproc 1 --devices-per-process 2``: the same W = 2, its collectives inside one
+process), warm; ``jax-xla-threads``: ``jax-warm`` with XLA:CPU's own thread count (every core in each
+process, ``CHUNKZERO_CPU_THREADS=0``: the JAX engine before issue 28's bound); ``jax-remat``: ``jax-warm``
+with ``--activation-checkpointing`` (each stage recomputed in backward: the JAX step before issue 28). No
+evaluation beyond the one at step 0, no checkpoint, no sample.
 
 Per engine, over the repeats (min / median / max):
 
@@ -45,13 +48,17 @@ from train_runs import make_corpus, train_env  # noqa: E402
 
 JAX = ["--backend", "jax", "--nproc", "2", "--devices-per-process", "1"]
 ENGINES = {"torch": ["--nproc", "2"], "jax-cold": JAX, "jax-warm": JAX,
-           "jax-1proc": ["--backend", "jax", "--nproc", "1", "--devices-per-process", "2"]}
-WARM = ("jax-warm", "jax-1proc")
+           "jax-1proc": ["--backend", "jax", "--nproc", "1", "--devices-per-process", "2"],
+           "jax-xla-threads": JAX, "jax-remat": [*JAX, "--activation-checkpointing"]}
+ENGINE_ENV = {"jax-xla-threads": {"CHUNKZERO_CPU_THREADS": "0"}}
+"""Environment set for an engine: ``jax-xla-threads`` leaves XLA:CPU's threads at its default (every core, in
+each process) instead of ``chunkzero train``'s cores / processes."""
+WARM = ("jax-warm", "jax-1proc", "jax-xla-threads", "jax-remat")
 """The engines that start with the warm cache (each fills it once before the repeats)."""
 
 
 def run_once(engine: str, common: list[str], out: Path, cwd: Path, cache: Path | None = None) -> dict:
-    env = train_env()
+    env = {**train_env(), **ENGINE_ENV.get(engine, {})}
     if cache is not None:
         env["CHUNKZERO_JAX_CACHE"] = str(cache)
     t0 = time.perf_counter()

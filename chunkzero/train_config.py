@@ -150,7 +150,8 @@ class TrainConfig:
         0.0, "on a GPU, the share of chunks whose parameter shard lives on the host", "model", metavar="F", minimum=0,
         maximum=1)
     activation_checkpointing: bool = option(
-        False, "recompute each transformer block's activations in backward (torch.utils.checkpoint)", "model")
+        False, "recompute each transformer block's activations in backward (torch.utils.checkpoint; JAX: each "
+               "stage of the step)", "model")
     engine: str = option(
         "zero", "zero: chunk ZeRO-3 (ZeroDDP + ZeroOptimizer); ddp: plain PyTorch DDP + AdamW in fp32, a "
                 "baseline for comparison", "model", choices=ENGINES)
@@ -304,7 +305,8 @@ class TrainConfig:
         zero_only = [flag for flag, on in (("--prefetch", self.prefetch != 1),
                                            ("--offload-optim-frac", self.offload_optim_frac),
                                            ("--offload-param-frac", self.offload_param_frac),
-                                           ("--activation-checkpointing", self.activation_checkpointing)) if on]
+                                           ("--activation-checkpointing",
+                                            self.activation_checkpointing and self.backend == "torch")) if on]
         if zero_only and (self.engine != "zero" or self.backend != "torch"):
             raise ConfigError(f"{zero_only[0]} is an option of the torch engine's ZeroDDP (--engine zero, "
                               "--backend torch)")

@@ -510,6 +510,17 @@ def available_cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def threads_per_worker(local_workers: int) -> int:
+    """Intra-op threads of each of ``local_workers`` workers (torch ranks, JAX processes) on this machine:
+    ``max(1, cores // workers)``, so the workers together do not oversubscribe the cores."""
+    return max(1, available_cpu_cores() // max(1, local_workers))
+
+
+CPU_THREADS_ENV = "CHUNKZERO_CPU_THREADS"
+"""A JAX process's XLA:CPU threads (:func:`jax_backend.processes.bound_cpu_threads`); ``chunkzero train --backend
+jax`` sets it to :func:`threads_per_worker` of its processes unless it is set; ``0``: XLA's default (every core)."""
+
+
 def check_cpu_workers(workers: int, what: str, *, cores: int, threads_each: int | None = None) -> None:
     """Refuse more than :data:`MAX_WORKERS_PER_CORE` CPU workers per core; warn (logger ``chunkzero.train``,
     one line) when there are more workers than ``cores``. Both engines' launchers call it: ``what`` names

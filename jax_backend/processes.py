@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunkzero.errors import ConfigError
-from chunkzero.workers import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from chunkzero.workers import COORDINATOR_ENV, CPU_THREADS_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,12 @@ def process_place(environ: dict | None = None) -> ProcessPlace:
     return ProcessPlace(env[COORDINATOR_ENV], n, i)
 
 
-def join_processes(devices_per_process: int, timeout_s: float, place: ProcessPlace | None = None) -> ProcessPlace:
+def join_processes(devices_per_process: int, timeout_s: float, place: ProcessPlace | None = None, *,
+                   threads: int | None = None) -> ProcessPlace:
     """Configure JAX for CPU with ``devices_per_process`` devices and, with more than one process, join
     the others (``jax.distributed.initialize``); every wait is bounded by ``timeout_s`` seconds (a peer
-    silent for that long counts as dead).
+    silent for that long counts as dead). ``threads``: bound XLA:CPU's threads (:func:`bound_cpu_threads`);
+    ``None``: XLA's default.
 
     Raises:
         ConfigError: a bad ``devices_per_process``/``timeout_s``, or JAX already initialised with other devices.
@@ -82,10 +84,54 @@ def join_processes(devices_per_process: int, timeout_s: float, place: ProcessPla
         jax.distributed.initialize(place.coordinator, place.num_processes, place.process_id,
                                    initialization_timeout=seconds, heartbeat_timeout_seconds=seconds,
                                    shutdown_timeout_seconds=seconds)
+    if threads is not None:
+        bound_cpu_threads(threads)
     if jax.local_device_count() != devices_per_process:
         raise ConfigError(f"JAX has {jax.local_device_count()} local devices, --devices-per-process asks for "
                           f"{devices_per_process} (was JAX used, or XLA_FLAGS set, before the run joined?)")
     return place
+
+
+def cpu_threads(env: dict | None = None) -> int | None:
+    """The XLA:CPU threads this process should run: ``$CHUNKZERO_CPU_THREADS``
+    (:data:`chunkzero.workers.CPU_THREADS_ENV`, which ``chunkzero train --backend jax`` sets to cores /
+    processes), ``None`` (XLA's default, every core) when unset, ``0`` or not a positive integer."""
+    value = (os.environ if env is None else env).get(CPU_THREADS_ENV, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def bound_cpu_threads(threads: int) -> bool:
+    """Create JAX's CPU client with thread pools of ``threads`` threads (XLA sizes its intra-op pools by the
+    CPU cores the creating thread may run on), then let every thread of the process run on all the cores
+    again. Call before anything creates the client (:func:`join_processes` calls it). Returns whether the
+    bound was applied (``False`` off Linux, or when ``threads`` is not fewer than the cores).
+
+    JAX 0.10 has no option for XLA:CPU's thread count (``--xla_cpu_multi_thread_eigen=false`` also turns
+    XNNPACK's threads off and runs dots ~2.6× slower), so the bound is taken from the affinity mask at
+    creation; the threads are not pinned afterwards."""
+    import jax
+
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        jax.devices()
+        return False
+    if threads >= len(cores):
+        jax.devices()
+        return False
+    first = (os.getpid() * threads) % len(cores)  # spread the creating threads' cores over the processes
+    os.sched_setaffinity(0, {cores[(first + k) % len(cores)] for k in range(threads)})
+    try:
+        jax.devices()
+        # warm XLA's pools up (some start on first use) while the mask still holds
+        jax.block_until_ready(jax.jit(lambda x: x @ x)(jax.numpy.ones((64, 64))))
+    finally:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except OSError:  # the thread ended meanwhile
+                pass
+    return True
 
 
 COMPILATION_CACHE_ENV = "CHUNKZERO_JAX_CACHE"
@@ -184,4 +230,5 @@ def all_gather_json(obj):
     return [json.loads(bytes(rows[i, :sizes[i]]).decode("utf-8")) for i in range(len(sizes))]
 
 
-__all__ = ["ProcessPlace", "all_gather_json", "join_processes", "process_mesh", "process_place"]
+__all__ = ["ProcessPlace", "all_gather_json", "bound_cpu_threads", "cpu_threads", "join_processes", "process_mesh",
+           "process_place"]

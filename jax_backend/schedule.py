@@ -14,7 +14,9 @@ as one ``jax.jit`` of one ``jax.shard_map`` over the data axis. Inside, per devi
   (rematerialization per stage), gathering ``u`` again before the first stage (in backward order)
   that reads it — so a gathered unit is never kept alive from forward to backward. Gradients of
   ``u``'s tensors accumulate until the last stage that reads ``u``, then are **reduced** to the
-  device's local gradient (:meth:`GatherUnit.reduce`).
+  device's local gradient (:meth:`GatherUnit.reduce`). With ``remat=False`` a stage is not recomputed:
+  its forward kept its matrix products' outputs and its backward, less its gathered tensors, which
+  backward gathers again (:func:`_stage_vjp`).
 - ``optax`` (AdamW) updates the fp32 **master** values locally (elementwise, so sharded = unsharded);
   with ``mixed_precision="bf16"`` the bf16 parameters used for the gathers are refreshed from them.
 
@@ -125,7 +127,7 @@ def _after(x: Any, dep: jax.Array) -> Any:
 
 
 def run_schedule(program: Program, units: Mapping[str, GatherUnit], unit_of: Mapping[str, str],
-                 local: Mapping[str, Any], batch: Batch, seed: jax.Array, axis: str
+                 local: Mapping[str, Any], batch: Batch, seed: jax.Array, axis: str, *, remat: bool = True
                  ) -> tuple[jax.Array, dict[str, Any]]:
     """Forward and backward of ``program`` on one device inside ``shard_map`` (see the module docstring).
 
@@ -134,6 +136,10 @@ def run_schedule(program: Program, units: Mapping[str, GatherUnit], unit_of: Map
         local: each unit's local value (parameter dtype = compute dtype).
         batch: the device's micro-batch.
         seed: cotangent of the last stage's output (``1 / global tokens`` for a mean loss).
+        remat: recompute each stage in backward from its input (only stage inputs kept). ``False``: keep
+            each stage's matrix-product outputs from forward (:func:`_stage_vjp`), so backward recomputes
+            only elementwise work: one forward's matrix products less, more activation memory. Gathered
+            units are released after forward and gathered again in backward either way.
 
     Returns:
         ``(loss_sum, grads)``: the local loss sum and each trainable unit's reduced local gradient.
@@ -153,13 +159,17 @@ def run_schedule(program: Program, units: Mapping[str, GatherUnit], unit_of: Map
     # ---- forward: gather at first use, release after last use, keep stage inputs only
     gathered: dict[str, dict] = {}
     inputs: list[Any] = []
+    saved: dict[int, Callable] = {}  # remat=False: each stage's vjp, its gathered tensors left out
     h = None
     for i, s in enumerate(stages):
         need = [k for k in uses[i] if k not in gathered]
         for k in need:
             gathered[k] = units[k].gather(local[k] if h is None or not units[k].sharded else _after(local[k], h), axis)
         inputs.append(h)
-        h = s.fn(tensors_of(i, gathered), h, batch)
+        if remat:
+            h = s.fn(tensors_of(i, gathered), h, batch)
+        else:
+            h, saved[i] = _stage_vjp(s, tensors_of(i, gathered), units, unit_of, h, batch)
         for k in uses[i]:
             if last[k] == i:
                 del gathered[k]
@@ -172,13 +182,16 @@ def run_schedule(program: Program, units: Mapping[str, GatherUnit], unit_of: Map
     for i in reversed(range(len(stages))):
         s = stages[i]
         need = [k for k in uses[i] if k not in gathered]
-        h_in = None if inputs[i] is None else _after(inputs[i], g)
+        h_in = None if inputs[i] is None or not remat else _after(inputs[i], g)
         for k in need:
             gathered[k] = units[k].gather(_after(local[k], g) if units[k].sharded else local[k], axis)
         t = tensors_of(i, gathered)
         train = {n: v for n, v in t.items() if units[unit_of[n]].trainable}
         frozen = {n: v for n, v in t.items() if n not in train}
-        if h_in is None:
+        if not remat:
+            cotangents = saved.pop(i)(t, g)
+            gt, g = cotangents if inputs[i] is not None else (cotangents[0], None)
+        elif h_in is None:
             _, vjp = jax.vjp(lambda tt: s.fn({**tt, **frozen}, None, batch), train)  # noqa: B023 - traced at once by jax.vjp
             (gt,) = vjp(g)
             g = None
@@ -194,6 +207,41 @@ def run_schedule(program: Program, units: Mapping[str, GatherUnit], unit_of: Map
                 if units[k].trainable:
                     out[k] = units[k].reduce(acc.pop(k), axis)
     return loss_sum, out
+
+
+def _stage_vjp(stage, tensors: Mapping[str, jax.Array], units: Mapping[str, GatherUnit], unit_of: Mapping[str, str],
+               h: Any, batch: Batch) -> tuple[Any, Callable]:
+    """Stage ``stage``'s output and its backward, without keeping its gathered tensors: ``(out, backward)``
+    with ``backward(tensors, g)`` the cotangents ``(trainable tensors', input's)`` (``(trainable tensors',)``
+    for the first stage), ``tensors`` gathered again.
+
+    The stage runs under ``jax.checkpoint`` with :func:`jax.checkpoint_policies.dots_saveable`: its
+    ``jax.vjp`` keeps the matrix products' outputs (activations) and, as the checkpoint's inputs, the
+    gathered tensors themselves; those are taken out of the vjp's residuals by identity here and put back
+    from the backward's gather, so every value derived from a tensor is recomputed from the new gather
+    and no gathered unit stays alive from forward to backward."""
+    train = {n: v for n, v in tensors.items() if units[unit_of[n]].trainable}
+    frozen = {n: v for n, v in tensors.items() if n not in train}
+    policy = jax.checkpoint_policies.dots_saveable
+    if h is None:
+        out, vjp = jax.vjp(jax.checkpoint(lambda tt, ff: stage.fn({**tt, **ff}, None, batch), policy=policy),
+                           train, frozen)
+    else:
+        out, vjp = jax.vjp(jax.checkpoint(lambda tt, ff, hh: stage.fn({**tt, **ff}, hh, batch), policy=policy),
+                           train, frozen, h)
+    leaves, treedef = jax.tree_util.tree_flatten(vjp)
+    by_id = {id(v): n for n, v in tensors.items()}
+    holes = {j: by_id[id(leaf)] for j, leaf in enumerate(leaves) if id(leaf) in by_id}
+    kept = [None if j in holes else leaf for j, leaf in enumerate(leaves)]
+    del leaves, vjp
+
+    def backward(gathered: Mapping[str, jax.Array], g):
+        fn = jax.tree_util.tree_unflatten(treedef, [gathered[holes[j]] if j in holes else leaf
+                                                    for j, leaf in enumerate(kept)])
+        cot = fn(g)
+        return (cot[0],) if h is None else (cot[0], cot[2])
+
+    return out, backward
 
 
 # ================================================================================================ trainer
@@ -246,6 +294,9 @@ class ShardedTrainer:
             skips it, except a learning-rate schedule's count, which advances as a torch LR scheduler
             steps on a skipped step (:func:`skip_unless_finite`). Default ``False``: the update is applied
             whatever the gradients.
+        remat: recompute each stage in backward (default; only stage inputs kept, the least activation
+            memory), or, ``False``, keep the stages' matrix-product outputs from forward and skip that
+            recompute (:func:`run_schedule`), as torch's ZeroDDP without activation checkpointing.
         replica_axis: a second mesh axis the state is replicated over (hybrid sharding,
             :class:`jax_backend.hybrid.HybridZeroTrainer`): the batch is split over
             ``(replica_axis, axis)``, replica-major, and the units' ``reduce`` must also reduce across
@@ -261,7 +312,7 @@ class ShardedTrainer:
     def __init__(self, program: Program, units: Sequence[GatherUnit], mesh: Mesh, tx: optax.GradientTransformation,
                  *, mixed_precision: str = "fp32", max_norm: float | None = None, axis: str = DEFAULT_AXIS,
                  donate: bool = True, replica_axis: str | None = None, grad_norm: bool = False,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, remat: bool = True):
         if mixed_precision not in COMPUTE_DTYPES:
             raise ConfigError(f"mixed_precision must be one of {sorted(COMPUTE_DTYPES)}, got {mixed_precision!r}")
         if max_norm is not None and not max_norm > 0:
@@ -277,6 +328,7 @@ class ShardedTrainer:
         self.max_norm = max_norm
         self.grad_norm = bool(grad_norm)
         self.skip_nonfinite = bool(skip_nonfinite)
+        self.remat = bool(remat)
         self.units: dict[str, GatherUnit] = {u.key: u for u in units}
         self.unit_of: dict[str, str] = {n: u.key for u in units for n in u.tensors}
         _check_names(program, self.unit_of, f"{self.name} units")
@@ -420,13 +472,13 @@ class ShardedTrainer:
             self.grad_norm,
             self.skip_nonfinite,
         )
-        low, dtype, trainable = self.low_precision, self.compute_dtype, self.trainable
+        low, dtype, trainable, remat = self.low_precision, self.compute_dtype, self.trainable, self.remat
 
         def local_step(state: TrainState, batch):
             n_tokens = batch["targets"].size * world
             compute = state.params if low else state.master
             loss_sum, grads = run_schedule(program, units, unit_of, compute, batch,
-                                           jnp.asarray(1.0 / n_tokens, jnp.float32), axis)
+                                           jnp.asarray(1.0 / n_tokens, jnp.float32), axis, remat=remat)
             grads = {k: jax.tree.map(lambda g: g.astype(jnp.float32), grads[k]) for k in trainable}
             norm = None
             if max_norm is not None or with_norm or skip:

@@ -179,7 +179,7 @@ class JaxAdapter:
                        max_norm=cfg.max_norm or None), param_groups=groups)
         self.trainer = ZeroTrainer(self.program, layout, mesh, tx, optimizer_meta=optim_meta,
                                    mixed_precision=cfg.mixed_precision, max_norm=cfg.max_norm or None, grad_norm=True,
-                                   skip_nonfinite=True)
+                                   skip_nonfinite=True, remat=cfg.activation_checkpointing)
         if resume_from is not None:
             self.trainer.source = restored.meta
             # Adam counts the applied steps, the LR schedule every step (torch's loop: lr_at(step - 1) whether

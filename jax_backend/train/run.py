@@ -19,7 +19,14 @@ from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError
 from chunkzero.train_config import TrainConfig
-from chunkzero.workers import COORDINATOR_ENV, Stopped, WorkerFailure, launch_processes
+from chunkzero.workers import (
+    COORDINATOR_ENV,
+    CPU_THREADS_ENV,
+    Stopped,
+    WorkerFailure,
+    launch_processes,
+    threads_per_worker,
+)
 
 from .checks import validate
 
@@ -69,6 +76,7 @@ def main(cfg: TrainConfig) -> int:
     log.info("chunkzero train --backend jax: %d process(es) × %d CPU device(s), output in %s", cfg.nproc,
              cfg.devices_per_process, out)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process sets its own devices
+    env.setdefault(CPU_THREADS_ENV, str(threads_per_worker(cfg.nproc)))  # cores / processes, as torch's workers
     with tempfile.TemporaryDirectory(prefix="chunkzero-jax-") as tmp:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(json.dumps(cfg.to_dict()), encoding="utf-8")

@@ -106,6 +106,7 @@ def worker_main(cfg: TrainConfig) -> dict:
     from jax_backend.processes import (
         all_gather_json,
         compilation_cache_dir,
+        cpu_threads,
         join_processes,
         process_place,
         use_compilation_cache,
@@ -119,7 +120,7 @@ def worker_main(cfg: TrainConfig) -> dict:
     exit_on_stop_signals()
     watch_launcher()
     try:
-        join_processes(cfg.devices_per_process, cfg.timeout_s, place)
+        join_processes(cfg.devices_per_process, cfg.timeout_s, place, threads=cpu_threads())
         use_compilation_cache(compilation_cache_dir())  # a restarted run loads its step instead of compiling it
         exit_on_stop_signals()  # again: jax.distributed.initialize's preemption notifier took SIGTERM
         error, cfg, corpus = _check_together(cfg, place)

@@ -114,15 +114,17 @@ def test_comparison_table_and_plots(comparison, tmp_path):
     del fig
 
 
-def test_gathered_chunks_are_not_kept_from_forward_to_backward():
+@pytest.mark.parametrize("remat", [True, False])
+def test_gathered_chunks_are_not_kept_from_forward_to_backward(remat):
     """A parameter-heavy GPT (activations tiny) with 4 and with 8 blocks: doubling the gathered model
     leaves the step's temp memory flat, so chunks are released after their use in forward and gathered
-    again in backward (kept alive, temp would grow by the added blocks' bytes, and more)."""
+    again in backward (kept alive, temp would grow by the added blocks' bytes, and more) — also with
+    ``remat=False``, whose stages keep their activations but not their gathered tensors."""
     temps, full = [], []
     for n_layer in (4, 8):
         program = gpt_program(GPTConfig(block_size=16, vocab_size=256, n_layer=n_layer, n_head=2, n_embd=128))
         layout = ChunkLayout.build(program.specs, 100_000, WORLD)
-        trainer = ZeroTrainer(program, layout, make_mesh(WORLD), optax.sgd(0.1))
+        trainer = ZeroTrainer(program, layout, make_mesh(WORLD), optax.sgd(0.1), remat=remat)
         compiled = trainer.lower(WORLD, 8).compile(compiler_options={"xla_backend_optimization_level": 0})
         temps.append(compiled.memory_analysis().temp_size_in_bytes)
         full.append(4 * layout.total_numel)

@@ -63,6 +63,34 @@ def test_zero_k_steps_equal_unsharded_adamw(program):
         assert v.sharding.shard_shape(v.shape) == (v.shape[0] // WORLD,), k
 
 
+def test_zero_without_remat_equals_unsharded_and_skips_a_forward(program):
+    """remat=False (stage activations kept, gathered chunks not): the same 3 AdamW steps as the unsharded
+    GPT, with clipping and the gradient norm, and the compiled step has fewer matrix products than the
+    rematerialized one (no second forward) but the same all-gathers (each chunk again in backward)."""
+    layout = ChunkLayout.build(program.specs, CHUNK_SIZE, WORLD)
+    tx = optax.adamw(**ADAMW)
+    p0 = program.init(0)
+    data = batches(program)
+    trainers = {r: ZeroTrainer(program, layout, make_mesh(WORLD), tx, remat=r, max_norm=0.5, grad_norm=True)
+                for r in (True, False)}
+    states = {r: t.init(p0) for r, t in trainers.items()}
+    losses = {r: [] for r in trainers}
+    for b in data:
+        for r, t in trainers.items():
+            states[r], loss = t.step(states[r], b)
+            losses[r].append(float(loss))
+    ref, ref_losses = reference_train(program, p0, data, tx, loss_fn=gpt_reference_loss(program.config), max_norm=0.5)
+    np.testing.assert_allclose(losses[False], ref_losses, rtol=FP32_RTOL)
+    assert normwise_rel_err(trainers[False].full_params(states[False]), ref) < FP32_RTOL
+    assert normwise_rel_err(trainers[False].full_params(states[False]),
+                            trainers[True].full_params(states[True])) < FP32_RTOL
+    texts = {r: t.lower(BATCH, SEQ).compile().as_text() for r, t in trainers.items()}
+    dots = {r: txt.count(" dot(") + txt.count("__ynn_fusion") for r, txt in texts.items()}
+    assert dots[False] < dots[True], dots
+    for txt in texts.values():
+        assert count_collectives(txt, WORLD).buffers["all-gather"] == 2 * len(layout.chunks)
+
+
 def test_zero_keep_gathered_chunks_and_clipping(program):
     """Keep-gathered chunks (all-reduced, never sharded) and global-norm clipping; SGD, so the
     parameters are linear in the gradients and compare element by element."""

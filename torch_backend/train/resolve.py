@@ -28,15 +28,9 @@ from chunkzero.job.checks import check_run_out
 from chunkzero.job.models import load_run_corpus, model_block_size
 from chunkzero.layout import TensorSpec
 from chunkzero.train_config import TrainConfig, with_device_defaults
-from chunkzero.workers import available_cpu_cores, check_cpu_workers
+from chunkzero.workers import available_cpu_cores, check_cpu_workers, threads_per_worker
 
 log = logging.getLogger("chunkzero.train")
-
-
-def threads_per_worker(local_workers: int) -> int:
-    """Intra-op threads of each of ``local_workers`` workers on this machine, CPU or CUDA (a CUDA
-    worker's host threads run its offloaded optimizer): ``max(1, cores // workers)``."""
-    return max(1, available_cpu_cores() // max(1, local_workers))
 
 
 def resolve_device(device: str) -> str:
