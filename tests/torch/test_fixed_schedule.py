@@ -1,0 +1,29 @@
+"""The fixed schedule (Note [fixed schedule] in ``torch_backend.zero.round_plans``) at W = 2: rounds
+are replayed once a step repeats; an order change on every rank, or a divergence on one rank in
+forward or in backward, falls back to voting, stays exact and neither hangs nor raises; replaying
+without checking this rank's votes against the plan does not survive the same divergence."""
+
+import fixed_schedule_cases as cases
+import pytest
+
+from torch_backend._testing import run_distributed
+
+
+@pytest.mark.parametrize("kind", cases.KINDS)
+def test_changes_fall_back_to_voting_and_stay_exact(kind):
+    stats = run_distributed(cases.worker_change, 2, kind, timeout=600)
+    for s in stats:  # before the change: from the fourth step only the two end rounds are all-reduced
+        assert s[cases.CHANGE - 1]["replayed_rounds"] > s[cases.CHANGE - 2]["replayed_rounds"] > 0, s
+        assert s[cases.CHANGE - 1]["rounds"] - s[cases.CHANGE - 2]["rounds"] == 2, s
+        assert s[cases.CHANGE - 1]["divergences"] == 0, s
+        # and replayed again by the last step
+        assert s[-1]["replayed_rounds"] > s[-2]["replayed_rounds"], s
+    diverged = [s[cases.CHANGE]["divergences"] > 0 for s in stats]
+    assert diverged == ([True, True] if kind == "all-reverse" else [False, True]), stats
+
+
+def test_replay_without_the_vote_check_fails_on_a_divergence():
+    """The mutant: a rank that replays the plan without comparing its own votes gathers the plan's chunk
+    instead of the one it uses: the run raises, hangs or trains to other values."""
+    with pytest.raises(Exception):  # noqa: B017,PT011 - any failure: an error, a timeout, a wrong state
+        run_distributed(cases.worker_change, 2, "one-reverse", True, timeout=120, fresh=True)
