@@ -1,7 +1,7 @@
 """Workers of the fixed-schedule tests (Note [fixed schedule] in ``torch_backend.zero.round_plans``):
 a 4-block GPT-2 over several chunks at W = 2 trains for :data:`STEPS` steps; the schedule is fixed
-(rounds replayed) from the fourth step, and at step :data:`CHANGE` the order changes on every rank
-or on one rank only."""
+(rounds replayed) from the fourth step (two equal recordings, then replay), and at step :data:`CHANGE`
+the order changes on every rank or on one rank only."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from engine_cases import Reorderable, gpt2
 from zero_cases import ADAMW, FP32, assert_state_close, average_grads, micro
 
-STEPS = 8
-CHANGE = 4
+STEPS = 10
+CHANGE = 5
 KINDS = ("all-reverse", "one-reverse", "one-touch")
 """``all-reverse``: every rank runs the blocks in reverse from step :data:`CHANGE` on (an order change);
 ``one-reverse``: rank 1 alone, at that step only (a forward divergence); ``one-touch``: rank 1 alone,

@@ -3,7 +3,9 @@
 Note [fixed schedule]. Between two *end rounds* (the blocking rounds at the end of a forward or a
 backward, which every rank casts with ``done``) the ranks cast the same number of rounds, in the same
 sequence, when no rank was still mid-phase at the first end round (its sum has ``done == W``): the
-interval was *clean*. The sums of a clean interval's rounds are kept as its *plan*, under the
+interval was *clean*. The votes and sums of a clean interval's rounds become its *plan* once the
+same interval recorded them twice in a row (so intervals of one key that alternate, a saliency
+backward between training steps, keep voting), under the
 interval's key (what ended before it: a forward followed by a backward, a forward without one, a
 backward; with the ``sync`` setting) and its context (the recorded access orders of every phase when
 the interval began). The next interval with the same key and context **replays** the plan when every
@@ -39,8 +41,10 @@ class RoundPlans:
     """
 
     def __init__(self):
-        self._plans: dict[tuple, tuple[tuple, list[tuple[torch.Tensor, torch.Tensor, bool]]]] = {}
-        self._key: tuple | None = None
+        self._plans: dict[int, tuple[tuple, list[tuple[torch.Tensor, torch.Tensor, bool]]]] = {}
+        self._candidates: dict[int, tuple[tuple, list[tuple[torch.Tensor, torch.Tensor, bool]]]] = {}
+        """Per key: the last clean recording, a plan once the next one equals it."""
+        self._key: int | None = None
         """The current interval's key (agreed at the end round before it), ``None``: not storable."""
         self._context: tuple = ()
         self._recording: list[tuple[torch.Tensor, torch.Tensor, bool]] | None = None
@@ -86,7 +90,7 @@ class RoundPlans:
         if self._recording is not None:
             self._recording.append((local.clone(), summed, wait))
 
-    def wants_replay(self, key: tuple | None, context: tuple) -> bool:
+    def wants_replay(self, key: int | None, context: tuple) -> bool:
         """Whether this rank holds a plan for the interval that follows (``key``, ``context``)."""
         entry = self._plans.get(key) if key is not None else None
         return entry is not None and entry[0] == context
@@ -96,12 +100,16 @@ class RoundPlans:
         clean; drop its plan when some rank diverged (every rank does the same: same sums)."""
         if any_diverged:
             self._plans.pop(self._key, None)
+            self._candidates.pop(self._key, None)
         elif clean and self._recording is not None and self._key is not None:
-            self._plans[self._key] = (self._context, self._recording)
+            entry = (self._context, self._recording)
+            if _same(self._candidates.get(self._key), entry):
+                self._plans[self._key] = entry
+            self._candidates[self._key] = entry
         self._recording, self._replay, self._pos = None, None, 0
         self.diverged = False
 
-    def open(self, key: tuple | None, context: tuple, replay: bool) -> None:
+    def open(self, key: int | None, context: tuple, replay: bool) -> None:
         """The next interval begins (after an end round): replay its plan (``replay``: every rank
         agreed) or record it."""
         self._key, self._context = key, context
@@ -114,4 +122,13 @@ class RoundPlans:
     def clear(self) -> None:
         """Forget every plan (the layout or the ranks' agreement changed)."""
         self._plans.clear()
+        self._candidates.clear()
         self._key, self._recording, self._replay = None, None, None
+
+
+def _same(a, b) -> bool:
+    """Whether two recordings ``(context, rounds)`` are equal (every vote, sum and wait)."""
+    if a is None or a[0] != b[0] or len(a[1]) != len(b[1]):
+        return False
+    return all(wa == wb and torch.equal(la, lb) and torch.equal(sa, sb)
+               for (la, sa, wa), (lb, sb, wb) in zip(a[1], b[1], strict=True))
