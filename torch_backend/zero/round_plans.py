@@ -102,7 +102,7 @@ class RoundPlans:
             self._plans.pop(self._key, None)
             self._candidates.pop(self._key, None)
         elif clean and self._recording is not None and self._key is not None:
-            entry = (self._context, self._recording)
+            entry = (self._context, [(local, summed.clone(), wait) for local, summed, wait in self._recording])
             if _same(self._candidates.get(self._key), entry):
                 self._plans[self._key] = entry
             self._candidates[self._key] = entry

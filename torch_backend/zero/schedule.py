@@ -146,9 +146,11 @@ class Votes:
             (equal on every rank iff ``W · Σ key² == (Σ key)²``).
         next_plan: 0-d, end rounds: ranks that hold a plan for the interval that follows.
         used: per tensor: ranks on which it received a gradient in this backward.
+        head: the vector without ``used`` (all that a round other than an end round carries: what a
+            plan keeps of it).
     """
 
-    __slots__ = ("diverged", "done", "first_end", "has_grad", "next_key", "next_key_sq", "next_plan", "ready",
+    __slots__ = ("diverged", "done", "first_end", "has_grad", "head", "next_key", "next_key_sq", "next_plan", "ready",
                  "tensor", "used", "want")
 
     def __init__(self, chunks: int, tensors: int):
@@ -159,6 +161,7 @@ class Votes:
         (self.done, self.first_end, self.diverged, self.next_key, self.next_key_sq,
          self.next_plan) = self.tensor[3 * chunks : 3 * chunks + 6]
         self.used = self.tensor[3 * chunks + 6 :]
+        self.head = self.tensor[: 3 * chunks + 6]
 
 
 class Scheduler:
@@ -415,9 +418,9 @@ class Scheduler:
             return None
         votes = self._local_votes(want, done, used)
         if not done and self.plans.replaying:
-            summed = self.plans.take(votes.tensor, wait)
+            summed = self.plans.take(votes.head, wait)
             if summed is not None:
-                votes.tensor.copy_(summed)
+                votes.head.copy_(summed)
                 if not wait:
                     self._pending = (votes, collectives.Pending(), set(want))
                     return None
@@ -432,7 +435,7 @@ class Scheduler:
             votes.next_key_sq.fill_(next_key * next_key)
             votes.next_plan.fill_(int(next_plan))
         else:
-            self.plans.record(votes.tensor, votes.tensor, wait)  # the sum lands in place (cloned local first)
+            self.plans.record(votes.head, votes.head, wait)  # the sum lands in place (cloned local first)
         self.rounds += 1
         if not wait:
             self._pending = (votes, collectives.agree(votes.tensor, self.group, async_op=True), set(want))
@@ -447,7 +450,7 @@ class Scheduler:
         for summed, wait in self.plans.rest():
             self._resolve()
             votes = Votes(self.n, self.num_tensors)
-            votes.tensor.copy_(summed)
+            votes.head.copy_(summed)
             if wait:
                 self._decide(votes)
             else:
