@@ -3,15 +3,14 @@
 Note [fixed schedule]. Between two *end rounds* (the blocking rounds at the end of a forward or a
 backward, which every rank casts with ``done``) the ranks cast the same number of rounds, in the same
 sequence, when no rank was still mid-phase at the first end round (its sum has ``done == W``): the
-interval was *clean*. The votes and sums of a clean interval's rounds become its *plan* once the
-same interval recorded them twice in a row (so intervals of one key that alternate, a saliency
-backward between training steps, keep voting), under the
-interval's key (what ended before it: a forward followed by a backward, a forward without one, a
-backward; with the ``sync`` setting) and its context (the recorded access orders of every phase when
-the interval began). The next interval with the same key and context **replays** the plan when every
-rank has one (agreed at the end round before it): each round's all-reduce is replaced by the recorded
-sum, valid as long as this rank's own votes equal the ones it cast then (then every rank's do, so the
-sums do too).
+interval was *clean*. The votes and sums of a clean interval's rounds become its *plan* once the same
+interval recorded them twice in a row (so intervals of one key that alternate, a saliency backward
+between training steps, keep voting), under the interval's key (what ended before it: a forward
+followed by a backward, a forward without one, a backward; with the ``sync`` setting) and its context
+(the recorded access orders of every phase when the interval began). The next interval with the same
+key and context **replays** the plan when every rank has one (agreed at the end round before it):
+each round's all-reduce is replaced by the recorded sum, valid as long as this rank's own votes equal
+the ones it cast then (then every rank's do, so the sums do too).
 
 A rank whose votes differ (another order, another chunk missed, a round more or fewer) has
 *diverged*: it issues the decisions of the plan's remaining rounds at once, in order, so that its
@@ -22,7 +21,10 @@ early: a gather early is only early (the chunks it gathers stay until released a
 memory bound does not hold while diverged); a reduction of a chunk whose gradient is not final yet
 here adds this rank's part so far (zeros for none), and the rest is reduced later, when every rank
 has marked it ready (reductions add into ``master.grad``). So a divergence on any rank, in a forward
-or a backward, falls back to voting with the same result, without an error and without a hang.
+or a backward, falls back to voting with the same values, without an error and without a hang. One
+difference remains: a drained reduction of a chunk that no rank had a gradient for leaves zeros in
+``master.grad`` where voting leaves ``None`` (an optimizer then steps it with a zero gradient); the
+two equal recordings a plan needs keep that to a backward unlike the ones before it.
 """
 
 from __future__ import annotations
