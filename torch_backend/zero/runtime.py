@@ -286,7 +286,7 @@ class ChunkRuntime:
             # a forward that raised has no backward: nothing is gathered ahead for it, nothing kept
             self._phase = None
             self._fwd_used = {}
-            self.sched.end(FORWARD, prefetch_next=BACKWARD if backward_next else None)
+            self.sched.end(FORWARD, prefetch_next=BACKWARD if backward_next else None, sync=self.sync)
             for c in self.chunks:
                 keep = backward_next and (not self._release_in_forward or c.index in self._keep_for_backward)
                 c.rest(release=not keep)
@@ -357,6 +357,10 @@ class ChunkRuntime:
         if self._release_in_forward and len(used) == len(c.tensors) and c.idle:
             if self._keep_for_backward and c.index in self._keep_for_backward and self.sched.last_use(FORWARD, c.index):
                 return  # the backward starts with it (a tied output head): keep it rather than gather it again
+            if self.sched.used_next(FORWARD, c.index):  # the recorded order uses it again next: keep it gathered
+                c.forget_uses()  # (so that use is recorded again, and the order stays the same)
+                used.clear()
+                return
             c.release()
 
     # ------------------------------------------------------------------ submodule calls outside forward
@@ -564,7 +568,7 @@ class ChunkRuntime:
                 used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
                 if self._bwd_grads:
                     used[sorted(self._bwd_grads)] = 1
-                received = self.sched.end(BACKWARD, used) > 0
+                received = self.sched.end(BACKWARD, used, sync=self.sync) > 0
                 if aborted:
                     self._discard_grad_buffers()
                     return

@@ -32,6 +32,9 @@ are in flight (the oldest is completed before the next is issued), which bounds 
 are asynchronous too: a vote cast at chunk ``k``'s first use is decided at the next chunk's, so it
 asks for the chunks up to ``prefetch + 1`` ahead, and the gathers it decides are issued a chunk ahead
 of their use (``late_gathers`` counts those issued only at their use).
+
+Once a step repeats, its rounds are replayed instead of all-reduced (the fixed schedule, Note [fixed
+schedule] in :mod:`torch_backend.zero.round_plans`): only the end rounds stay real, and they check it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 
 from . import collectives
 from .chunks import Chunk
+from .round_plans import RoundPlans
 
 __all__ = ["AccessOrder", "Phase", "Scheduler", "Votes"]
 
@@ -131,21 +135,33 @@ class Votes:
         tensors: tensors in the layout.
 
     Attributes:
-        tensor: the whole vector, ``3 · chunks + 1 + tensors`` elements (what the all-reduce sums).
+        tensor: the whole vector, ``3 · chunks + 6 + tensors`` elements (what the all-reduce sums).
         want, ready, has_grad: per chunk (module docstring).
         done: 0-d: ranks that have finished the phase.
+        first_end: 0-d: ranks casting their first end round of the phase (``W`` with ``done == W``:
+            every rank cast as many rounds before it, the interval was clean).
+        diverged: 0-d, end rounds: ranks that left the replayed plan in this interval
+            (:mod:`~torch_backend.zero.round_plans`).
+        next_key, next_key_sq: 0-d, end rounds: the code of the interval that follows, and its square
+            (equal on every rank iff ``W · Σ key² == (Σ key)²``).
+        next_plan: 0-d, end rounds: ranks that hold a plan for the interval that follows.
         used: per tensor: ranks on which it received a gradient in this backward.
+        head: the vector without ``used`` (all that a round other than an end round carries: what a
+            plan keeps of it).
     """
 
-    __slots__ = ("done", "has_grad", "ready", "tensor", "used", "want")
+    __slots__ = ("diverged", "done", "first_end", "has_grad", "head", "next_key", "next_key_sq", "next_plan", "ready",
+                 "tensor", "used", "want")
 
     def __init__(self, chunks: int, tensors: int):
-        self.tensor = torch.zeros(3 * chunks + 1 + tensors, dtype=torch.int32)
+        self.tensor = torch.zeros(3 * chunks + 6 + tensors, dtype=torch.int32)
         self.want = self.tensor[:chunks]
         self.ready = self.tensor[chunks : 2 * chunks]
         self.has_grad = self.tensor[2 * chunks : 3 * chunks]
-        self.done = self.tensor[3 * chunks]
-        self.used = self.tensor[3 * chunks + 1 :]
+        (self.done, self.first_end, self.diverged, self.next_key, self.next_key_sq,
+         self.next_plan) = self.tensor[3 * chunks : 3 * chunks + 6]
+        self.used = self.tensor[3 * chunks + 6 :]
+        self.head = self.tensor[: 3 * chunks + 6]
 
 
 class Scheduler:
@@ -183,6 +199,8 @@ class Scheduler:
         """The most sharded chunks gathered or being gathered at once."""
         self.policy = None
         """The placement policy told of the step at named points (:meth:`set_policy`)."""
+        self.plans = RoundPlans()
+        """The fixed schedule (:mod:`torch_backend.zero.round_plans`); unused at world size 1."""
 
     def set_policy(self, policy) -> None:
         """Tell ``policy`` (``placement="auto"``: :class:`torch_backend.zero.placement.AutoPlacement`) of
@@ -202,12 +220,14 @@ class Scheduler:
             self.policy.phase_started(phase)
 
     def end(
-        self, phase: Phase, used: torch.Tensor | None = None, prefetch_next: Phase | None = None
+        self, phase: Phase, used: torch.Tensor | None = None, prefetch_next: Phase | None = None, *, sync: bool = True
     ) -> torch.Tensor | None:
         """Rounds until every rank has finished ``phase``; returns the summed ``used`` votes (backward).
 
         ``prefetch_next``: the phase that follows, whose first recorded chunks are gathered now (the
         backward's first chunks at the end of a forward, so the backward does not start on a miss).
+        ``sync``: whether the backward that follows (or this one) reduces; part of the next interval's
+        key (Note [fixed schedule]).
         """
         self.orders[phase].end()
         if self.policy is not None:
@@ -217,11 +237,27 @@ class Scheduler:
         if self.world_size == 1:
             self._round(want=want)
             return used
+        if self.plans.pending_rest():  # fewer rounds than the plan: issue its rest as the others do
+            self._diverge()
+        codes = {FORWARD: 4, BACKWARD: 8, OUTSIDE: 12}
+        key = None if phase is OUTSIDE else codes[phase] + 2 * (prefetch_next is not None) + int(sync)
+        context = tuple(tuple(self.orders[p].previous or ()) for p in (FORWARD, BACKWARD))
+        wants_replay = self.plans.wants_replay(key, context)
+        clean = None
         while True:
-            votes = self._round(want=want, done=True, used=used)
+            votes = self._round(want=want, done=True, used=used, next_key=key or 0, next_plan=wants_replay,
+                                first_end=clean is None)
             want = ()
+            if clean is None:  # every rank cast its first end round at the same position: a clean interval
+                clean = int(votes.first_end) == self.world_size and int(votes.done) == self.world_size
             if int(votes.done) == self.world_size:
                 break
+        any_diverged = int(votes.diverged) > 0
+        self.plans.close(clean=clean, any_diverged=any_diverged)
+        key_sum, key_sq = int(votes.next_key), int(votes.next_key_sq)
+        same_key = key is not None and key_sq * self.world_size == key_sum * key_sum
+        self.plans.open(key if same_key else None, context,
+                        replay=same_key and not any_diverged and int(votes.next_plan) == self.world_size)
         # the next phase's first vote is decided only at its second chunk: vote for the chunk after
         # the prefetched ones now, so that its gather is issued at the first chunk's use
         later = [i for i in first[self.prefetch :] if not self._present(self.chunks[i])]
@@ -234,6 +270,12 @@ class Scheduler:
         when there is no recorded order to tell)."""
         order = self.orders[phase]
         return order.in_step and index not in order.previous[order.pos :]
+
+    def used_next(self, phase: Phase, index: int) -> bool:
+        """Whether the recorded order of ``phase`` expects chunk ``index`` again as the next chunk used
+        (a tied weight used by the last module in a one-chunk layout): releasing it would re-gather it."""
+        order = self.orders[phase]
+        return order.in_step and order.upcoming(1) == [index]
 
     def prefetched_for(self, phase: Phase) -> set[int]:
         """The first recorded chunks of ``phase`` (kept gathered across the phase boundary)."""
@@ -318,8 +360,9 @@ class Scheduler:
         self.ready.clear()
 
     def stats(self) -> dict[str, int]:
-        """``rounds``, ``gathers``, ``misses``, ``late_gathers``, ``peak_gathered_chunks`` and
-        ``order_recordings`` so far (``ZeroDDP.collective_stats``)."""
+        """``rounds`` (all-reduced), ``gathers``, ``misses``, ``late_gathers``, ``peak_gathered_chunks``,
+        ``order_recordings``, ``replayed_rounds`` and ``divergences`` (from a replayed plan, this rank)
+        so far (``ZeroDDP.collective_stats``)."""
         return {
             "rounds": self.rounds,
             "gathers": self.gathers,
@@ -327,6 +370,8 @@ class Scheduler:
             "late_gathers": self.late_gathers,
             "peak_gathered_chunks": self.peak_gathered,
             "order_recordings": sum(o.recordings for o in self.orders.values()),
+            "replayed_rounds": self.plans.replayed,
+            "divergences": self.plans.divergences,
         }
 
     def wait_all(self) -> None:
@@ -354,13 +399,15 @@ class Scheduler:
             self.chunks[self._reducing.popleft()].gradient.finish_reduces()
 
     # ------------------------------------------------------------------ rounds
-    def _round(self, *, want=(), done: bool = False, used: torch.Tensor | None = None, wait: bool = True):
+    def _round(self, *, want=(), done: bool = False, used: torch.Tensor | None = None, wait: bool = True,
+               next_key: int = 0, next_plan: bool = False, first_end: bool = False):
         """One vote all-reduce, then the decided collectives, in the same order on every rank.
 
         With ``wait=False`` (a prefetch with nothing needed now) the vote is issued asynchronously and
         decided at the next round, so the rendezvous overlaps the computation; every rank still
         issues a round's decided collectives right before its next vote, so the order is the same.
-        Returns the summed votes (``None`` when not waited for).
+        A round that is not an end round (``done``) is replayed from the plan while this rank's votes
+        match it (Note [fixed schedule]). Returns the summed votes (``None`` when not waited for).
         """
         self._resolve()
         if self.world_size == 1:
@@ -369,6 +416,48 @@ class Scheduler:
             for i in sorted(self.ready):
                 self._reduce(i)
             return None
+        votes = self._local_votes(want, done, used)
+        if not done and self.plans.replaying:
+            summed = self.plans.take(votes.head, wait)
+            if summed is not None:
+                votes.head.copy_(summed)
+                if not wait:
+                    self._pending = (votes, collectives.Pending(), set(want))
+                    return None
+                self._decide(votes)
+                return votes
+            self._diverge()
+            votes = self._local_votes(want, done, used)  # the plan's rest changed what is gathered and ready
+        if done:
+            votes.first_end.fill_(int(first_end))
+            votes.diverged.fill_(int(self.plans.diverged))
+            votes.next_key.fill_(next_key)
+            votes.next_key_sq.fill_(next_key * next_key)
+            votes.next_plan.fill_(int(next_plan))
+        else:
+            self.plans.record(votes.head, votes.head, wait)  # the sum lands in place (cloned local first)
+        self.rounds += 1
+        if not wait:
+            self._pending = (votes, collectives.agree(votes.tensor, self.group, async_op=True), set(want))
+            return None
+        collectives.agree(votes.tensor, self.group)
+        self._decide(votes)
+        return votes
+
+    def _diverge(self) -> None:
+        """This rank left the replayed plan: issue the decisions of its remaining rounds now, in order,
+        as the other ranks will (Note [fixed schedule])."""
+        for summed, wait in self.plans.rest():
+            self._resolve()
+            votes = Votes(self.n, self.num_tensors)
+            votes.head.copy_(summed)
+            if wait:
+                self._decide(votes)
+            else:
+                self._pending = (votes, collectives.Pending(), set())
+        self._resolve()
+
+    def _local_votes(self, want, done: bool, used: torch.Tensor | None) -> Votes:
         votes = Votes(self.n, self.num_tensors)
         if want:
             votes.want[list(want)] = 1
@@ -379,12 +468,6 @@ class Scheduler:
         votes.done.fill_(int(done))
         if used is not None:
             votes.used.copy_(used)
-        self.rounds += 1
-        if not wait:
-            self._pending = (votes, collectives.agree(votes.tensor, self.group, async_op=True), set(want))
-            return None
-        collectives.agree(votes.tensor, self.group)
-        self._decide(votes)
         return votes
 
     def _resolve(self) -> None:
