@@ -138,7 +138,7 @@ def test_default_run_shows_chunked_zero3(tmp_path):
     """The default model at the searched chunk size spans at least 4 chunks on the default 2 workers; the
     summary gives the chunk count, each rank's shard (half of the parameters) and the peak gathered."""
     out = tmp_path / "run"
-    proc = run_train("--steps", "2", "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
+    proc = run_train("--steps", "2", "--eval-batches", "1", "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert _chunks_logged(proc.stderr) >= 4
     summary = json.loads((out / "summary.json").read_text())
@@ -154,12 +154,13 @@ def test_default_run_shows_chunked_zero3(tmp_path):
 
 
 @pytest.mark.slow
-def test_more_workers_than_cores_run_oversubscribed(tmp_path):
+def test_more_workers_than_cores_run_oversubscribed(corpus, tmp_path):
     """``--nproc 3`` on 2 cores (the child is pinned to 2 of this machine's cores): a one-line warning,
-    then 3 workers of 1 thread each train the default model."""
+    then 3 workers of 1 thread each train."""
     out = tmp_path / "run"
     cores = sorted(os.sched_getaffinity(0))[:2]
-    python, *cli = chunkzero_cmd("train", "--nproc", "3", "--steps", "2", "--sample-tokens", "0", "--out", str(out))
+    python, *cli = chunkzero_cmd("train", "--data", str(corpus), *SMALL, "--nproc", "3", "--steps", "2",
+                                 "--sample-tokens", "0", "--out", str(out))
     pin = (
         f"import os, sys; os.sched_setaffinity(0, {cores!r}); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
     )
