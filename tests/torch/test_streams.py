@@ -144,11 +144,12 @@ def test_nccl_vote_group_gets_the_process_groups_timeout(gloo_world, monkeypatch
 
 def test_cuda_workers_limit_their_threads(monkeypatch):
     """8 CUDA workers on 16 cores run 2 intra-op threads each, as CPU workers do."""
+    import chunkzero.workers
     from chunkzero.train_config import TrainConfig
-    from torch_backend.train import resolve, worker
+    from torch_backend.train import worker
 
     threads = []
-    monkeypatch.setattr(resolve, "available_cpu_cores", lambda: 16)
+    monkeypatch.setattr(chunkzero.workers, "available_cpu_cores", lambda: 16)  # threads_per_worker's count
     monkeypatch.setattr(worker, "resolve_device", lambda device: "cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
