@@ -9,7 +9,7 @@ whatever the model's size. Numpy only: no torch, no JAX computation.
   (``{"transformer": {"h": {"0": {"attn": {"c_attn": {"weight": f32[...]}}}}}}``, split on ``.``), which
   ``orbax.checkpoint.StandardCheckpointer().restore(OUT)`` returns (numpy arrays, or ``jax.Array`` s with
   the shardings of an abstract target). Written through a streaming variant of Orbax's own numpy
-  handler (:func:`~chunkzero.checkpoint.orbax_store.write_param_tree`), so the files are exactly what
+  handler (:func:`~chunkzero.checkpoint.orbax_files.write_param_tree`), so the files are exactly what
   Orbax writes for numpy leaves.
 * ``safetensors``: the Hugging Face layout: ``model.safetensors``, or above ``max_shard_size``
   ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``; ``config.json`` too when the
@@ -40,7 +40,7 @@ import numpy as np
 from ..dtypes import canonical_dtype, itemsize_bytes, numpy_dtype
 from ..errors import CheckpointError, ConfigError
 from ..layout import ChunkLayout, TensorPlacement
-from . import orbax_store
+from . import orbax_files, orbax_store
 from .meta import EMA_KEY, PARAMS_KEY, ArrayPath, CheckpointMeta, chunk_key
 from .reader import ChunkReader
 from .steps import list_steps, read_meta
@@ -293,7 +293,7 @@ def _write_orbax_params(stream: TensorStream, out: Path, dtype: str | None) -> i
         total += leaf.size * leaf.dtype.itemsize
         return leaf
 
-    orbax_store.write_param_tree(out, fill(param_tree([t.name for t in stream.ordered()])), _LazyLeaf)
+    orbax_files.write_param_tree(out, fill(param_tree([t.name for t in stream.ordered()])), _LazyLeaf)
     return total
 
 

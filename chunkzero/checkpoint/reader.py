@@ -1,7 +1,7 @@
 """Read slices of a step's ``state`` arrays with TensorStore, into numpy (no JAX computation, no torch).
 
 The storage library Orbax writes with, opened through Orbax's own read spec
-(:func:`~chunkzero.checkpoint.orbax_store.array_read_spec`). A load of a model reads only what the rank
+(:func:`~chunkzero.checkpoint.orbax_files.array_read_spec`). A load of a model reads only what the rank
 now owns (:func:`~chunkzero.checkpoint.plan.read_plan`), in whole storage blocks: each saved shard is
 stored in blocks of about 1 MiB, each with its own checksum (:mod:`chunkzero.checkpoint.checksums`), so
 of every saved shard a rank's new ranges overlap it reads only the blocks holding elements it needs —
@@ -31,7 +31,7 @@ import numpy as np
 from ..dtypes import numpy_dtype
 from ..errors import CheckpointError, CheckpointFormatError, ShapeMismatchError
 from ..layout import ChunkLayout
-from . import orbax_store
+from . import orbax_files
 from .meta import (
     EMA_KEY,
     OPTIM_KEY,
@@ -107,7 +107,7 @@ class ChunkReader:
         """Whether :meth:`read_into` began reading array data (after every open succeeded)."""
         self.bytes_read = 0
         """Bytes of array data :meth:`read_into` asked TensorStore for (whole storage blocks), in total."""
-        self._index = orbax_store.array_index(self.item_dir)
+        self._index = orbax_files.array_index(self.item_dir)
         meta.check_saved_arrays(dict.fromkeys(self._index.paths), source=str(self.item_dir / "_METADATA"))
         meta.warn_if_unverified(self.step_dir)
 
@@ -139,12 +139,12 @@ class ChunkReader:
         if not todo:
             return
         if self._context is None:
-            self._context = orbax_store.ts_context(self._index)
+            self._context = orbax_files.ts_context(self._index)
         pending = []
         for path in todo:
             if path not in self.expected:
                 raise CheckpointError(f"{self._where(path)} is not part of this checkpoint's format")
-            spec = orbax_store.array_read_spec(self._index, path, self._context)
+            spec = orbax_files.array_read_spec(self._index, path, self._context)
             pending.append((path, ts.open(spec, read=True, open=True, context=self._context)))
         for path, fut in pending:
             try:
