@@ -12,7 +12,9 @@ By default each call spawns its ranks. After :func:`enable_rank_pools` (the test
 ``conftest.py``), a call reuses the idle ranks of an earlier call at the same world size, backend and
 ``env`` (a *rank pool*) and so skips the processes' start (importing torch costs seconds per rank):
 each call gets a new default process group, the caller's ``os.environ``, working directory and
-``sys.path``, and a fresh process's torch default dtype, grad mode, thread count and (random) seed. A
+``sys.path``, and a fresh process's torch default dtype, grad mode, thread count and (random) seed. The
+function travels by name and its arguments as the return values do (``Path`` s too); a closure or an
+argument of another type runs on spawned ranks instead. A
 pool is discarded, its processes ended, when a call fails or times out, and its processes exit (as a
 spawned rank would, running their exit hooks) before the call returns when the call left state behind
 that the next one could trip on: JAX imported (``jax.distributed`` starts once per process) or a
@@ -29,7 +31,6 @@ import atexit
 import datetime
 import json
 import os
-import pickle
 import sys
 import tempfile
 import threading
@@ -37,7 +38,9 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
+from importlib import import_module
 from multiprocessing.connection import wait
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
@@ -103,6 +106,8 @@ def _encode(obj: Any) -> Any:
         return {"__ndarray__": torch.from_numpy(np.array(obj, copy=True))}
     if isinstance(obj, np.generic):
         return obj.item()
+    if isinstance(obj, PurePath):
+        return {"__path__": str(obj)}
     if isinstance(obj, tuple):
         return {"__tuple__": [_encode(v) for v in obj]}
     if isinstance(obj, list):
@@ -111,7 +116,7 @@ def _encode(obj: Any) -> Any:
         return {k: _encode(v) for k, v in obj.items()}
     if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
         return obj
-    raise TypeError(f"run_distributed: a rank returned a {type(obj).__name__}, which cannot travel without pickle")
+    raise TypeError(f"run_distributed: a {type(obj).__name__} cannot travel without pickle")
 
 
 def _decode(obj: Any) -> Any:
@@ -120,6 +125,8 @@ def _decode(obj: Any) -> Any:
             return obj["__ndarray__"].numpy()
         if obj.keys() == {"__tuple__"}:
             return tuple(_decode(v) for v in obj["__tuple__"])
+        if obj.keys() == {"__path__"}:
+            return Path(obj["__path__"])
         return {k: _decode(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_decode(v) for v in obj]
@@ -143,8 +150,9 @@ def _timeout_error(fn: Callable, world_size: int, timeout: float) -> TimeoutErro
 def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> None:
     """A pooled rank: runs the calls its pool sends, one at a time, until told to exit.
 
-    Each call: a JSON head (``sys.path``, environment, working directory, store and output paths), then
-    the pickled ``(fn, args)`` of the test process that started this one. The reply is JSON only.
+    Each call is a JSON head: ``sys.path``, environment, working directory, store and output paths, and the
+    function by name (``module:qualname``); its arguments wait in the output directory, saved as
+    :func:`run_distributed`'s results are (``torch.load(weights_only=True)``). The reply is JSON only.
     """
     os.environ.update(env)
     import torch
@@ -170,7 +178,8 @@ def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> Non
         torch.set_num_threads(threads)
         threads_before = set(threading.enumerate())
         try:
-            fn, args = pickle.loads(conn.recv_bytes())  # written by the test process that spawned this rank
+            fn = _named_function(head["fn"])
+            args = _decode(torch.load(os.path.join(head["out_dir"], "args.pt"), weights_only=True))
             result = _call(fn, rank, world_size, args, head["init_file"], head["timeout"], backend)
             _end_group()
             torch.save(_encode(result), os.path.join(head["out_dir"], f"{rank}.pt"))
@@ -203,19 +212,22 @@ class _RankPool:
             self.kill()
             raise
 
-    def run(self, fn: Callable, args: tuple, timeout: float) -> tuple[list[Any], bool]:
-        """``(results by rank, whether the ranks asked to retire)``; on any failure the pool is killed."""
-        payload = pickle.dumps((fn, args))
+    def run(self, fn_name: str, encoded_args: Any, timeout: float) -> tuple[list[Any], bool]:
+        """``(results by rank, whether the ranks asked to retire)``; on any failure the pool is killed.
+        ``fn_name``: :func:`_function_name`'s; ``encoded_args``: the arguments, :func:`_encode`'d."""
+        import torch
+
+        fn = fn_name
         with tempfile.TemporaryDirectory(prefix="chunkzero-dist-") as tmp:
+            torch.save(encoded_args, os.path.join(tmp, "args.pt"))
             head = json.dumps({"op": "run", "sys_path": list(sys.path), "environ": dict(os.environ),
                                "cwd": os.getcwd(), "init_file": os.path.join(tmp, "store"), "out_dir": tmp,
-                               "timeout": timeout}).encode()
+                               "timeout": timeout, "fn": fn_name}).encode()
             deadline = time.monotonic() + timeout
             replies: dict[int, dict] = {}
             try:
                 for conn in self.conns:
                     conn.send_bytes(head)
-                    conn.send_bytes(payload)
                 while len(replies) < self.world_size:
                     waiting = {c: r for r, c in enumerate(self.conns) if r not in replies}
                     sentinels = {self.procs[r].sentinel: r for r in waiting.values()}
@@ -295,14 +307,43 @@ def close_rank_pools() -> None:
         pool.close()
 
 
+def _function_name(fn: Callable) -> str | None:
+    """``module:qualname`` of a module-level function that importing its module gives back, else ``None``."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        return None
+    try:
+        return f"{module}:{qualname}" if _named_function(f"{module}:{qualname}") is fn else None
+    except (ImportError, AttributeError):
+        return None
+
+
+def _named_function(name: str) -> Callable:
+    """The function :func:`_function_name` named."""
+    module, qualname = name.split(":", 1)
+    obj: Any = import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _pooled_run(fn: Callable, world_size: int, args: tuple, timeout: float, env: dict, backend: str) -> list[Any]:
+    """:func:`run_distributed` on a pool's ranks; a function or arguments that cannot travel by name and
+    ``torch.save`` (a closure, an ``argparse.Namespace``) are run on spawned ranks instead."""
+    fn_name = _function_name(fn)
+    try:
+        encoded_args = _encode(args)
+    except TypeError:
+        fn_name = None
+    if fn_name is None:
+        return _spawned_run(fn, world_size, args, timeout, env, backend)
     key = (world_size, backend, tuple(sorted(env.items())))
     pool = _POOLS.pop(key, None)
     if pool is None:
         while _POOLS and sum(p.world_size for p in _POOLS.values()) + world_size > _POOL_MAX_RANKS:
             _POOLS.popitem(last=False)[1].close()
         pool = _RankPool(world_size, env, backend)
-    results, retired = pool.run(fn, args, timeout)  # a pool that failed is killed, not put back
+    results, retired = pool.run(fn_name, encoded_args, timeout)  # a pool that failed is killed, not put back
     if not retired:
         _POOLS[key] = pool
     return results
@@ -327,6 +368,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     child_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     if _POOLS is not None and not fresh:
         return _pooled_run(fn, world_size, args, timeout, child_env, backend)
+    return _spawned_run(fn, world_size, args, timeout, child_env, backend)
+
+
+def _spawned_run(fn: Callable, world_size: int, args: tuple, timeout: float, child_env: dict,
+                 backend: str) -> list[Any]:
     with tempfile.TemporaryDirectory(prefix="chunkzero-dist-") as tmp:
         init_file = os.path.join(tmp, "store")
         ctx = mp.start_processes(

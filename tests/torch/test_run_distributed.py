@@ -105,3 +105,28 @@ def test_pooled_call_past_its_timeout_raises():
     with pytest.raises(TimeoutError, match="sleep_rank"):
         run_distributed(sleep_rank, 2, timeout=3)
     assert run_distributed(state_rank, 2, False)[1]["rank"] == 1
+
+
+def echo_rank(rank: int, world: int, *args) -> dict:
+    """The arguments as the rank got them, with the process that ran it."""
+    return {"pid": os.getpid(), "args": [repr(a) for a in args], "types": [type(a).__name__ for a in args]}
+
+
+def test_pooled_call_gets_its_arguments_by_value_and_falls_back_to_spawn_for_other_types(tmp_path):
+    """A pooled call's arguments travel as results do (never pickled): tensors, arrays, nested tuples, paths
+    arrive equal and of their type; an argument of another type (a ``Namespace``) runs on spawned ranks,
+    so it arrives too, in other processes."""
+    import argparse
+
+    import numpy as np
+
+    args = (tmp_path, (1, "a", None), {"t": torch.arange(3.0)}, np.arange(2, dtype=np.int32))
+    pooled = run_distributed(echo_rank, 2, *args)
+    again = run_distributed(echo_rank, 2, *args)
+    assert [r["pid"] for r in pooled] == [r["pid"] for r in again]  # the pool served both
+    assert pooled[0]["args"] == [repr(a) for a in args]
+    assert pooled[0]["types"] == ["PosixPath", "tuple", "dict", "ndarray"]
+    ns = argparse.Namespace(steps=3)
+    spawned = run_distributed(echo_rank, 2, ns)
+    assert spawned[0]["args"] == [repr(ns)]
+    assert {r["pid"] for r in spawned}.isdisjoint(r["pid"] for r in pooled)
