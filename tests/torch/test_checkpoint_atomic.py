@@ -25,7 +25,7 @@ from torch_backend.checkpoint.sharded import (
     write_shards,
 )
 
-DEAD_RANK_TIMEOUT_S = 20
+DEAD_RANK_TIMEOUT_S = 10
 """timeout_s of the save whose other rank is killed: long enough for a healthy write of these arrays
 on a loaded machine, short enough for the test."""
 
