@@ -17,6 +17,7 @@ import enum
 import torch
 
 from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
+from chunkzero.errors import ConfigError
 
 from . import collectives
 from .memory import AllocationTracker
@@ -170,6 +171,7 @@ class Chunk:
         self._saved_refs = 0
         self._saved_refs_by_tensor: dict[str, int] = {}
         self._pin: Pin | None = None
+        self._held = False
 
         # The gathered buffer: one tensor for the chunk's lifetime whose storage is resized to zero
         # on release and back on gather (FSDP2's trick), so the parameters stay views of it with
@@ -258,12 +260,12 @@ class Chunk:
     def release(self) -> bool:
         """Free the gathered buffer's storage (sharded chunks; a gather in flight is waited for first);
         tensors HOLD → FREE, READY_FOR_REDUCE ones stay (their gradient is final whatever the data).
-        Returns whether there was a buffer to free.
+        Returns whether there was a buffer to free. A held chunk (:meth:`hold`) keeps it: ``False``.
 
         Raises:
             IllegalTransitionError: a tensor is still in use (COMPUTE).
         """
-        if self.resident:
+        if self.resident or self._held:
             return False
         if self._gather is not None:
             self.finish_gather()
@@ -278,6 +280,22 @@ class Chunk:
         self._used_since_gather = False
         self._pin = None
         return True
+
+    def hold(self) -> None:
+        """Keep the gathered buffer until :meth:`unhold` (the runtime's suspended access mode, Note
+        [suspended access mode] in :mod:`torch_backend.zero.runtime`): :meth:`release` frees nothing
+        meanwhile, and :meth:`refresh_from_master` and :meth:`load_master` raise."""
+        self._held = True
+
+    def unhold(self) -> None:
+        """End :meth:`hold`: releases free the buffer again."""
+        self._held = False
+
+    def _refuse_update_while_held(self) -> None:
+        if self._held:
+            raise ConfigError(
+                f"chunk {self.index}'s values changed (an optimizer step or a load) inside ZeroDDP's forward: "
+                "its parameters are in use there; step or load between steps")
 
     # ------------------------------------------------------------------ life between gathers
     # Every tensor-state change of the chunk goes through these methods (the core table,
@@ -386,6 +404,7 @@ class Chunk:
         overwritten there."""
         if self.master is None:
             return
+        self._refuse_update_while_held()
         self.release()  # the gathered (or being gathered) copy is stale; the next use gathers the new values
         if self.shard is not None and self.shard.data_ptr() != self.master.data_ptr():
             master = self.master.detach()
@@ -413,7 +432,9 @@ class Chunk:
 
         Raises:
             IllegalTransitionError: a tensor of the chunk is in use (its gathered data is needed).
+            ConfigError: the chunk is held (:meth:`hold`: inside a forward).
         """
+        self._refuse_update_while_held()
         with torch.no_grad():
             if self.master is not None:
                 self.master.copy_(values.to(self.master_device, torch.float32))

@@ -50,9 +50,11 @@ from .torch_internals import (
     ENGINE_RUN_BACKWARD,
     compiled_original,
     current_autograd_node,
+    no_torch_function,
     pop_torch_function_mode,
     push_torch_function_mode,
     storage_key,
+    torch_function_mode_depth,
     tree_flatten,
     wrapper_tensor,
 )
@@ -211,6 +213,12 @@ class ChunkRuntime:
                 self.hook_handles.append(sub.register_forward_pre_hook(self._submodule_pre_hook))
                 self.hook_handles.append(sub.register_forward_hook(self._submodule_post_hook, always_call=True))
         self._suspended: list[tuple[nn.Module, Any]] = []
+        self._sharded = [c for c in chunks if not c.resident]
+        self._may_suspend = False
+        """In this forward, the access mode may come off once every sharded chunk is gathered
+        (Note [suspended access mode])."""
+        self._forward_mode_off: ParamAccessMode | None = None
+        """The forward's access mode while it is off the stack (Note [suspended access mode])."""
         self._release_later: list[tuple[Chunk, Any]] = []
         self.sync = True
         self.in_engine = False
@@ -270,6 +278,9 @@ class ChunkRuntime:
         grad_enabled = torch.is_grad_enabled()
         self._release_in_forward = self.reshard_after_forward or not grad_enabled
         self._keep_for_backward = self.sched.prefetched_for(BACKWARD) if grad_enabled else set()
+        self._may_suspend = not self._sharded or (
+            grad_enabled and self.sched.policy is None
+            and (not self._release_in_forward or all(c.index in self._keep_for_backward for c in self._sharded)))
         self._fwd_used = {}
         self._phase = FORWARD
         self.sched.start(FORWARD)
@@ -302,9 +313,55 @@ class ChunkRuntime:
         self._mode_stack.append((self, mode))
         try:
             with mode:
-                yield
+                try:
+                    yield
+                finally:
+                    self._resume_mode()
         finally:
             self._mode_stack.pop()
+
+    # Note [suspended access mode]. The access mode exists to gather a chunk before a torch call reads
+    # its parameters and to release it after; each intercepted call costs Python work, and a step
+    # makes thousands. In a forward where nothing could be released before its end anyway — no
+    # sharded chunk (one rank), or a backward follows and every sharded chunk is kept into it
+    # (``reshard_after_forward=False``, or the backward's prefetched chunks are all of them: the
+    # one-chunk layout) — the mode comes off the stack at the first submodule call that finds every
+    # sharded chunk gathered, its gather waited for (``_try_suspend``), and goes back on when the
+    # wrapped module returns or raises (``_resume_mode``). Safe because while it is off every sharded
+    # chunk is *held* (``Chunk.hold``): no release path frees its buffer (a nested backward's end, a
+    # compiled submodule's release), and an update of its values (an optimizer step, a load) raises.
+    # So every parameter is its gathered view, and every view of it stays valid, until the mode is
+    # back: nothing the mode would have gathered can be missing. What it would have done and is
+    # skipped: recording later first uses (the access order records fewer; it is re-recorded and
+    # stays the same from then on) and the per-call tensor states, which only guard releases.
+    # Saved tensors are still packed (the hooks do not depend on the mode).
+    def _try_suspend(self) -> None:
+        """Take the forward's access mode off the stack if every sharded chunk is gathered."""
+        if self._phase is not FORWARD or len(self._mode_stack) != 1 or self._suspended:
+            return
+        for c in self._sharded:
+            if not c.is_gathered or c.gather_in_flight:
+                return
+        mode = self._mode_stack[0][1]
+        if torch_function_mode_depth() == 0:
+            return
+        top = pop_torch_function_mode()
+        if top is not mode:  # another mode above ours: leave the stack as it is
+            push_torch_function_mode(top)
+            return
+        for c in self._sharded:
+            c.hold()
+        self._may_suspend = False
+        self._forward_mode_off = mode
+
+    def _resume_mode(self) -> None:
+        """Put the forward's access mode back (if it was taken off) and let the chunks go."""
+        self._may_suspend = False
+        mode, self._forward_mode_off = self._forward_mode_off, None
+        if mode is not None:
+            push_torch_function_mode(mode)
+            for c in self._sharded:
+                c.unhold()
 
     def backward(self, loss: torch.Tensor) -> None:
         """:meth:`torch_backend.ZeroDDP.backward`: ``loss.backward()`` under the access mode.
@@ -365,6 +422,8 @@ class ChunkRuntime:
 
     # ------------------------------------------------------------------ submodule calls outside forward
     def _submodule_pre_hook(self, module, args):  # noqa: ARG002 - torch's forward pre-hook signature
+        if self._may_suspend:
+            self._try_suspend()
         prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
         try:
             if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
@@ -387,11 +446,12 @@ class ChunkRuntime:
             if entries is not None:
                 for c in sorted({e.chunk.index for e in entries}):
                     self.use_chunk(self.chunks[c])
-                top = pop_torch_function_mode()
-                if isinstance(top, ParamAccessMode):
-                    self._suspended.append((module, top))
-                else:  # another mode above ours: leave the stack as it is
-                    push_torch_function_mode(top)
+                if self._forward_mode_off is None and torch_function_mode_depth():
+                    top = pop_torch_function_mode()
+                    if isinstance(top, ParamAccessMode):
+                        self._suspended.append((module, top))
+                    else:  # another mode above ours: leave the stack as it is
+                        push_torch_function_mode(top)
         finally:
             self.in_engine = prev
 
@@ -479,7 +539,8 @@ class ChunkRuntime:
                     node.register_hook(lambda *_, n=node: self._flush_releases(finished=n))
                 self._release_later.append((c, node))
             else:
-                c.release_if_idle()
+                with no_torch_function():
+                    c.release_if_idle()
         finally:
             self.in_engine = prev
 
@@ -528,20 +589,21 @@ class ChunkRuntime:
     def _on_grad(self, e: Entry, param) -> None:
         prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
         try:
-            if self._phase is not BACKWARD:
-                self._begin_backward()
-            if self._release_later:
-                self._flush_releases()
-            c = e.chunk
-            grad = param.grad
-            param.grad = None
-            c.gradient.add(e.name, grad)
-            self._bwd_grads.add(e.index)
-            if c.grad_ready(e.name):
-                if self.sync:
-                    self.sched.mark_ready(c)
-                if c.pin_reason in (None, Pin.RECOMPUTE) and not c.has_saved_refs:
-                    c.release_if_idle()
+            with no_torch_function():  # (and no Python frame per torch call: the mode is on in backward)
+                if self._phase is not BACKWARD:
+                    self._begin_backward()
+                if self._release_later:
+                    self._flush_releases()
+                c = e.chunk
+                grad = param.grad
+                param.grad = None
+                c.gradient.add(e.name, grad)
+                self._bwd_grads.add(e.index)
+                if c.grad_ready(e.name):
+                    if self.sync:
+                        self.sched.mark_ready(c)
+                    if c.pin_reason in (None, Pin.RECOMPUTE) and not c.has_saved_refs:
+                        c.release_if_idle()
         finally:
             self.in_engine = prev
 
@@ -561,6 +623,8 @@ class ChunkRuntime:
         ``aborted``: the backward raised (:meth:`finish_aborted_backward`): no reduction, no error
         kept, not counted in :attr:`backward_passes`."""
         prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
+        guard = no_torch_function()
+        guard.__enter__()
         try:
             self._finalize_queued = False
             error = None
@@ -574,8 +638,9 @@ class ChunkRuntime:
                     return
                 self.backward_passes += 1
                 trainable = self.trainable
-                if any(bool(received[e.index]) for e in trainable):
-                    unused = [e for e in trainable if not received[e.index]]
+                got = received.tolist()
+                if any(got[e.index] for e in trainable):
+                    unused = [e for e in trainable if not got[e.index]]
                     if unused and not self.find_unused_parameters:
                         error = UnusedParameterError(
                             f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: "
@@ -601,6 +666,7 @@ class ChunkRuntime:
             if error is not None:
                 self._pending_error = error
         finally:
+            guard.__exit__(None, None, None)
             self.in_engine = prev
 
     def _discard_grad_buffers(self) -> None:
@@ -670,8 +736,9 @@ class GradPlaceholders:
 
     def set(self, grad_received: torch.Tensor) -> None:
         """Put a placeholder in ``.grad`` of every parameter whose ``grad_received[index]`` is set."""
+        received = grad_received.tolist()
         for param, name, index in self.params:
-            if param.grad is None and bool(grad_received[index]):
+            if received[index] and param.grad is None:
                 if index not in self._made:
                     self._made[index] = ShardedGradPlaceholder(param, name)
                 param.grad = self._made[index]

@@ -15,10 +15,12 @@ __all__ = [
     "compile_frame_callback",
     "compiled_original",
     "current_autograd_node",
+    "no_torch_function",
     "pop_torch_function_mode",
     "process_group_timeout",
     "push_torch_function_mode",
     "storage_key",
+    "torch_function_mode_depth",
     "tree_flatten",
     "wrapper_tensor",
 ]
@@ -49,6 +51,11 @@ pop_torch_function_mode = torch._C._pop_torch_function_stack
 """``pop_torch_function_mode()``: take the innermost torch-function mode off the stack and return it."""
 push_torch_function_mode = torch._C._push_on_torch_function_stack
 """``push_torch_function_mode(mode)``: put ``mode`` back on top of the torch-function mode stack."""
+torch_function_mode_depth = torch._C._len_torch_function_stack
+"""``torch_function_mode_depth()``: how many torch-function modes are on the stack."""
+no_torch_function = torch._C.DisableTorchFunction
+"""``with no_torch_function():`` torch calls inside skip every torch-function mode and subclass handler
+(the engine's own tensor work inside a hook: no Python frame per call)."""
 
 
 ENGINE_RUN_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)

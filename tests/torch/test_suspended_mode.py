@@ -1,0 +1,140 @@
+"""Note [suspended access mode] (``torch_backend/zero/runtime.py``): in a forward where nothing is
+released before its end, the access mode comes off the stack once every sharded chunk is gathered,
+and every sharded chunk is held until it is back. One rank with the parameters offloaded has sharded
+chunks (gathered on use, released after), as at W >= 2.
+
+The mutants these tests catch: taking the mode off while some chunk is still released (its
+parameters read NaN placeholders: the losses differ), not holding the chunks while it is off (a
+release inside the forward frees a buffer the rest of the forward reads), and never taking it off."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chunkzero.errors import ConfigError
+from torch_backend import ZeroDDP, ZeroOptimizer
+from torch_backend.zero.runtime import ParamAccessMode
+
+
+def _mode_on() -> bool:
+    return any(isinstance(m, ParamAccessMode) for m in torch.overrides._get_current_function_mode_stack())
+
+
+class _Probe(nn.Module):
+    """No parameters; records whether the access mode is on while it runs, and may run ``during``."""
+
+    def __init__(self):
+        super().__init__()
+        self.mode_on: list[bool] = []
+        self.during = None
+
+    def forward(self, h):
+        self.mode_on.append(_mode_on())
+        if self.during is not None:
+            self.during()
+        return h
+
+
+class _Cross(nn.Module):
+    """Three linears in three chunks (``chunk_size=72``); after the probe the first and second ones are
+    used again, the first through its weight alone (no submodule call)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.probe = _Probe()
+
+    def forward(self, x):
+        h = self.c(self.b(self.a(x).relu()).relu())
+        h = self.probe(h)
+        return F.linear(h, self.a.weight) + self.b(h)
+
+
+def _reference(net: nn.Module, xs: list[torch.Tensor]) -> tuple[list[float], dict]:
+    ref = copy.deepcopy(net)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    losses = []
+    for x in xs:
+        loss = ref(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
+def _zero(model: ZeroDDP, xs: list[torch.Tensor]) -> list[float]:
+    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    losses = []
+    for x in xs:
+        loss = model(x).square().mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _inputs(steps: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 8, generator=g) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("chunk_size", [72, None], ids=["three-chunks-kept", "one-chunk"])
+def test_mode_off_once_every_chunk_is_gathered_and_exact(chunk_size):
+    """Three chunks kept into the backward (``reshard_after_forward=False``): the mode goes off at the
+    probe, where all three are gathered; one chunk (the searched size): off from the step after the
+    first (the backward's prefetched chunk is then known to be all of them). Losses and values equal
+    plain torch's exactly."""
+    net, xs = _Cross(), _inputs()
+    want_losses, want_state = _reference(net, xs)
+    kw = dict(chunk_size=72, reshard_after_forward=False) if chunk_size else {}
+    model = ZeroDDP(net, offload_param_frac=1.0, **kw)
+    assert len(model._runtime._sharded) == (3 if chunk_size else 1)
+    assert _zero(model, xs) == want_losses
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want_state[k], rtol=1e-5, atol=1e-6)  # AdamW: flat vs per tensor
+    assert net.probe.mode_on[-2:] == [False, False], net.probe.mode_on  # it did go off
+    assert _mode_on() is False  # and is off the stack after the forward too (not left behind)
+
+
+def test_mode_stays_on_while_a_chunk_is_released():
+    """Released after use (the default), three chunks are never all gathered: the mode stays on and the
+    result is the same."""
+    net, xs = _Cross(), _inputs(3)
+    want_losses, _ = _reference(net, xs)
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
+    assert _zero(model, xs) == want_losses
+    assert net.probe.mode_on == [True, True, True]
+
+
+def test_chunks_are_held_while_the_mode_is_off():
+    """A release asked for while the mode is off (as a nested backward's end would) frees nothing: the
+    rest of the forward reads the gathered values; an update of a chunk's values raises."""
+    net, xs = _Cross(), _inputs(3)
+    want_losses, _ = _reference(net, xs)
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72, reshard_after_forward=False)
+    freed = []
+
+    def release_all():
+        freed.extend(c.release() for c in model.chunks)
+
+    net.probe.during = release_all
+    assert _zero(model, xs) == want_losses
+    assert freed == [False] * 9
+
+    def refresh():
+        model.chunks[0].refresh_from_master()
+
+    net.probe.during = refresh
+    with pytest.raises(ConfigError, match="inside ZeroDDP's forward"):
+        model(xs[0])
+    net.probe.during = None
+    assert not any(c._held for c in model.chunks)  # the mode came back when the forward raised
+    assert _mode_on() is False
