@@ -510,12 +510,18 @@ class ChunkGradient:
             the reductions are finished), or ``None``.
     """
 
-    __slots__ = ("_chunk", "_spans", "_streams", "_to_host", "_whole", "_written", "buffer", "reductions", "sq_norm")
+    __slots__ = ("_chunk", "_grad_nbytes", "_in_grad", "_spans", "_streams", "_to_host", "_whole", "_written", "buffer",
+                 "reductions", "sq_norm")
 
     def __init__(self, chunk):
         self._chunk = chunk
         self.buffer: torch.Tensor | None = None
         self._written: set[str] = set()
+        self._in_grad: dict[str, torch.Tensor] = {}
+        """Per tensor name: the view of :attr:`buffer` set as its parameter's ``.grad`` (Note [gradients
+        in the buffer])."""
+        itemsize = torch.empty((), dtype=chunk.dtype).element_size()
+        self._grad_nbytes = {t.name: t.numel * itemsize for t in chunk.tensors}
         self.sq_norm: torch.Tensor | None = None
         self.reductions: list[tuple[collectives.Pending | None, torch.Tensor]] = []
         """Reductions issued and not yet added into ``master.grad``: ``(pending, output shard)``."""
@@ -537,10 +543,49 @@ class ChunkGradient:
         self._written = set()
         return self.buffer
 
+    # Note [gradients in the buffer]. A chunk's first gradient of a backward is copied into a new,
+    # zeroed buffer, and every other trainable parameter of the chunk whose ``.grad`` is empty gets its
+    # view of that buffer as ``.grad``; autograd's AccumulateGrad then adds each later gradient into
+    # the view in place (as DDP's ``gradient_as_bucket_view``), so the hook only notes that it arrived
+    # (:meth:`landed`). The views leave ``.grad`` when the buffer is handed to its reduction or dropped,
+    # and at the end of every backward (:meth:`take_views`), so outside a backward ``.grad`` never holds
+    # one. A gradient that did not land in place (``create_graph``: AccumulateGrad then replaces
+    # ``.grad``) is copied as before.
+    def landed(self, name: str, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` (the parameter's ``.grad`` after accumulation) is tensor ``name``'s view of
+        the buffer, i.e. the gradient was added in place (Note [gradients in the buffer])."""
+        view = self._in_grad.get(name)
+        if view is None or view is not grad:
+            return False
+        self._chunk.tracker.transient("autograd_grads", view.device, self._grad_nbytes[name])  # summed, dropped
+        return True
+
+    def _give_views(self) -> None:
+        """Point each trainable parameter's empty ``.grad`` at its view of the (zeroed) buffer."""
+        buf, c = self.buffer, self._chunk
+        for t in c.tensors:
+            p = c.params[t.name]
+            if p.grad is None and p.requires_grad and t.name not in self._in_grad:
+                view = buf[t.offset : t.end].view(t.shape)
+                p.grad = view
+                self._in_grad[t.name] = view
+
+    def take_views(self) -> None:
+        """Take the buffer's views out of the parameters' ``.grad`` (where they still are)."""
+        if not self._in_grad:
+            return
+        params = self._chunk.params
+        for name, view in self._in_grad.items():
+            p = params[name]
+            if p.grad is view:
+                p.grad = None
+        self._in_grad = {}
+
     def add(self, name: str, grad: torch.Tensor) -> None:
         """Accumulate ``grad`` (the full shape of tensor ``name``) into the buffer. A chunk that is exactly
         one tensor adopts ``grad`` as its buffer, without a copy (the caller hands it over: autograd's
-        ``param.grad``, cleared by the engine)."""
+        ``param.grad``, cleared by the engine). A new buffer is zeroed and lent to the chunk's other
+        parameters (Note [gradients in the buffer])."""
         c = self._chunk
         buf = self.buffer
         if (buf is None and name == self._whole and grad.dtype == c.dtype and grad.device == c.device
@@ -548,11 +593,16 @@ class ChunkGradient:
             self.buffer = c.tracker.track(grad.detach().view(-1), "gradient_buffers")
             self._written = {name}
             return
+        replaced = self._in_grad.pop(name, None) is not None  # AccumulateGrad replaced the view: grad includes it
         if buf is None:
             buf = self._new_buffer()
+            buf.zero_()
+            self._written = set(self._spans)
+        if not self._in_grad and grad.dtype == c.dtype and grad.device == c.device:
+            self._give_views()
         start, end = self._spans[name]
         c.tracker.transient("autograd_grads", grad.device, grad.numel() * grad.element_size())  # handed, then dropped
-        if name in self._written:
+        if name in self._written and not replaced:
             buf[start:end].add_(grad.reshape(-1))
         else:
             buf[start:end].copy_(grad.reshape(-1))
@@ -571,6 +621,7 @@ class ChunkGradient:
                     buf[start:end].zero_()
         if c.padding_numel:
             buf[c.size - c.padding_numel :].zero_()
+        self.take_views()
         self.buffer = None
         self._written = set()
         tracker, topo = c.tracker, c.sharding_groups
@@ -665,6 +716,7 @@ class ChunkGradient:
 
     def discard_buffer(self) -> None:
         """Drop the buffer not yet reduced (reductions in flight and ``master.grad`` stay)."""
+        self.take_views()
         self.buffer = None
         self._written = set()
 

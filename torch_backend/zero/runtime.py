@@ -596,8 +596,9 @@ class ChunkRuntime:
                     self._flush_releases()
                 c = e.chunk
                 grad = param.grad
-                param.grad = None
-                c.gradient.add(e.name, grad)
+                if not c.gradient.landed(e.name, grad):  # else added in place (Note [gradients in the buffer])
+                    param.grad = None
+                    c.gradient.add(e.name, grad)
                 self._bwd_grads.add(e.index)
                 if c.grad_ready(e.name):
                     if self.sync:
@@ -662,6 +663,8 @@ class ChunkRuntime:
                 for c in self.chunks:
                     c.end_backward()
                     c.rest(release=True)
+                    if c.gradient is not None:
+                        c.gradient.take_views()
                 self._placeholders.set(self.grad_received)
             if error is not None:
                 self._pending_error = error
