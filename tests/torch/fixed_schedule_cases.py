@@ -57,7 +57,7 @@ def worker_change(rank: int, world: int, kind: str, blind: bool = False):
             plan, pos = self._replay, self._pos
             if pos < len(plan):
                 self._pos = pos + 1
-                return plan[pos][1]
+                return plan[pos]
             return None
         RoundPlans.take = take
     try:

@@ -562,13 +562,13 @@ class ChunkGradient:
 
     def _give_views(self) -> None:
         """Point each trainable parameter's empty ``.grad`` at its view of the (zeroed) buffer."""
-        buf, c = self.buffer, self._chunk
-        for t in c.tensors:
-            p = c.params[t.name]
-            if p.grad is None and p.requires_grad and t.name not in self._in_grad:
-                view = buf[t.offset : t.end].view(t.shape)
+        buf, params = self.buffer, self._chunk.params
+        for name, (start, end) in self._spans.items():
+            p = params[name]
+            if p.grad is None and p.requires_grad and name not in self._in_grad:
+                view = buf[start:end].view(p.shape)
                 p.grad = view
-                self._in_grad[t.name] = view
+                self._in_grad[name] = view
 
     def take_views(self) -> None:
         """Take the buffer's views out of the parameters' ``.grad`` (where they still are)."""

@@ -40,11 +40,19 @@ class RoundPlans:
     ``record(local, summed)`` after each voted round of the interval (``summed`` is filled in place
     by the all-reduce, maybe later); :meth:`take` in place of a round's all-reduce while replaying;
     :meth:`close` at the end round; :meth:`open` after it.
+
+    Args:
+        decisions: what a round's summed votes decide, in the form the scheduler issues it (called
+            once per round of a kept recording, so that a replay costs no tensor work); default: none.
+
+    A plan's round is ``(local, summed, wait, local_list, decision)``: this rank's votes and their sum
+    (1-D int tensors), whether the round was waited for, ``local.tolist()`` and ``decisions(summed)``.
     """
 
-    def __init__(self):
-        self._plans: dict[int, tuple[tuple, list[tuple[torch.Tensor, torch.Tensor, bool]]]] = {}
-        self._candidates: dict[int, tuple[tuple, list[tuple[torch.Tensor, torch.Tensor, bool]]]] = {}
+    def __init__(self, decisions=None):
+        self._decisions = decisions
+        self._plans: dict[int, tuple[tuple, list[tuple]]] = {}
+        self._candidates: dict[int, tuple[tuple, list[tuple]]] = {}
         """Per key: the last clean recording, a plan once the next one equals it."""
         self._key: int | None = None
         """The current interval's key (agreed at the end round before it), ``None``: not storable."""
@@ -63,16 +71,17 @@ class RoundPlans:
     def replaying(self) -> bool:
         return self._replay is not None
 
-    def take(self, local: torch.Tensor, wait: bool) -> torch.Tensor | None:
-        """The recorded sum of the next round, if this rank's ``local`` votes are the recorded ones;
-        ``None`` (diverged: see :meth:`rest`) otherwise."""
+    def take(self, local: list[int], wait: bool) -> tuple | None:
+        """The recorded next round (see the class docstring), if this rank's ``local`` votes (as a
+        list, ``Votes.head.tolist()``) are the recorded ones; ``None`` (diverged: see :meth:`rest`)
+        otherwise."""
         plan, pos = self._replay, self._pos
         if pos < len(plan):
-            rec_local, summed, rec_wait = plan[pos]
-            if rec_wait == wait and torch.equal(rec_local, local):
+            rnd = plan[pos]
+            if rnd[2] == wait and rnd[3] == local:
                 self._pos = pos + 1
                 self.replayed += 1
-                return summed
+                return rnd
         return None
 
     def rest(self) -> list[tuple[torch.Tensor, bool]]:
@@ -82,7 +91,7 @@ class RoundPlans:
         self._replay, self._recording = None, None
         self.diverged = True
         self.divergences += 1
-        return [(summed, wait) for _, summed, wait in plan[pos:]]
+        return [(rnd[1], rnd[2]) for rnd in plan[pos:]]
 
     def pending_rest(self) -> bool:
         """Whether the replayed plan has rounds left (a rank with fewer rounds than recorded)."""
@@ -104,7 +113,12 @@ class RoundPlans:
             self._plans.pop(self._key, None)
             self._candidates.pop(self._key, None)
         elif clean and self._recording is not None and self._key is not None:
-            entry = (self._context, [(local, summed.clone(), wait) for local, summed, wait in self._recording])
+            decide = self._decisions or (lambda _: None)
+            rounds = []
+            for local, summed, wait in self._recording:
+                summed = summed.clone()
+                rounds.append((local, summed, wait, local.tolist(), decide(summed)))
+            entry = (self._context, rounds)
             if _same(self._candidates.get(self._key), entry):
                 self._plans[self._key] = entry
             self._candidates[self._key] = entry
@@ -132,5 +146,5 @@ def _same(a, b) -> bool:
     """Whether two recordings ``(context, rounds)`` are equal (every vote, sum and wait)."""
     if a is None or a[0] != b[0] or len(a[1]) != len(b[1]):
         return False
-    return all(wa == wb and torch.equal(la, lb) and torch.equal(sa, sb)
-               for (la, sa, wa), (lb, sb, wb) in zip(a[1], b[1], strict=True))
+    return all(ra[2] == rb[2] and torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
+               for ra, rb in zip(a[1], b[1], strict=True))

@@ -62,6 +62,8 @@ class Phase(enum.Enum):
 
 
 FORWARD, BACKWARD, OUTSIDE = Phase.FORWARD, Phase.BACKWARD, Phase.OUTSIDE
+_NO_WORK = collectives.Pending()
+"""A finished collective (a replayed round has none to wait for)."""
 
 
 class AccessOrder:
@@ -199,7 +201,7 @@ class Scheduler:
         """The most sharded chunks gathered or being gathered at once."""
         self.policy = None
         """The placement policy told of the step at named points (:meth:`set_policy`)."""
-        self.plans = RoundPlans()
+        self.plans = RoundPlans(self._decisions)
         """The fixed schedule (:mod:`torch_backend.zero.round_plans`); unused at world size 1."""
 
     def set_policy(self, policy) -> None:
@@ -407,7 +409,7 @@ class Scheduler:
         decided at the next round, so the rendezvous overlaps the computation; every rank still
         issues a round's decided collectives right before its next vote, so the order is the same.
         A round that is not an end round (``done``) is replayed from the plan while this rank's votes
-        match it (Note [fixed schedule]). Returns the summed votes (``None`` when not waited for).
+        match it (Note [fixed schedule]). Returns the summed votes (``None`` when not waited for or replayed).
         """
         self._resolve()
         if self.world_size == 1:
@@ -416,18 +418,16 @@ class Scheduler:
             for i in sorted(self.ready):
                 self._reduce(i)
             return None
-        votes = self._local_votes(want, done, used)
         if not done and self.plans.replaying:
-            summed = self.plans.take(votes.head, wait)
-            if summed is not None:
-                votes.head.copy_(summed)
+            rnd = self.plans.take(self._local_list(want), wait)
+            if rnd is not None:  # the recorded decision, issued as the recorded sum would decide it
                 if not wait:
-                    self._pending = (votes, collectives.Pending(), set(want))
+                    self._pending = (rnd[4], _NO_WORK, set(want))
                     return None
-                self._decide(votes)
-                return votes
+                self._issue(rnd[4])
+                return None
             self._diverge()
-            votes = self._local_votes(want, done, used)  # the plan's rest changed what is gathered and ready
+        votes = self._local_votes(want, done, used)  # (after a divergence: the plan's rest changed them)
         if done:
             votes.first_end.fill_(int(first_end))
             votes.diverged.fill_(int(self.plans.diverged))
@@ -457,6 +457,33 @@ class Scheduler:
                 self._pending = (votes, collectives.Pending(), set())
         self._resolve()
 
+    def _local_list(self, want) -> list[int]:
+        """This rank's votes of a round that is not an end round, as ``_local_votes(want, False,
+        None).head.tolist()`` would give them, without tensor work (a replayed round compares them)."""
+        n = self.n
+        votes = [0] * (3 * n + 6)
+        for i in want:
+            votes[i] = 1
+        for i in self.ready:
+            votes[n + i] = 1
+            if self.chunks[i].gradient.pending:
+                votes[2 * n + i] = 1
+        return votes
+
+    def _decisions(self, summed: torch.Tensor) -> tuple[list[int], list[int]]:
+        """What summed votes decide: the chunks to gather and the chunks to reduce, in issue order."""
+        n = self.n
+        gathers = summed[:n].nonzero().flatten().tolist()
+        reduces = ((summed[n : 2 * n] == self.world_size) & (summed[2 * n : 3 * n] > 0)).nonzero().flatten().tolist()
+        return gathers, reduces
+
+    def _issue(self, decision: tuple[list[int], list[int]]) -> None:
+        gathers, reduces = decision
+        for i in gathers:
+            self._gather(i)
+        for i in reduces:
+            self._reduce(i)
+
     def _local_votes(self, want, done: bool, used: torch.Tensor | None) -> Votes:
         votes = Votes(self.n, self.num_tensors)
         if want:
@@ -476,16 +503,16 @@ class Scheduler:
             votes, pending, _ = self._pending
             self._pending = None
             pending.wait()
-            self._decide(votes)
+            if type(votes) is Votes:
+                self._decide(votes)
+            else:  # a replayed round's recorded decision
+                self._issue(votes)
 
     def _voted(self, index: int) -> bool:
         return self._pending is not None and index in self._pending[2]
 
     def _decide(self, votes: Votes) -> None:
-        for i in votes.want.nonzero().flatten().tolist():
-            self._gather(i)
-        for i in ((votes.ready == self.world_size) & (votes.has_grad > 0)).nonzero().flatten().tolist():
-            self._reduce(i)
+        self._issue(self._decisions(votes.head))
 
     def _gather(self, index: int) -> None:
         c = self.chunks[index]
