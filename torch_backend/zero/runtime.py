@@ -287,7 +287,8 @@ class ChunkRuntime:
         backward_next = False
         try:
             with self._intercepting():
-                if grad_enabled:
+                # with no sharded chunk nothing is ever released: a saved tensor needs no reference
+                if grad_enabled and (self._sharded or self.saved_activations is not None):
                     with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                         out = self.module(*args, **kwargs)
                 else:
