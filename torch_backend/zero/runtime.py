@@ -13,14 +13,18 @@ no chunk state of its own.
   released when the forward returns, except the first ``prefetch`` chunks of the recorded backward
   order (gathered ahead, so the backward does not start on a miss). A ``torch.compile``'d submodule
   has its chunks gathered before the call and runs with the mode suspended; a submodule called
-  directly under ``no_grad`` runs under the mode too.
+  directly under ``no_grad`` runs under the mode too. In a forward that releases nothing before its
+  end (one rank; or every sharded chunk kept into the backward) the mode comes off once every
+  sharded chunk is gathered, the chunks held until it is back (Note [suspended access mode]).
 - **Backward** — ``saved_tensors_hooks`` replace a saved parameter (or a saved view of a chunk
   buffer) by a reference that counts on its chunk; unpacking it gathers the chunk again, and once
   autograd has freed every reference to a chunk, the chunk is released — so a frozen chunk is
   gathered in backward only if a saved tensor needs it, and only for as long. A recomputation in
   backward (activation checkpointing) runs under the same mode and pins what it gathers until the
   chunk's gradients are final (frozen chunks: until the backward ends). A post-accumulate-grad hook
-  moves each parameter's final gradient into its chunk's gradient buffer; a chunk whose tensors are
+  moves each parameter's final gradient into its chunk's gradient buffer (after a chunk's first,
+  autograd adds them there in place: Note [gradients in the buffer] in
+  :mod:`torch_backend.zero.chunks`); a chunk whose tensors are
   all READY_FOR_REDUCE is handed to the scheduler. A callback queued on the autograd engine (from a
   hook on the forward's outputs, so it belongs to the outermost backward) ends the backward:
   agreement on unused parameters, the remaining reductions, releases, placeholders.
@@ -425,6 +429,8 @@ class ChunkRuntime:
     def _submodule_pre_hook(self, module, args):  # noqa: ARG002 - torch's forward pre-hook signature
         if self._may_suspend:
             self._try_suspend()
+        if self._mode_stack and id(module) not in self._compiled:  # inside forward, a plain submodule: nothing
+            return
         prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
         try:
             if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
@@ -457,6 +463,8 @@ class ChunkRuntime:
             self.in_engine = prev
 
     def _submodule_post_hook(self, module, args, output):  # noqa: ARG002 - torch's forward hook signature
+        if not self._suspended and (not self._mode_stack or self._mode_stack[-1][0] is not module):
+            return  # (the common case, inside forward: nothing to put back or end)
         prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
         try:
             if self._suspended and self._suspended[-1][0] is module:
