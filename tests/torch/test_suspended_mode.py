@@ -5,7 +5,9 @@ chunks (gathered on use, released after), as at W >= 2.
 
 The mutants these tests catch: taking the mode off while some chunk is still released (its
 parameters read NaN placeholders: the losses differ), not holding the chunks while it is off (a
-release inside the forward frees a buffer the rest of the forward reads), and never taking it off."""
+release inside the forward frees a buffer the rest of the forward reads), and never taking it off.
+The last two tests hold Note [gradients in the buffer] (``torch_backend/zero/chunks.py``) on the same
+sharded chunks: views left in ``.grad`` after a backward, a replaced view added instead of copied."""
 
 from __future__ import annotations
 
@@ -138,3 +140,45 @@ def test_chunks_are_held_while_the_mode_is_off():
     net.probe.during = None
     assert not any(c._held for c in model.chunks)  # the mode came back when the forward raised
     assert _mode_on() is False
+
+
+def test_gradients_land_in_the_buffer_and_leave_grad_after_backward():
+    """Note [gradients in the buffer]: three micro-batches (two under ``no_sync``) accumulate exactly
+    as plain torch's ``.grad`` does, and after each backward ``.grad`` holds the placeholder, never a
+    view of a chunk's gradient buffer (the mutant that leaves the views there fails the type check;
+    one that adds a landed gradient a second time fails the values)."""
+    from torch_backend.zero.runtime import ShardedGradPlaceholder
+
+    net, xs = _Cross(), _inputs(3)
+    ref = copy.deepcopy(net)
+    for x in xs:
+        ref(x).square().mean().backward()
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
+    with model.no_sync():
+        for x in xs[:2]:
+            model.backward(model(x).square().mean())
+            assert all(type(p.grad) is ShardedGradPlaceholder for p in net.parameters())
+    model.backward(model(xs[2]).square().mean())
+    assert all(type(p.grad) is ShardedGradPlaceholder for p in net.parameters())
+    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    got = torch.cat([model.grad_shard(c.index)[: c.valid_numel] for c in model.chunks])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_backwards_accumulate_once():
+    """``create_graph`` backwards under ``no_sync``: AccumulateGrad then replaces a lent view by the
+    sum of the view and the new gradient, which is copied into the buffer, not added (the mutant that
+    adds it counts the earlier backwards' gradients twice)."""
+    net, xs = _Cross(), _inputs(3)
+    ref = copy.deepcopy(net)
+    for x in xs:
+        ref(x).square().mean().backward()
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
+    with model.no_sync():
+        for x in xs[:2]:
+            model(x).square().mean().backward(create_graph=True)
+    model.backward(model(xs[2]).square().mean())
+    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    got = torch.cat([model.grad_shard(c.index)[: c.valid_numel] for c in model.chunks])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
