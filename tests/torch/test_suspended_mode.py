@@ -142,6 +142,14 @@ def test_chunks_are_held_while_the_mode_is_off():
     assert _mode_on() is False
 
 
+def _torch_grads(net, xs) -> torch.Tensor:
+    """Plain torch's ``.grad`` of a copy of ``net`` after one backward per input, flat in parameter order."""
+    ref = copy.deepcopy(net)
+    for x in xs:
+        ref(x).square().mean().backward()
+    return torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+
+
 def test_gradients_land_in_the_buffer_and_leave_grad_after_backward():
     """Note [gradients in the buffer]: three micro-batches (two under ``no_sync``) accumulate exactly
     as plain torch's ``.grad`` does, and after each backward ``.grad`` holds the placeholder, never a
@@ -150,9 +158,7 @@ def test_gradients_land_in_the_buffer_and_leave_grad_after_backward():
     from torch_backend.zero.runtime import ShardedGradPlaceholder
 
     net, xs = _Cross(), _inputs(3)
-    ref = copy.deepcopy(net)
-    for x in xs:
-        ref(x).square().mean().backward()
+    want = _torch_grads(net, xs)
     model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
     with model.no_sync():
         for x in xs[:2]:
@@ -160,7 +166,6 @@ def test_gradients_land_in_the_buffer_and_leave_grad_after_backward():
             assert all(type(p.grad) is ShardedGradPlaceholder for p in net.parameters())
     model.backward(model(xs[2]).square().mean())
     assert all(type(p.grad) is ShardedGradPlaceholder for p in net.parameters())
-    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
     got = torch.cat([model.grad_shard(c.index)[: c.valid_numel] for c in model.chunks])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
 
@@ -171,14 +176,11 @@ def test_create_graph_backwards_accumulate_once():
     sum of the view and the new gradient, which is copied into the buffer, not added (the mutant that
     adds it counts the earlier backwards' gradients twice)."""
     net, xs = _Cross(), _inputs(3)
-    ref = copy.deepcopy(net)
-    for x in xs:
-        ref(x).square().mean().backward()
+    want = _torch_grads(net, xs)
     model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
     with model.no_sync():
         for x in xs[:2]:
             model(x).square().mean().backward(create_graph=True)
     model.backward(model(xs[2]).square().mean())
-    want = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
     got = torch.cat([model.grad_shard(c.index)[: c.valid_numel] for c in model.chunks])
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
