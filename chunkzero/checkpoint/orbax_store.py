@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -221,6 +222,7 @@ def _manager(directory: Path, options: Any):
         logging.getLogger("absl").addFilter(_without_small_chunk_warning)  # (kept once however often added)
         logging.getLogger("absl").addFilter(_without_orbax_thread_errors)
         logging.getLogger("concurrent.futures").addFilter(_without_closed_loop_callbacks)
+        _drop_closed_loop_unraisables()
         # ``state`` through the PyTree handler: the on-disk format of ``StandardSave``, and subsets restore
         handlers = {
             STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS),
@@ -427,6 +429,30 @@ def _without_closed_loop_callbacks(record: logging.LogRecord) -> bool:
     the failure is raised once, in one line (:func:`_not_saved`)."""
     error = record.exc_info[1] if record.exc_info else None
     return not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
+
+
+def _closed_loop_unraisable(unraisable: Any) -> bool:
+    """Whether ``unraisable`` (a ``sys.UnraisableHookArgs``) is the same late write as
+    :func:`_without_closed_loop_callbacks`, reported by TensorStore's own thread with no object: its done
+    callback calls ``call_soon_threadsafe`` on the failed save's closed event loop."""
+    error = unraisable.exc_value
+    return (unraisable.object is None and isinstance(error, RuntimeError)
+            and str(error) == "Event loop is closed")
+
+
+def _drop_closed_loop_unraisables() -> None:
+    """Chain a ``sys.unraisablehook`` that drops :func:`_closed_loop_unraisable` reports (printed as a bare
+    traceback on stderr otherwise) and hands every other report to the hook it replaces. Idempotent."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_closed_loop_callbacks", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _closed_loop_unraisable(unraisable):
+            previous(unraisable)
+
+    hook.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 _EXPECTED_ABSL_WARNINGS = (
