@@ -134,6 +134,25 @@ def test_gathered_chunks_are_not_kept_from_forward_to_backward(remat):
     assert temps[1] < full[1] / 2
 
 
+def test_no_remat_keeps_only_the_weight_products_from_forward_to_backward():
+    """``remat=False``: per block, the step's temp memory grows by the kept outputs of the products with weights
+    (q/k/v, the MLP's input projection), the block's input and what backward holds at once, about 12·C floats
+    per token; not by the GELU's and the normalizations' elementwise intermediates, which backward recomputes.
+    Were XLA to merge that recompute with the forward's (the kept residuals not made to depend on the cotangent),
+    they would be kept from forward to backward too: about 24·C per token."""
+    temps = []
+    n_embd, tokens = 64, WORLD * 8 * 64
+    for n_layer in (2, 4):
+        program = gpt_program(GPTConfig(block_size=64, vocab_size=256, n_layer=n_layer, n_head=2, n_embd=n_embd))
+        layout = ChunkLayout.build(program.specs, 100_000, WORLD)
+        trainer = ZeroTrainer(program, layout, make_mesh(WORLD), optax.sgd(0.1), remat=False)
+        temps.append(trainer.lower(WORLD * 8, 64).compile().memory_analysis().temp_size_in_bytes)
+    per_block = (temps[1] - temps[0]) / 2
+    per_token_floats = per_block / 4 / (tokens // WORLD)
+    print(f"temp {temps} bytes: {per_block:.0f} per block, {per_token_floats / n_embd:.1f}·C floats per token")
+    assert per_token_floats < 16 * n_embd
+
+
 def test_cli_layout_predicted(capsys):
     assert cli_main(["layout", "--model", "hf-gpt2-medium", "--world-size", "8"]) == 0
     out = capsys.readouterr().out
