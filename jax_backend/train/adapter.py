@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from chunkzero.checkpoint import chunk_key, latest_step
 from chunkzero.configs import GPT_CONFIGS
 from chunkzero.errors import CheckpointError, ConfigError
+from chunkzero.host_memory import release_free_memory
 from chunkzero.job.guards import NonFiniteStop
 from chunkzero.job.init import gpt_initial_params
 from chunkzero.job.models import hf_config
@@ -157,6 +158,9 @@ class JaxAdapter:
     ema: ChunkEMA | None = None
     """The EMA of ``--ema-decay`` (checkpointed with the state), or ``None``."""
 
+    _step_loaded = False
+    """Whether the step is compiled (:meth:`_load_step`, before the first)."""
+
     def __init__(self, cfg: TrainConfig, mesh, *, resume_from: Path | None = None):
         self.cfg, self.mesh = cfg, mesh
         self.guard = NonFiniteStop(cfg.max_skipped_steps)
@@ -224,6 +228,8 @@ class JaxAdapter:
         Raises:
             LossScaleError: the ``--max-skipped-steps``-th skip in a row.
         """
+        if not self._step_loaded:
+            self._load_step(batch)
         self.state, losses, norm = self.trainer.step_fn(self.state, batch)
         self.last_grad_norm = float(np.asarray(norm.addressable_data(0)))
         applied = math.isfinite(self.last_grad_norm)
@@ -231,6 +237,20 @@ class JaxAdapter:
         if applied and self.ema is not None:
             self.ema.update(self.state)
         return float(np.asarray(self._sum(losses).addressable_data(0))), applied
+
+    def _load_step(self, batch: dict[str, jax.Array]) -> None:
+        """Compile the step (or load it from the persistent compilation cache) before its first run, on as little
+        host memory as the run can have, since the step's working memory (XLA's temp buffer, the most the run
+        allocates at once) comes on top of it: with the persistent cache on, the programs compiled so far (the
+        processes' agreement collectives, the reduce-scatter check, the initialization, the evaluation) are
+        dropped first — each keeps about 1.4 MiB of host memory while loaded, and the few used again are loaded
+        from the cache then — and the host memory that loading freed goes back to the operating system
+        (:func:`chunkzero.host_memory.release_free_memory`: tens of MiB, which glibc would keep)."""
+        if jax.config.jax_compilation_cache_dir:
+            jax.clear_caches()
+        self.trainer.step_fn.lower(self.state, batch).compile()
+        release_free_memory()
+        self._step_loaded = True
 
     @property
     def skipped_steps(self) -> int:
