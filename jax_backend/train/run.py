@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError
+from chunkzero.host_memory import huge_page_malloc_env
 from chunkzero.train_config import TrainConfig
 from chunkzero.workers import (
     COORDINATOR_ENV,
@@ -77,6 +78,7 @@ def main(cfg: TrainConfig) -> int:
              cfg.devices_per_process, out)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process sets its own devices
     env.setdefault(CPU_THREADS_ENV, str(threads_per_worker(cfg.nproc)))  # cores / processes, as torch's workers
+    huge_page_malloc_env(env)  # the step's temp buffer faulted in 2 MiB at a time, not 4 KiB, on every step
     with tempfile.TemporaryDirectory(prefix="chunkzero-jax-") as tmp:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(json.dumps(cfg.to_dict()), encoding="utf-8")

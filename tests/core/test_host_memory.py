@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from chunkzero.host_memory import release_free_memory
+from chunkzero.host_memory import huge_page_malloc_env, release_free_memory
 
 BLOCK_BYTES = 64 * 1024  # below glibc's mmap threshold: from the heap, which free() alone does not shrink
 BLOCKS = 1024
@@ -44,3 +44,15 @@ def test_release_free_memory_returns_freed_heap_pages():
     freed_kib = BLOCK_BYTES * (BLOCKS - 1) // 1024
     print(f"RssAnon {before} KiB -> {after} KiB (freed blocks: {freed_kib} KiB)")
     assert before - after > freed_kib // 2
+
+
+def test_huge_page_malloc_env_adds_the_tunable_unless_set():
+    env = {}
+    huge_page_malloc_env(env)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    huge_page_malloc_env(env)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}  # the user's own choice stays
+    huge_page_malloc_env(env)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
