@@ -245,12 +245,16 @@ class JaxAdapter:
         processes' agreement collectives, the reduce-scatter check, the initialization, the evaluation) are
         dropped first — each keeps about 1.4 MiB of host memory while loaded, and the few used again are loaded
         from the cache then — and the host memory that loading freed goes back to the operating system
-        (:func:`chunkzero.host_memory.release_free_memory`: tens of MiB, which glibc would keep)."""
+        (:func:`chunkzero.host_memory.release_free_memory`: tens of MiB, which glibc would keep). A step function
+        that is not jitted (no ``lower``) is left to its first call."""
+        self._step_loaded = True
+        lower = getattr(self.trainer.step_fn, "lower", None)
+        if lower is None:
+            return
         if jax.config.jax_compilation_cache_dir:
             jax.clear_caches()
-        self.trainer.step_fn.lower(self.state, batch).compile()
+        lower(self.state, batch).compile()
         release_free_memory()
-        self._step_loaded = True
 
     @property
     def skipped_steps(self) -> int:
