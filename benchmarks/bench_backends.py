@@ -14,6 +14,12 @@ process, ``CHUNKZERO_CPU_THREADS=0``: the JAX engine before issue 28's bound); `
 with ``--activation-checkpointing`` (each stage recomputed in backward: the JAX step before issue 28). No
 evaluation beyond the one at step 0, no checkpoint, no sample.
 
+Each engine's **no-communication floor** (``torch-floor``, ``jax-floor``): the same two workers' compute with
+nothing between them — two ``--nproc 1`` runs of that engine at once, each on its own half of the cores
+(its affinity mask, so each runs cores / 2 threads as a worker of the W = 2 run does), each its own W = 1
+(torch: no process group beyond itself; JAX: one device, no collective). Their tokens/s is the two runs'
+sum, their first step and start-up the slower run's, their peak RSS one per run. ``jax-floor`` runs warm.
+
 Per engine, over the repeats (min / median / max):
 
 - **tokens/s**: tokens per step / the median step time of steps 2 … ``--steps`` (``metrics.jsonl``'s
@@ -49,22 +55,53 @@ from train_runs import make_corpus, train_env  # noqa: E402
 JAX = ["--backend", "jax", "--nproc", "2", "--devices-per-process", "1"]
 ENGINES = {"torch": ["--nproc", "2"], "jax-cold": JAX, "jax-warm": JAX,
            "jax-1proc": ["--backend", "jax", "--nproc", "1", "--devices-per-process", "2"],
-           "jax-xla-threads": JAX, "jax-remat": [*JAX, "--activation-checkpointing"]}
+           "jax-xla-threads": JAX, "jax-remat": [*JAX, "--activation-checkpointing"],
+           "torch-floor": ["--nproc", "1"],
+           "jax-floor": ["--backend", "jax", "--nproc", "1", "--devices-per-process", "1"]}
+FLOORS = ("torch-floor", "jax-floor")
+"""Two ``--nproc 1`` runs at once, one per half of the cores (the module docstring)."""
 ENGINE_ENV = {"jax-xla-threads": {"CHUNKZERO_CPU_THREADS": "0"}}
 """Environment set for an engine: ``jax-xla-threads`` leaves XLA:CPU's threads at its default (every core, in
 each process) instead of ``chunkzero train``'s cores / processes."""
-WARM = ("jax-warm", "jax-1proc", "jax-xla-threads", "jax-remat")
+WARM = ("jax-warm", "jax-1proc", "jax-xla-threads", "jax-remat", "jax-floor")
 """The engines that start with the warm cache (each fills it once before the repeats)."""
+
+
+def core_halves() -> list[set[int]]:
+    """This process's cores split in two (the floors' affinity masks)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("the no-communication floors need at least 2 cores")
+    return [set(cores[: len(cores) // 2]), set(cores[len(cores) // 2:])]
 
 
 def run_once(engine: str, common: list[str], out: Path, cwd: Path, cache: Path | None = None) -> dict:
     env = {**train_env(), **ENGINE_ENV.get(engine, {})}
     if cache is not None:
         env["CHUNKZERO_JAX_CACHE"] = str(cache)
+    command = [sys.executable, "-m", "chunkzero.cli", "train", *common, *ENGINES[engine], "--overwrite"]
+    if engine not in FLOORS:
+        t0 = time.perf_counter()
+        p = subprocess.run([*command, "--out", str(out)], cwd=cwd, env=env, capture_output=True, text=True)
+        return read_run(engine, p, out, time.perf_counter() - t0)
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "chunkzero.cli", "train", *common, *ENGINES[engine], "--out", str(out),
-                        "--overwrite"], cwd=cwd, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    procs = [subprocess.Popen([*command, "--out", str(out / f"half{k}")], cwd=cwd, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              preexec_fn=lambda mask=mask: os.sched_setaffinity(0, mask))
+             for k, mask in enumerate(core_halves())]
+    runs = []
+    for k, proc in enumerate(procs):
+        stdout, stderr = proc.communicate()
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        runs.append(read_run(engine, done, out / f"half{k}", time.perf_counter() - t0))
+    return {"tokens_per_s": sum(r["tokens_per_s"] for r in runs),
+            "first_step_s": max(r["first_step_s"] for r in runs),
+            "to_first_step_s": max(r["to_first_step_s"] for r in runs),
+            "peak_rss_mib": [m for r in runs for m in r["peak_rss_mib"]], "wall_s": max(r["wall_s"] for r in runs)}
+
+
+def read_run(engine: str, p: subprocess.CompletedProcess, out: Path, wall: float) -> dict:
+    """One finished run's numbers (module docstring) from its ``metrics.jsonl`` and ``summary.json``."""
     if p.returncode != 0:
         raise SystemExit(f"{engine} run failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -76,6 +113,20 @@ def run_once(engine: str, common: list[str], out: Path, cwd: Path, cache: Path |
     return {"tokens_per_s": tokens_per_step / later, "first_step_s": times[0],
             "to_first_step_s": wall - sum(times[1:]),
             "peak_rss_mib": [m["peak_rss_mib"] for m in summary["peak_memory"]], "wall_s": wall}
+
+
+def own_floor(engine: str) -> str | None:
+    """The floor an engine is set beside: ``torch-floor`` for torch, ``jax-floor`` for the JAX runs."""
+    if engine in FLOORS:
+        return None
+    return "torch-floor" if engine == "torch" else "jax-floor"
+
+
+def paired(rs: list[dict], others: list[dict] | None) -> str:
+    """The median over repeats of this engine's tokens/s over ``others``' in the same repeat; "" without them."""
+    if not others:
+        return ""
+    return f"{statistics.median(a['tokens_per_s'] / b['tokens_per_s'] for a, b in zip(rs, others)):.2f}"
 
 
 def spread(values) -> str:
@@ -121,11 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpt-mini, fp32, W = 2, {args.steps} steps per run, {args.repeats} interleaved repeats; {cores} cores; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print()
-    print("| engine | tokens/s min / median / max | first step s | to first step s | peak RSS / process MiB (median) |")
-    print("|---|---|---|---|---|")
+    print("| engine | tokens/s min / median / max | × own floor, paired (median) | × torch, paired (median) "
+          "| first step s | to first step s | peak RSS / process MiB (median) |")
+    print("|---|---|---|---|---|---|---|")
     for engine, rs in rows.items():
         rss = [statistics.median(r["peak_rss_mib"][k] for r in rs) for k in range(len(rs[0]["peak_rss_mib"]))]
+        floor = own_floor(engine)
         print(f"| {engine} ({' '.join(ENGINES[engine])}) | {spread([r['tokens_per_s'] for r in rs])} | "
+              f"{paired(rs, rows.get(floor))} | {paired(rs, rows.get('torch') if engine != 'torch' else None)} | "
               f"{spread([r['first_step_s'] for r in rs])} | {spread([r['to_first_step_s'] for r in rs])} | "
               f"{' / '.join(f'{m:.0f}' for m in rss)} |")
     if args.json:
