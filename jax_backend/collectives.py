@@ -11,17 +11,17 @@ values at the end of rank 0's block for 4 MiB float64 blocks. So every call goes
   engine does on gloo (:func:`torch_backend.zero.collectives.reduce_scatter_avg`).
 
 The method in use is :func:`reduce_scatter_method`: the environment variable
-``CHUNKZERO_JAX_REDUCE_SCATTER`` if set, else what :func:`check_reduce_scatter` last decided, else
-``"psum_scatter"``. :func:`check_reduce_scatter` runs both on a mesh at given block sizes with values
-whose sums are exact in any order, compares them with ``psum`` plus a slice, and switches to
-``"all_to_all"`` (with a warning) when ``psum_scatter`` is wrong; ``chunkzero train --backend jax``
-calls it once at the start of a multi-process CPU run, at the run's chunk sizes. The method is read
-when a step is traced, so a check runs before the trainer is built.
+``CHUNKZERO_JAX_REDUCE_SCATTER`` if set, else ``"all_to_all"`` in a multi-process CPU run (gloo: the bug
+above, and a check at start-up found ``psum_scatter`` wrong at a 1 MiB fp32 block on some starts of one job
+and right on others, so no start-up check can clear it; one fixed method also keeps the compiled step the
+same from start to start, for the persistent compilation cache), else ``"psum_scatter"``.
+:func:`check_reduce_scatter` runs both on a mesh at given block sizes with values whose sums are exact in
+any order and compares them with ``psum`` plus a slice (``tests/jax/test_multiprocess.py``). The method is
+read when a step is traced.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable
 
@@ -39,8 +39,6 @@ METHODS = ("psum_scatter", "all_to_all")
 ENV_METHOD = "CHUNKZERO_JAX_REDUCE_SCATTER"
 """The environment variable that forces a method (one of :data:`METHODS`)."""
 
-log = logging.getLogger("chunkzero.train")
-_checked_method: str | None = None
 
 
 def reduce_scatter_method() -> str:
@@ -54,7 +52,7 @@ def reduce_scatter_method() -> str:
         if forced not in METHODS:
             raise ConfigError(f"{ENV_METHOD}={forced!r}: expected one of {', '.join(METHODS)}")
         return forced
-    return _checked_method or "psum_scatter"
+    return "all_to_all" if jax.process_count() > 1 and jax.default_backend() == "cpu" else "psum_scatter"
 
 
 def reduce_scatter_sum(x: jax.Array, axis: str, *, scatter_dimension: int = 0, method: str | None = None) -> jax.Array:
@@ -92,13 +90,10 @@ def _exact_values(numel: int, rank: int, dtype) -> np.ndarray:
 
 
 def check_reduce_scatter(mesh: Mesh, block_bytes: Iterable[int], dtypes: Iterable = (jnp.float32,), *,
-                         axis: str = DEFAULT_AXIS, switch: bool = True) -> list[dict]:
+                         axis: str = DEFAULT_AXIS) -> list[dict]:
     """Compare both methods of :func:`reduce_scatter_sum` with ``psum`` plus a slice on ``mesh``, for each
     per-device input size in ``block_bytes`` (bytes; rounded down to a multiple of ``W`` elements)
     and dtype. Collective over every process of ``mesh``; all must call it alike.
-
-    With ``switch`` and ``psum_scatter`` wrong anywhere, later steps use ``"all_to_all"`` (logged as a
-    warning) unless the environment forces a method.
 
     Returns:
         One record per case: ``{"dtype", "block_bytes", "numel", "psum_scatter_ok", "all_to_all_ok",
@@ -106,9 +101,8 @@ def check_reduce_scatter(mesh: Mesh, block_bytes: Iterable[int], dtypes: Iterabl
         across processes).
 
     Raises:
-        ConfigError: ``all_to_all`` is wrong too (no correct reduce-scatter on this machine).
+        ConfigError: ``all_to_all`` is wrong (the method multi-process CPU runs use).
     """
-    global _checked_method
     world = mesh_world_size(mesh, axis)
     sharding = NamedSharding(mesh, P(axis))
     order = list(mesh.devices.reshape(-1))
@@ -147,16 +141,8 @@ def check_reduce_scatter(mesh: Mesh, block_bytes: Iterable[int], dtypes: Iterabl
     if any(not r["all_to_all_ok"] for r in records):
         bad = next(r for r in records if not r["all_to_all_ok"])
         raise ConfigError(
-            f"reduce-scatter check: all_to_all + local sum is wrong too ({bad}); no correct reduce-scatter"
+            f"reduce-scatter check: all_to_all + local sum, the method of multi-process CPU runs, is wrong ({bad})"
         )
-    wrong = [r for r in records if not r["psum_scatter_ok"]]
-    if wrong and switch:
-        _checked_method = "all_to_all"
-        log.warning("warning: psum_scatter gave wrong values (%s, %d bytes per device, first at element %d): "
-                    "reduce-scatters use all_to_all + a local sum", wrong[0]["dtype"], wrong[0]["block_bytes"],
-                    wrong[0]["first_bad_index"])
-    elif switch:
-        _checked_method = "psum_scatter"
     return records
 
 

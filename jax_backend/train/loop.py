@@ -49,12 +49,6 @@ def train(cfg: TrainConfig, corpus, place, *, open_out: Callable[[str | None], N
     mesh = process_mesh()
     world = int(mesh.devices.size)
     rank0 = place.process_id == 0
-    if jax.process_count() > 1:  # the reduce-scatter guard, at this run's chunk sizes, before tracing the step
-        from ..collectives import check_reduce_scatter
-        from .adapter import layout_for_config
-
-        sizes = sorted({c.size * 4 for c in layout_for_config(cfg, world).chunks if not c.keep_gathered})
-        check_reduce_scatter(mesh, sizes)
     ckpt_root = Path(cfg.out) / CHECKPOINT_DIR
     resume_from = ckpt_root if cfg.resume else None  # its latest step, or --resume-step's
     error = None

@@ -14,11 +14,12 @@ try:
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
 
-    from jax_backend.collectives import check_reduce_scatter
+    from jax_backend.collectives import check_reduce_scatter, reduce_scatter_method
 
     sizes = [int(s) for s in sys.argv[1].split(",")]
-    records = check_reduce_scatter(process_mesh(), sizes, (jnp.float32, jnp.float64), switch=False)
-    write_result({"status": "ok", "records": records, "devices": jax.device_count(), "processes": jax.process_count()})
+    records = check_reduce_scatter(process_mesh(), sizes, (jnp.float32, jnp.float64))
+    write_result({"status": "ok", "records": records, "method": reduce_scatter_method(),
+                  "devices": jax.device_count(), "processes": jax.process_count()})
 except Exception as e:  # the launcher shows this line
     write_result({"status": "error", "message": f"{type(e).__name__}: {e}"})
     raise

@@ -26,16 +26,18 @@ KIB, MIB = 1 << 10, 1 << 20
 
 
 def test_reduce_scatter_matches_psum_across_processes(tmp_path):
+    """The method a multi-process CPU run uses is all_to_all + a local sum, and it equals psum plus a slice at
+    every size; gloo's psum_scatter is only reported (jax-ml/jax#40830: wrong on some starts, right on others)."""
     sizes = [16 * KIB, 1 * MIB, 4 * MIB, 16 * MIB]
     results = launch_processes([sys.executable, str(HERE / "mp_reduce_scatter.py"), ",".join(map(str, sizes))], 2,
                                tmp_path, env=_env())
     for r in results:
         assert r["status"] == "ok", r
-        assert (r["devices"], r["processes"]) == (4, 2)
+        assert (r["devices"], r["processes"], r["method"]) == (4, 2, "all_to_all")
         cases = {(x["dtype"], x["block_bytes"]) for x in r["records"]}
         assert cases == {(d, s) for d in ("float32", "float64") for s in sizes}
         for x in r["records"]:
-            assert x["psum_scatter_ok"] and x["all_to_all_ok"], x
+            assert x["all_to_all_ok"], x
 
 
 def test_a_failing_process_is_named(tmp_path):
