@@ -122,6 +122,13 @@ def own_floor(engine: str) -> str | None:
     return "torch-floor" if engine == "torch" else "jax-floor"
 
 
+def torch_peer(engine: str) -> str | None:
+    """What a JAX engine is compared with: torch, or for ``jax-floor`` torch's floor; ``None`` for torch's own."""
+    if engine.startswith("torch"):
+        return None
+    return "torch-floor" if engine == "jax-floor" else "torch"
+
+
 def paired(rs: list[dict], others: list[dict] | None) -> str:
     """The median over repeats of this engine's tokens/s over ``others``' in the same repeat; "" without them."""
     if not others:
@@ -172,14 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpt-mini, fp32, W = 2, {args.steps} steps per run, {args.repeats} interleaved repeats; {cores} cores; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print()
-    print("| engine | tokens/s min / median / max | × own floor, paired (median) | × torch, paired (median) "
+    print("| engine | tokens/s min / median / max | × own floor, paired (median) | × torch (floor: torch's), paired "
           "| first step s | to first step s | peak RSS / process MiB (median) |")
     print("|---|---|---|---|---|---|---|")
     for engine, rs in rows.items():
         rss = [statistics.median(r["peak_rss_mib"][k] for r in rs) for k in range(len(rs[0]["peak_rss_mib"]))]
         floor = own_floor(engine)
         print(f"| {engine} ({' '.join(ENGINES[engine])}) | {spread([r['tokens_per_s'] for r in rs])} | "
-              f"{paired(rs, rows.get(floor))} | {paired(rs, rows.get('torch') if engine != 'torch' else None)} | "
+              f"{paired(rs, rows.get(floor))} | {paired(rs, rows.get(torch_peer(engine)))} | "
               f"{spread([r['first_step_s'] for r in rs])} | {spread([r['to_first_step_s'] for r in rs])} | "
               f"{' / '.join(f'{m:.0f}' for m in rss)} |")
     if args.json:
