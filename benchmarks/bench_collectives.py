@@ -8,7 +8,9 @@ slice instead. This times, on ``--world-size`` gloo ranks with one torch thread 
 - ``all_reduce`` — gloo's all-reduce of the whole chunk (what DDP and keep-gathered chunks do);
 - ``reduce_scatter_single`` — gloo's flat reduce-scatter (what FSDP2 calls);
 - ``zero reduce_scatter_avg`` — ZeroDDP's (all-to-all + local sum, then the division by W);
-- ``zero all_gather_flat`` — ZeroDDP's all-gather of the chunk from its shards, for scale.
+- ``gloo all_gather_single`` — gloo's all-gather of the chunk from its shards (what FSDP2 calls);
+- ``zero all_gather_flat`` — ZeroDDP's (at two ranks one all-to-all into the other half and a local
+  copy: Note [gather as an exchange] in :mod:`torch_backend.zero.collectives`).
 
 Each repeat runs every collective ``--calls`` times in a rotating order (interleaved); reported per
 collective: min / median / max over repeats of the wall ms per call and the CPU ms per call of the
@@ -43,6 +45,7 @@ def rank_main(rank: int, world: int, init_file: str, args) -> None:
         "all_reduce": lambda: dist.all_reduce(full, group=group),
         "reduce_scatter_single": lambda: collectives._REDUCE_SCATTER_FLAT(shard, full, group=group),
         "zero reduce_scatter_avg": lambda: collectives.reduce_scatter_avg(shard, full, group),
+        "gloo all_gather_single": lambda: collectives._ALL_GATHER_FLAT(full, shard, group=group),
         "zero all_gather_flat": lambda: collectives.all_gather_flat(full, shard, group),
     }
     names = list(ops)

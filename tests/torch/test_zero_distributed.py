@@ -42,3 +42,8 @@ def test_frozen_tensors_exact_under_bf16(tmp_path):
 
     rels = run_distributed(frozen_cases.worker_frozen_exact, 2, str(tmp_path), timeout=400)
     assert rels[0] == rels[1]
+
+
+def test_gather_at_two_gloo_ranks_is_an_exchange():
+    issued = run_distributed(zero_cases.worker_gather_exchange, 2, timeout=60)
+    assert issued == [["all_to_all"] * 4] * 2

@@ -498,3 +498,28 @@ def worker_agreement_subgroup(rank: int, world: int):
     t = torch.ones(1)
     dist.all_reduce(t, group=everyone)
     return out, int(t)
+
+
+def worker_gather_exchange(rank: int, world: int):
+    """At two gloo ranks ``all_gather_flat`` is one all-to-all into the other rank's half plus a local
+    copy (Note [gather as an exchange]): the buffer it fills equals gloo's own all-gather bit for bit
+    (fp32 and bf16, sync and async, a shard that is a non-contiguous view), and no all-gather is issued."""
+    from torch_backend.zero import collectives
+
+    issued = []
+    real_a2a, real_ag = collectives.dist.all_to_all_single, collectives._ALL_GATHER_FLAT
+    collectives.dist.all_to_all_single = lambda *a, **k: (issued.append("all_to_all"), real_a2a(*a, **k))[1]
+    collectives._ALL_GATHER_FLAT = lambda *a, **k: (issued.append("all_gather"), real_ag(*a, **k))[1]
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for async_op in (False, True):
+                g = torch.Generator().manual_seed(10 * rank + 1)
+                shard = torch.randn(2, 37, generator=g).to(dtype).t()[:, 0]  # strided: a copy is sent
+                want = torch.empty(world * shard.numel(), dtype=dtype)
+                real_ag(want, shard.contiguous())
+                got = torch.full_like(want, float("nan"))
+                collectives.all_gather_flat(got, shard, dist.group.WORLD, async_op=async_op).wait()
+                assert torch.equal(got, want), (dtype, async_op, rank)
+    finally:
+        collectives.dist.all_to_all_single, collectives._ALL_GATHER_FLAT = real_a2a, real_ag
+    return issued

@@ -210,6 +210,8 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_o
             output.copy_(shard, non_blocking=True)
         return _DONE
     copy_in = shard.device != output.device
+    if not copy_in and _world(group) == 2 and output.device.type == "cpu" and dist.get_backend(group) == "gloo":
+        return _exchange_halves(output, shard.contiguous(), group, async_op)
     # allocated here, on the compute stream, so that its memory is reused only after the wait
     source = (_tracked(torch.empty(shard.shape, dtype=shard.dtype, device=output.device), tracker, "staging")
               if copy_in else shard.contiguous())
@@ -221,6 +223,28 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group, *, async_o
     return _finish(work, None, (output, source, shard), async_op, issued)
 
 
+def _exchange_halves(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool) -> Pending:
+    """gloo's all-gather at two ranks (Note [gather as an exchange]): this rank's shard is copied into
+    its half of ``output`` and the other half is received straight into place, one all-to-all."""
+    rank, n = dist.get_rank(group), shard.numel()
+    other = output[(1 - rank) * n : (2 - rank) * n]
+    splits = [0, n] if rank == 0 else [n, 0]
+    issued: list = []
+    with _issue_context(output, async_op, issued):
+        work = dist.all_to_all_single(other, shard, output_split_sizes=splits, input_split_sizes=splits,
+                                      group=group, async_op=async_op)
+        output[rank * n : (rank + 1) * n].copy_(shard)
+    return _finish(work, None, (output, shard), async_op, issued)
+
+
+# Note [gather as an exchange]. At two ranks an all-gather is one exchange: each rank sends its shard
+# and receives the other's. gloo's all-gather takes about twice the wall time and CPU of the same
+# bytes through its all-to-all (`benchmarks/bench_collectives.py`, `zero all_gather_flat` against
+# `gloo all_gather_single`): so on gloo at W = 2 the gather is an all-to-all whose output is the other
+# rank's half of the buffer (contiguous) and this rank's half is a local copy — the same bytes land,
+# nothing is allocated. Every rank takes the same path (it depends on the group only), so the ranks
+# still issue the same collective. At W > 2 the shard would have to be sent W − 1 times from one
+# contiguous input (a copy per peer), so gloo's all-gather stays.
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divide_first: bool = False,
                        async_op: bool = False, tracker=None, divisor: int | None = None) -> Pending:
     """Average ``full`` over the ranks and keep this rank's shard in ``output``.
