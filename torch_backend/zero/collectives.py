@@ -238,13 +238,15 @@ def _exchange_halves(output: torch.Tensor, shard: torch.Tensor, group, async_op:
 
 
 # Note [gather as an exchange]. At two ranks an all-gather is one exchange: each rank sends its shard
-# and receives the other's. gloo's all-gather takes about twice the wall time and CPU of the same
+# and receives the other's. gloo's all-gather takes about 1.5x the wall time and 1.8x the CPU of the same
 # bytes through its all-to-all (`benchmarks/bench_collectives.py`, `zero all_gather_flat` against
 # `gloo all_gather_single`): so on gloo at W = 2 the gather is an all-to-all whose output is the other
 # rank's half of the buffer (contiguous) and this rank's half is a local copy — the same bytes land,
 # nothing is allocated. Every rank takes the same path (it depends on the group only), so the ranks
 # still issue the same collective. At W > 2 the shard would have to be sent W − 1 times from one
 # contiguous input (a copy per peer), so gloo's all-gather stays.
+
+
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group, *, divide_first: bool = False,
                        async_op: bool = False, tracker=None, divisor: int | None = None) -> Pending:
     """Average ``full`` over the ranks and keep this rank's shard in ``output``.
