@@ -78,6 +78,15 @@ def _tensors_in(out) -> list[torch.Tensor]:
     return found
 
 
+def _unused_parameter_error(unused) -> UnusedParameterError:
+    """The error of a backward in which the layout entries ``unused`` got a gradient on no rank."""
+    names = ", ".join(e.name + (f" (alias {', '.join(e.tensor.aliases)})" if e.tensor.aliases else "") for e in unused)
+    return UnusedParameterError(
+        f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: {names}. Make every "
+        "parameter take part in the loss, freeze it (requires_grad=False) before wrapping, or pass "
+        "find_unused_parameters=True to reduce a zero gradient for it.")
+
+
 class Entry:
     """A managed parameter: its object, primary name, index in the layout, chunk and its place in the chunk
     (``tensor``, the layout's :class:`chunkzero.TensorPlacement`)."""
@@ -633,52 +642,45 @@ class ChunkRuntime:
         ``aborted``: the backward raised (:meth:`finish_aborted_backward`): no reduction, no error
         kept, not counted in :attr:`backward_passes`."""
         prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        guard = no_torch_function()
-        guard.__enter__()
         try:
-            self._finalize_queued = False
-            error = None
-            try:
-                used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
-                if self._bwd_grads:
-                    used[sorted(self._bwd_grads)] = 1
-                received = self.sched.end(BACKWARD, used, sync=self.sync) > 0
-                if aborted:
-                    self._discard_grad_buffers()
-                    return
-                self.backward_passes += 1
-                trainable = self.trainable
-                got = received.tolist()
-                if any(got[e.index] for e in trainable):
-                    unused = [e for e in trainable if not got[e.index]]
-                    if unused and not self.find_unused_parameters:
-                        error = UnusedParameterError(
-                            f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: "
-                            + ", ".join(e.name + (f" (alias {', '.join(e.tensor.aliases)})" if e.tensor.aliases else "")
-                                        for e in unused)
-                            + ". Make every parameter take part in the loss, freeze it (requires_grad=False) before "
-                            "wrapping, or pass find_unused_parameters=True to reduce a zero gradient for it.")
+            with no_torch_function():
+                self._finalize_queued = False
+                error = None
+                try:
+                    used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
+                    if self._bwd_grads:
+                        used[sorted(self._bwd_grads)] = 1
+                    received = self.sched.end(BACKWARD, used, sync=self.sync) > 0
+                    if aborted:
                         self._discard_grad_buffers()
-                    else:
-                        self.grad_received |= received.to(torch.bool)
-                        if self.sync:
-                            self.sched.final_reduce()
-            except Exception as e:  # noqa: BLE001 - kept and raised outside the autograd engine
-                error = e
-            finally:
-                self._phase = None
-                self._bwd_grads = set()
-                self._release_later = []
-                for c in self.chunks:
-                    c.end_backward()
-                    c.rest(release=True)
-                    if c.gradient is not None:
-                        c.gradient.take_views()
-                self._placeholders.set(self.grad_received)
-            if error is not None:
-                self._pending_error = error
+                        return
+                    self.backward_passes += 1
+                    trainable = self.trainable
+                    got = received.tolist()
+                    if any(got[e.index] for e in trainable):
+                        unused = [e for e in trainable if not got[e.index]]
+                        if unused and not self.find_unused_parameters:
+                            error = _unused_parameter_error(unused)
+                            self._discard_grad_buffers()
+                        else:
+                            self.grad_received |= received.to(torch.bool)
+                            if self.sync:
+                                self.sched.final_reduce()
+                except Exception as e:  # noqa: BLE001 - kept and raised outside the autograd engine
+                    error = e
+                finally:
+                    self._phase = None
+                    self._bwd_grads = set()
+                    self._release_later = []
+                    for c in self.chunks:
+                        c.end_backward()
+                        c.rest(release=True)
+                        if c.gradient is not None:
+                            c.gradient.take_views()
+                    self._placeholders.set(self.grad_received)
+                if error is not None:
+                    self._pending_error = error
         finally:
-            guard.__exit__(None, None, None)
             self.in_engine = prev
 
     def _discard_grad_buffers(self) -> None:
