@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError
@@ -58,6 +59,18 @@ def _fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
     return code
 
 
+def process_env(cfg: TrainConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of ``cfg``'s JAX processes: ``environ`` (``XLA_FLAGS`` included: XLA's options reach every
+    process; their device count is ``--devices-per-process``, set through ``jax_num_cpu_devices``, which wins over
+    ``--xla_force_host_platform_device_count``), with :data:`CPU_THREADS_ENV` at cores / processes unless set (as
+    torch's workers) and malloc on huge pages (:func:`huge_page_malloc_env`: the step's temp buffer faulted in
+    2 MiB at a time, not 4 KiB, on every step)."""
+    env = dict(environ)
+    env.setdefault(CPU_THREADS_ENV, str(threads_per_worker(cfg.nproc)))
+    huge_page_malloc_env(env)
+    return env
+
+
 def main(cfg: TrainConfig) -> int:
     """``chunkzero train --backend jax``: the exit code."""
     if under_external_launcher():
@@ -76,9 +89,7 @@ def main(cfg: TrainConfig) -> int:
     out = Path(cfg.out).resolve()
     log.info("chunkzero train --backend jax: %d process(es) × %d CPU device(s), output in %s", cfg.nproc,
              cfg.devices_per_process, out)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each process sets its own devices
-    env.setdefault(CPU_THREADS_ENV, str(threads_per_worker(cfg.nproc)))  # cores / processes, as torch's workers
-    huge_page_malloc_env(env)  # the step's temp buffer faulted in 2 MiB at a time, not 4 KiB, on every step
+    env = process_env(cfg, os.environ)
     with tempfile.TemporaryDirectory(prefix="chunkzero-jax-") as tmp:
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(json.dumps(cfg.to_dict()), encoding="utf-8")

@@ -50,6 +50,21 @@ def test_threads_per_worker_splits_the_cores():
     assert threads_per_worker(2) == max(1, cores // 2)
 
 
+def test_the_jax_processes_get_the_users_xla_flags_threads_and_huge_pages():
+    """``chunkzero train --backend jax``'s process environment: XLA_FLAGS passes through (dropping it made a
+    user's XLA:CPU options a silent no-op), the thread count defaults to cores / processes unless set, and
+    malloc's huge pages are added."""
+    from chunkzero.train_config import TrainConfig
+    from jax_backend.train.run import process_env
+
+    flags = "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8"
+    env = process_env(TrainConfig(backend="jax", nproc=2), {"XLA_FLAGS": flags, "HOME": "/h"})
+    assert env["XLA_FLAGS"] == flags and env["HOME"] == "/h"
+    assert env[CPU_THREADS_ENV] == str(threads_per_worker(2))
+    assert "glibc.malloc.hugetlb=1" in env["GLIBC_TUNABLES"]
+    assert process_env(TrainConfig(backend="jax", nproc=2), {CPU_THREADS_ENV: "0"})[CPU_THREADS_ENV] == "0"
+
+
 def _probe(threads: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
