@@ -11,7 +11,7 @@ from torch_backend.train.gpt import GPT, gpt_config
 
 if "RANK" in os.environ:
     dist.init_process_group()  # under torchrun: one process per rank (gloo on CPU, NCCL on GPUs)
-torch.manual_seed(0)
+torch.manual_seed(int(os.environ.get("RANK", 0)))  # each rank its own batches; ZeroDDP starts from rank 0's weights
 model = ZeroDDP(GPT(gpt_config("gpt-tiny")), mixed_precision="bf16")  # chunk size searched (core)
 no_decay = [p for p in model.module.parameters() if p.dim() < 2]        # biases, LayerNorm
 optim = ZeroOptimizer(model, torch.optim.AdamW, lr=3e-3, max_norm=1.0,  # a torch.optim.Optimizer
