@@ -101,6 +101,12 @@ def _add_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def _without_torch(prog: str, what: str, error: ImportError) -> int:
+    """The one-line error of a command part that needs torch when torch cannot be imported."""
+    return fail(prog, f"{what} needs torch, which cannot be imported ({error}); "
+                      "`chunkzero train --backend jax`, `inspect` and `layout` run without it")
+
+
 def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ()) -> int:
     """``chunkzero train``: validate, then launch the workers (or be one, under torchrun).
     ``on_step_end``: hooks each worker's loop calls after every step (``torch_backend.train.loop.StepEnd``);
@@ -113,10 +119,13 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
 
         return train_jax(TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()}))
     prog = "chunkzero train"
-    from torch_backend.train import launch as launcher  # lazily: imports torch
-    from torch_backend.train.process_exit import exit_without_finalization_at_exit
-    from torch_backend.train.resolve import validate
-    from torch_backend.train.worker import launched_worker, worker_main
+    try:
+        from torch_backend.train import launch as launcher  # lazily: imports torch
+        from torch_backend.train.process_exit import exit_without_finalization_at_exit
+        from torch_backend.train.resolve import validate
+        from torch_backend.train.worker import launched_worker, worker_main
+    except ImportError as e:
+        return _without_torch(prog, "--backend torch", e)
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()})
     hooks = tuple(on_step_end)
@@ -229,7 +238,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return fail(prog, "the memory plan is ZeroDDP's: --engine zero --backend torch")
     try:
         from torch_backend.plan import fit_settings, plan_config, resolve_for_plan  # lazily: imports torch
-
+    except ImportError as e:
+        return _without_torch(prog, "the memory plan (it traces the torch model)", e)
+    try:
         cfg = resolve_for_plan(TrainConfig(**{f.name: getattr(args, f.name) for f, _ in option_fields()}))
         plan = plan_config(cfg)
         best = None

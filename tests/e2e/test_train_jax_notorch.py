@@ -67,6 +67,18 @@ def test_jax_job_runs_without_torch_and_torch_continues_it(no_torch):
     assert json.loads((out / "summary.json").read_text())["world_size"] == 3
 
 
+def test_the_torch_commands_without_torch_are_one_line_errors(no_torch):
+    """``chunkzero train --backend torch`` and ``chunkzero plan`` need torch: without it, one line naming it
+    and what runs without it (exit 2), not a traceback."""
+    env, tmp = no_torch
+    for args in (["plan", "--model", "gpt-tiny"], ["train", "--model", "gpt-tiny", "--out", str(tmp / "t")]):
+        p = subprocess.run(chunkzero_cmd(*args), cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2, describe(p)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "needs torch" in lines[0] and "torch is blocked" in lines[0], p.stderr
+        assert "--backend jax" in lines[0]
+
+
 def test_compilation_cache_directory():
     from pathlib import Path
 
