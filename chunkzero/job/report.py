@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from chunkzero.errors import DataError
+from chunkzero.run_dir import CHECKPOINT_DIR
 from chunkzero.train_config import TrainConfig
 
 from . import data as data_mod
@@ -445,6 +446,15 @@ def chunk_rows(s: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _checkpoints_listed(out: str) -> str:
+    """``", checkpoints/ (steps 10, 20)"`` when the run folder ``out`` holds checkpoints, else ``""``."""
+    steps = sorted(int(d.name) for d in (Path(out) / CHECKPOINT_DIR).glob("*") if d.name.isdigit())
+    if not steps:
+        return ""
+    listed = ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]} … {steps[-1]}, {len(steps)} in all"
+    return f", {CHECKPOINT_DIR}/ (steps {listed})"
+
+
 def summary_table(s: dict) -> str:
     mem = "; ".join(
         f"rank {r}: " + ", ".join(f"{v:,.0f} MiB {k.replace('peak_', '').replace('_mib', '').replace('_', ' ')}"
@@ -472,7 +482,7 @@ def summary_table(s: dict) -> str:
         *chunk_rows(s),
         ("peak memory", mem),
         ("outputs", f"{s['out']}/ (metrics.jsonl, loss.png, {'sample.txt, ' if s.get('sample') else ''}summary.txt, "
-                    "train.log)"),
+                    f"summary.json, config.json, train.log{_checkpoints_listed(s['out'])})"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["chunkzero train — summary", "-" * 25] + [f"{k:<{width}}  {v}" for k, v in rows]

@@ -96,6 +96,19 @@ def test_a_dropped_ema_reports_no_final_ema_loss(tmp_path):
     assert summary(prompt="def ", sample="def x")["ema_val_loss_final"] == 2.7
 
 
+def test_the_summarys_outputs_line_names_every_file_and_the_checkpoints(tmp_path):
+    """A new user's run folder held summary.json, config.json and checkpoints/ that the outputs line left out."""
+    from chunkzero.job.report import summary_table
+
+    _, summary = _report(tmp_path, [{"kind": "val", "step": 6, "val_loss": 2.5}])
+    line = next(x for x in summary_table(summary(prompt=None, sample=None)).splitlines() if x.startswith("outputs"))
+    assert "summary.json" in line and "config.json" in line and "checkpoints/" not in line
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
+    line = next(x for x in summary_table(summary(prompt=None, sample=None)).splitlines() if x.startswith("outputs"))
+    assert line.endswith("checkpoints/ (steps 2 … 10, 5 in all))")
+
+
 def test_sample_tokens_zero_writes_and_logs_no_sample(tmp_path, caplog):
     (tmp_path / "sample.txt").write_text("an earlier session's sample\n")
     report, summary = _report(tmp_path, [{"kind": "val", "step": 6, "val_loss": 2.5}], sample_tokens=0)
