@@ -4,7 +4,7 @@ The arithmetic lives here (the standard library only); what needs the model — 
 activations of one traced forward and backward — comes from a backend (``torch_backend.plan``), as an
 :class:`ActivationTrace`. A figure is bytes per rank.
 
-The peak is the larger of two phases:
+The peak is the largest of three phases:
 
 - **build**: the interpreter baseline, the whole fp32 model as the job builds it on every rank (and, for
   the byte-level GPT, its numpy initial values beside it), and this rank's chunk shards;
@@ -15,7 +15,10 @@ The peak is the larger of two phases:
   full-chunk gradient buffers (simulated chunk by chunk from the traced order of gradient arrivals; every
   chunk's under gradient accumulation, where ``no_sync`` keeps them) and, on CPU, gloo's all-to-all receive
   buffer of each reduction in flight. The allocator's overhead is a share of what is allocated
-  (:data:`ALLOCATOR_OVERHEAD`).
+  (:data:`ALLOCATOR_OVERHEAD`);
+- **save**, in a run that saves or loads checkpoints: the baseline, Orbax's libraries
+  (:data:`CHECKPOINT_LIBRARY_BYTES`, there from the first save or load on, so in the step phase too), the
+  persistent shards and a host copy of them, which a save stages.
 
 On a GPU the same terms are split between the device (what is placed there) and the host (the
 baseline, the build, and what the offload fractions move to the host).
@@ -33,7 +36,7 @@ from .errors import ConfigError
 from .layout import ChunkLayout
 
 TERMS = ("baseline", "parameters", "gradients", "fp32_master", "optimizer_states", "ema", "gathered_chunks",
-         "gradient_buffers", "activations", "communication_buffers", "allocator_overhead")
+         "gradient_buffers", "activations", "communication_buffers", "checkpoint_io", "allocator_overhead")
 """The terms of a plan, in the order they are printed; ``build`` replaces the step's model terms in the
 build phase (the whole model, as the job builds it)."""
 
@@ -49,6 +52,13 @@ ALLOCATOR_OVERHEAD = {"host": 0.02, "device": 0.05}
 """The allocator's share on top of what is allocated: on the host glibc's page rounding (the workers' buffers
 of 1 MiB or more are their own mappings, returned when freed: ``torch_backend.train.launch``), on a GPU the
 CUDA caching allocator's rounding to its block sizes."""
+CHECKPOINT_LIBRARY_BYTES = 151 * 2**20
+"""What a worker's first checkpoint save or load adds to its host memory beyond the data: Orbax, JAX and
+TensorStore imported, their thread pools (a ``gpt-tiny`` run's peak RSS with and without ``--save-interval``
+at W = 2 on this machine: 482 against 331 MiB)."""
+PERSISTENT_TERMS = ("parameters", "fp32_master", "optimizer_states", "ema")
+"""The terms a checkpoint saves: a save stages a host copy of them (``gpt2`` at W = 2, fp32 and bf16: 1,507 MiB
+per rank saving against 1,065 and 1,038 not saving)."""
 GATHERED_EXTRA_CHUNKS = 2
 """Gathered chunks beyond ``prefetch``: the chunk in use and the one being released
 (``ZeroDDP.memory_report().peak_gathered_chunks`` of gpt2 at W = 2, prefetch 1: 3 with 5 chunks, 4 with 43)."""
@@ -107,7 +117,8 @@ class PlanSettings:
         seq_len, grad_accum: one rank's micro-batch and micro-batches per step; activation_checkpointing;
         ema: an fp32 EMA of the masters; device: ``"cpu"`` or ``"cuda"``; build_copies: whole fp32 copies of the
         model a rank holds while it is built (2: the byte-level GPT and its numpy initial values; 1: a
-        module built on CPU; 0: built on the meta device and materialized chunk by chunk).
+        module built on CPU; 0: built on the meta device and materialized chunk by chunk); checkpoints: the
+        run saves or loads checkpoints (``--save-interval``, ``--resume``): the save phase.
     """
 
     world_size: int
@@ -123,6 +134,7 @@ class PlanSettings:
     ema: bool = False
     device: str = "cpu"
     build_copies: int = 2
+    checkpoints: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISION_BYTES:
@@ -142,7 +154,7 @@ class MemoryPlan:
         settings: what was planned.
         host: ``{term: bytes}`` on the host at the host's peak phase; device: the same on the GPU
             (``None`` on CPU).
-        host_phase, device_phase: ``"build"`` or ``"step"``, the phase of each peak.
+        host_phase, device_phase: ``"build"``, ``"step"`` or (host) ``"save"``, the phase of each peak.
         num_chunks, chunk_size, param_numel: the layout planned.
     """
 
@@ -219,6 +231,11 @@ def _gradient_buffers(layout: ChunkLayout, trace: ActivationTrace, in_flight: in
         out_ex.append(sum(size[c] for c in reducing))
         out_open.append(sum(1 for n in remaining.values() if n))
     return out_held, out_ex, out_open
+
+
+def _allocator_overhead(per: dict[str, int], kind: str) -> int:
+    """:data:`ALLOCATOR_OVERHEAD`'s share (``kind``: ``"host"`` or ``"device"``) of what ``per`` allocates."""
+    return int(ALLOCATOR_OVERHEAD[kind] * sum(v for k, v in per.items() if k not in ("baseline", "allocator_overhead")))
 
 
 def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSettings, *,
@@ -301,17 +318,23 @@ def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSetti
     base_host = baseline_bytes if baseline_bytes is not None else (CUDA_HOST_BASELINE_BYTES if cuda
                                                                      else CPU_BASELINE_BYTES)
     host["baseline"] = base_host
+    host["checkpoint_io"] = CHECKPOINT_LIBRARY_BYTES if s.checkpoints else 0
     if cuda:
         dev["baseline"] = device_baseline_bytes if device_baseline_bytes is not None else CUDA_DEVICE_BASELINE_BYTES
     for name, per in (("host", host), ("device", dev)):
-        per["allocator_overhead"] = int(ALLOCATOR_OVERHEAD[name] * sum(v for k, v in per.items() if k != "baseline"))
+        per["allocator_overhead"] = _allocator_overhead(per, name)
     # the build phase (host): the whole model's fp32 copies beside the shards
     whole = layout.utilized_numel * FP32_BYTES * s.build_copies
     shards = sum(host[k] for k in ("parameters", "fp32_master")) if not cuda else 0
     build = {**dict.fromkeys(TERMS, 0), "baseline": base_host, "build": whole + shards}
-    host_phase = "step"
-    if sum(build.values()) > sum(host.values()):
-        host, host_phase = build, "build"
+    phases = [("step", host), ("build", build)]
+    if s.checkpoints:  # a save: the persistent shards where they live, and their staged copy on the host
+        saved = sum(per[k] for per in (host, dev) for k in PERSISTENT_TERMS)
+        save = {**dict.fromkeys(TERMS, 0), **{k: host[k] for k in PERSISTENT_TERMS}, "baseline": base_host,
+                "checkpoint_io": CHECKPOINT_LIBRARY_BYTES + saved}
+        save["allocator_overhead"] = _allocator_overhead(save, "host")
+        phases.append(("save", save))
+    host_phase, host = max(phases, key=lambda phase: sum(phase[1].values()))
     return MemoryPlan(s, host, dev if cuda else None, host_phase, "step" if cuda else None,
                       len(layout.chunks), layout.chunk_size, layout.utilized_numel)
 

@@ -168,7 +168,7 @@ def settings_of(cfg: TrainConfig) -> PlanSettings:
         prefetch=cfg.prefetch, offload_optim_frac=cfg.offload_optim_frac, offload_param_frac=cfg.offload_param_frac,
         batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.grad_accum,
         activation_checkpointing=cfg.activation_checkpointing, ema=cfg.ema_decay is not None, device=cfg.device,
-        build_copies=1 if cfg.model_kind == "hf" else 2)
+        build_copies=1 if cfg.model_kind == "hf" else 2, checkpoints=cfg.save_interval > 0 or cfg.resume)
 
 
 def plan_settings(cfg: TrainConfig, settings: PlanSettings) -> MemoryPlan:

@@ -9,6 +9,7 @@ from chunkzero.errors import ConfigError
 from chunkzero.layout import ChunkLayout, TensorSpec
 from chunkzero.memory_plan import (
     ALLOCATOR_OVERHEAD,
+    CHECKPOINT_LIBRARY_BYTES,
     CPU_BASELINE_BYTES,
     ActivationTrace,
     PlanSettings,
@@ -88,6 +89,24 @@ def test_build_phase_wins_for_a_model_larger_than_its_step():
     assert p.host_phase == "build"
     assert p.host["build"] == 2 * 4 * 16 * 10**6 + 4 * 16 * 10**6 // 8
     assert p.host_peak_bytes == CPU_BASELINE_BYTES + p.host["build"]
+
+
+def test_a_run_that_saves_adds_orbax_to_its_step_and_a_save_phase_staging_the_shards():
+    """With checkpoints, the step phase holds Orbax's libraries too, and a save holds the persistent shards
+    and their staged copy: the save phase wins when the shards outweigh the step's activations and buffers."""
+    small = plan_memory(LAYOUT, trace(), settings(checkpoints=True))
+    plain = plan_memory(LAYOUT, trace(), settings())
+    assert small.host_phase == "step" and small.host["checkpoint_io"] == CHECKPOINT_LIBRARY_BYTES
+    assert small.host_peak_bytes - plain.host_peak_bytes == CHECKPOINT_LIBRARY_BYTES + int(
+        ALLOCATOR_OVERHEAD["host"] * CHECKPOINT_LIBRARY_BYTES)
+    layout = ChunkLayout.build([TensorSpec(f"w{i}", (1000, 1000)) for i in range(16)], 10**6, 2)
+    big = plan_memory(layout, ActivationTrace((4,), (0,), (), 1, 16), settings(checkpoints=True, build_copies=0))
+    shards = 8 * 10**6 * (4 + 8)  # 8 M elements per rank: the fp32 parameter (its own master) and AdamW's states
+    assert big.host_phase == "save"
+    assert big.host["checkpoint_io"] == CHECKPOINT_LIBRARY_BYTES + shards  # the libraries and the staged copy
+    assert big.host_peak_bytes == CPU_BASELINE_BYTES + CHECKPOINT_LIBRARY_BYTES + 2 * shards + int(
+        ALLOCATOR_OVERHEAD["host"] * (CHECKPOINT_LIBRARY_BYTES + 2 * shards))
+    assert plan_memory(layout, ActivationTrace((4,), (0,), (), 1, 16), settings(build_copies=0)).host_phase == "step"
 
 
 def test_gpu_plan_splits_host_and_device_and_offload_moves_state():

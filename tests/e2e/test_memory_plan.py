@@ -50,7 +50,8 @@ def _plan_of(doc: dict) -> MemoryPlan:
 @pytest.mark.parametrize(("extra", "forgotten"), [
     ([], "activations"),                                # gpt2, 2 x 256, default chunks (43)
     (["--chunk-size", "45000000"], "gathered_chunks"),  # 2 chunks of 43 M elements: the gathered chunks weigh
-], ids=["gpt2", "gpt2-two-chunks"])
+    (["--save-interval", "1"], "checkpoint_io"),        # a save after each step: Orbax, and the staged shards
+], ids=["gpt2", "gpt2-two-chunks", "gpt2-saving"])
 def test_plan_within_ten_percent_of_measured_peak_rss(tmp_path, extra, forgotten):
     """Each rank's measured peak RSS of a 2-step run (torch's AdamW allocates its states in the first
     step, so the second is the first forward and backward beside them) is within 10% of ``chunkzero plan --json``'s
