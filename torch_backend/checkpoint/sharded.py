@@ -391,11 +391,10 @@ def load_checkpoint(
             set_rng_state(meta.rng_states[rank], source=f"{step_dir}/{META_ITEM} rng_states[{rank}]")
         else:
             seed = (meta.step * 1_000_003 + rank) % 2**63
-            saved = "no RNG states" if meta.rng_states is None else f"RNG states of {len(meta.rng_states)} ranks"
-            logger.warning(
-                "checkpoint %s holds %s, this run has %d: re-seeding rank %d's Python/numpy/torch RNGs with %d",
-                step_dir, saved, world, rank, seed,
-            )
+            saved = ("no RNG states (its run drew none, as a JAX run, or did not save them)" if meta.rng_states is None
+                     else f"RNG states of {len(meta.rng_states)} ranks, this run has {world}")
+            logger.warning("checkpoint %s holds %s: re-seeding rank %d's Python/numpy/torch RNGs with %d",
+                           step_dir, saved, rank, seed)
             reseed(seed)
     return meta
 
