@@ -19,6 +19,7 @@ import math
 import os
 import resource
 import sys
+import textwrap
 from pathlib import Path
 from typing import Protocol
 
@@ -336,7 +337,8 @@ def loss_figure(metrics: Metrics, title: str):
         smooth = [
             sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))
         ]
-        ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train (mean of {k})")
+        if k > 1:  # a mean of 1 is the per-step curve again
+            ax.plot(steps, smooth, lw=1.6, color="tab:blue", label=f"train (mean of {k})")
     if non_finite:
         plural = "s" if len(non_finite) != 1 else ""
         ax.scatter(non_finite, [0.03] * len(non_finite), transform=ax.get_xaxis_transform(), marker="x", s=18,
@@ -360,6 +362,7 @@ def loss_figure(metrics: Metrics, title: str):
         if step > 0:  # a resume from the checkpoint of ``step``
             ax.axvline(step + 0.5, color="0.35", ls="--", lw=0.9)
             label = f"resume at {step}: {label}" + "".join(f"; {c}" for c in metrics.changes.get(step, ()))
+        label = "\n".join(textwrap.wrap(label, 48))  # vertical columns that stay inside the axes
         ax.annotate(label, xy=(step + 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
                     textcoords="offset points", ha="left", va="top", fontsize=7, color="0.25", rotation=90)
     ax.set_xlabel("optimizer step")

@@ -58,3 +58,25 @@ def test_loss_png_marks_non_finite_steps(tmp_path):
     assert list(per_step.get_xdata()) == [1, 2, 5]
     plot_loss(tmp_path / "loss.png", m, "t")
     assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+def test_a_long_resume_label_stays_inside_the_plot_and_no_mean_of_one(tmp_path):
+    """A new user's resume label (its world size and the changed settings) ran off the foot of loss.png, and a
+    short run's legend offered 'train (mean of 1)', the per-step curve again."""
+    m = Metrics(tmp_path / "metrics.jsonl")
+    m.write({"kind": "session", "step": 0, "world_size": 2})
+    for step in range(1, 31):
+        m.write({"kind": "train", "step": step, "loss": 5.0 - step / 10})
+    m.write({"kind": "session", "step": 30, "world_size": 3,
+             "changes": ["world size 3 (was 2)", "6144 tokens per step (was 4096)", "--batch-size 16 (was 8)"]})
+    for step in range(31, 41):
+        m.write({"kind": "train", "step": step, "loss": 2.0})
+    m.close()
+    fig = loss_figure(m, "t")
+    ax = fig.axes[0]
+    assert not any(label.startswith("train (mean of") for label in ax.get_legend_handles_labels()[1])
+    fig.canvas.draw()
+    box = ax.get_window_extent()
+    resume = next(t for t in ax.texts if t.get_text().startswith("resume at 30"))
+    assert "6144 tokens" in resume.get_text().replace("\n", " ")
+    assert resume.get_window_extent().y0 >= box.y0 - 1  # its foot inside the axes
