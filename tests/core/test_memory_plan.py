@@ -91,22 +91,22 @@ def test_build_phase_wins_for_a_model_larger_than_its_step():
     assert p.host_peak_bytes == CPU_BASELINE_BYTES + p.host["build"]
 
 
-def test_a_run_that_saves_adds_orbax_to_its_step_and_a_save_phase_staging_the_shards():
-    """With checkpoints, the step phase holds Orbax's libraries too, and a save holds the persistent shards
-    and their staged copy: the save phase wins when the shards outweigh the step's activations and buffers."""
-    small = plan_memory(LAYOUT, trace(), settings(checkpoints=True))
-    plain = plan_memory(LAYOUT, trace(), settings())
-    assert small.host_phase == "step" and small.host["checkpoint_io"] == CHECKPOINT_LIBRARY_BYTES
-    assert small.host_peak_bytes - plain.host_peak_bytes == CHECKPOINT_LIBRARY_BYTES + int(
-        ALLOCATOR_OVERHEAD["host"] * CHECKPOINT_LIBRARY_BYTES)
+def test_a_saving_run_adds_orbax_and_the_staged_shards_to_its_step():
+    """With checkpoints the plan's peak is the step's with Orbax's libraries and the host copy of the persistent
+    shards that an asynchronous save stages and holds into the next step."""
     layout = ChunkLayout.build([TensorSpec(f"w{i}", (1000, 1000)) for i in range(16)], 10**6, 2)
-    big = plan_memory(layout, ActivationTrace((4,), (0,), (), 1, 16), settings(checkpoints=True, build_copies=0))
+    step_trace = ActivationTrace((4,), (0,), (), 1, 16)
+    plain = plan_memory(layout, step_trace, settings(build_copies=0))
+    saving = plan_memory(layout, step_trace, settings(build_copies=0, checkpoints=True))
     shards = 8 * 10**6 * (4 + 8)  # 8 M elements per rank: the fp32 parameter (its own master) and AdamW's states
-    assert big.host_phase == "save"
-    assert big.host["checkpoint_io"] == CHECKPOINT_LIBRARY_BYTES + shards  # the libraries and the staged copy
-    assert big.host_peak_bytes == CPU_BASELINE_BYTES + CHECKPOINT_LIBRARY_BYTES + 2 * shards + int(
-        ALLOCATOR_OVERHEAD["host"] * (CHECKPOINT_LIBRARY_BYTES + 2 * shards))
-    assert plan_memory(layout, ActivationTrace((4,), (0,), (), 1, 16), settings(build_copies=0)).host_phase == "step"
+    assert plain.host_phase == "step" and plain.host["checkpoint_io"] == 0
+    assert saving.host_phase == "save" and saving.host["checkpoint_io"] == CHECKPOINT_LIBRARY_BYTES + shards
+    assert {k: v for k, v in saving.host.items() if k not in ("checkpoint_io", "allocator_overhead")} == {
+        k: v for k, v in plain.host.items() if k not in ("checkpoint_io", "allocator_overhead")}
+    added = CHECKPOINT_LIBRARY_BYTES + shards
+    assert abs(saving.host_peak_bytes - plain.host_peak_bytes - added * (1 + ALLOCATOR_OVERHEAD["host"])) <= 1
+    # a plan that forgot the staged copy (the libraries only) is under by the shards' bytes
+    assert saving.host_peak_bytes - shards > plain.host_peak_bytes
 
 
 def test_gpu_plan_splits_host_and_device_and_offload_moves_state():

@@ -50,8 +50,7 @@ def _plan_of(doc: dict) -> MemoryPlan:
 @pytest.mark.parametrize(("extra", "forgotten"), [
     ([], "activations"),                                # gpt2, 2 x 256, default chunks (43)
     (["--chunk-size", "45000000"], "gathered_chunks"),  # 2 chunks of 43 M elements: the gathered chunks weigh
-    (["--save-interval", "1"], "checkpoint_io"),        # a save after each step: Orbax, and the staged shards
-], ids=["gpt2", "gpt2-two-chunks", "gpt2-saving"])
+], ids=["gpt2", "gpt2-two-chunks"])
 def test_plan_within_ten_percent_of_measured_peak_rss(tmp_path, extra, forgotten):
     """Each rank's measured peak RSS of a 2-step run (torch's AdamW allocates its states in the first
     step, so the second is the first forward and backward beside them) is within 10% of ``chunkzero plan --json``'s
@@ -64,6 +63,21 @@ def test_plan_within_ten_percent_of_measured_peak_rss(tmp_path, extra, forgotten
         assert within(doc["peak_bytes_per_rank"], measured), (rank, doc["peak_bytes_per_rank"], measured, doc["host"])
         mutant = _plan_of(doc).without(forgotten)
         assert not within(mutant.peak_bytes_per_rank, measured), (forgotten, mutant.peak_bytes_per_rank, measured)
+
+
+@pytest.mark.slow
+def test_plan_of_a_saving_run_holds_its_peak(tmp_path):
+    """A save after each step: Orbax's libraries, and the shards' staged copy, which the asynchronous save holds
+    into the next step's peak or not, as its write is slow or fast (1,617 MiB measured on an idle machine, 1,774
+    under a test run's load). The plan takes the overlap: never under the measured peak, at most 25% over; a
+    plan without the checkpoint term is under it (it said 1,237 MiB, 35% under a new user's saving run)."""
+    args = GPT2_RUN + ["--save-interval", "1"]
+    doc = plan_json(args, tmp_path)
+    assert doc["host_phase"] == "save"
+    peaks, _ = measured_peaks(args, tmp_path)
+    for rank, measured in enumerate(peaks):
+        assert measured <= doc["peak_bytes_per_rank"] <= 1.25 * measured, (rank, doc["peak_bytes_per_rank"], measured)
+        assert _plan_of(doc).without("checkpoint_io").peak_bytes_per_rank < measured
 
 
 @pytest.mark.slow
