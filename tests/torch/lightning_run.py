@@ -3,8 +3,7 @@ so that Lightning's own launcher starts the other ranks (it re-runs this script 
 
     python lightning_run.py train OUT          # W = 2: 3 steps (2 micro-batches each), then save OUT/ckpt
     python lightning_run.py resume OUT         # W = 1: fit(ckpt_path=OUT/ckpt) to step 5
-    python lightning_run.py ddp4 OUT           # W = 4: 5 steps under Lightning's own DDPStrategy
-    python lightning_run.py hybrid4 OUT        # W = 4: the same under ZeroStrategy(shard_group_size=2); OUT/hybrid_ckpt
+    python lightning_run.py hybrid4 OUT        # W = 4: 5 steps under ZeroStrategy(shard_group_size=2); OUT/hybrid_ckpt
     python lightning_run.py hybrid_resume2 OUT # W = 2 (flat): fit(ckpt_path=OUT/hybrid_ckpt) to step 6
     python lightning_run.py ema2 OUT           # W = 2: train's 3 steps with ZeroEMACallback, validation on the
                                                # EMA; OUT/ema_ckpt
@@ -30,7 +29,6 @@ import torch.nn.functional as F  # noqa: E402
 torch.set_num_threads(1)
 
 import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from chunkzero.lightning import ZeroEMACallback, ZeroStrategy  # noqa: E402
@@ -137,11 +135,10 @@ def manual(out: Path) -> None:
 
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
              num_sanity_val_steps=0)
-PHASES = {  # phase: (devices, max_steps, samples, strategy options (None: DDPStrategy), EMA, checkpoint to resume)
+PHASES = {  # phase: (devices, max_steps, samples, ZeroStrategy's options, EMA, checkpoint to resume)
     "train": (2, 3, SAMPLES, {}, False, None),
     "resume": (1, 5, SAMPLES, {}, False, "ckpt"),
-    "ddp4": (4, 5, 80, None, False, None),  # 80 samples = 5 steps x 2 micro-batches x 4 ranks x 2 sequences
-    "hybrid4": (4, 5, 80, {"shard_group_size": 2}, False, None),
+    "hybrid4": (4, 5, 80, {"shard_group_size": 2}, False, None),  # 80 = 5 steps x 2 micro-batches x 4 ranks x 2
     "hybrid_resume2": (2, 6, 80, {}, False, "hybrid_ckpt"),
     "ema2": (2, 3, SAMPLES, {}, True, None),
     "ema_resume1": (1, 5, SAMPLES, {}, True, "ema_ckpt"),
@@ -153,7 +150,7 @@ def main(phase: str, out: Path) -> None:
     if phase == "manual1":
         return manual(out)
     devices, max_steps, samples, options, ema, resume = PHASES[phase]
-    strategy = DDPStrategy() if options is None else ZeroStrategy(chunk_size=3000, **options)
+    strategy = ZeroStrategy(chunk_size=3000, **options)
     callback = ZeroEMACallback(DECAY, validate_on_ema=True) if ema else None
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, callbacks=[callback] if ema else None,
                          max_steps=max_steps, accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, **QUIET)
@@ -163,12 +160,10 @@ def main(phase: str, out: Path) -> None:
     trainer.fit(module, loader, val_loader, ckpt_path=None if resume is None else str(out / resume))
     if phase == "ema_resume1":
         trainer.validate(module, val_loader, verbose=False)  # after fit, on the EMA again
-    state = module.state_dict() if options is None else strategy.model.state_dict()
-    result = {"state": state, "seen": module.seen, "losses": module.losses, "lrs": module.lrs,
-              "world_size": strategy.world_size, "global_step": trainer.global_step, "vals": module.vals}
-    if options is not None:
-        result.update(mixed_precision=strategy.model.mixed_precision, max_norm=strategy.zero_optimizer.max_norm,
-                      restored=module.restored, replicas=strategy.model.replicas)
+    result = {"state": strategy.model.state_dict(), "seen": module.seen, "losses": module.losses, "lrs": module.lrs,
+              "world_size": strategy.world_size, "global_step": trainer.global_step, "vals": module.vals,
+              "mixed_precision": strategy.model.mixed_precision, "max_norm": strategy.zero_optimizer.max_norm,
+              "restored": module.restored, "replicas": strategy.model.replicas}
     if ema:
         with callback.ema.ema_weights():
             result["ema_state"] = strategy.model.state_dict()
