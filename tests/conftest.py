@@ -2,7 +2,7 @@
 
 JAX must see 8 simulated CPU devices, so XLA_FLAGS is set here, before anything imports jax.
 
-Under pytest-xdist (``make test``: ``-n auto --dist loadgroup``) the tests that share a module-scoped
+Under pytest-xdist (``make test``: ``-n <cores + 1> --dist loadgroup``) the tests that share a module-scoped
 fixture run on one worker (the fixture is built once), and the ``slow`` ones are handed out first,
 so that no worker starts a long test while the other has nothing left to do.
 """
