@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +14,8 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointFormatError
 from .meta import ArrayPath, array_name
-from .orbax_store import _ocp, _without_expected_warnings
+from .orbax_logs import quiet_expected_warnings
+from .orbax_store import _ocp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ def write_param_tree(out: str | os.PathLike, tree: Mapping[str, Any], leaf_type:
     """
     ocp = _ocp()
     registry = ocp.type_handlers.create_type_handler_registry((leaf_type, _streaming_numpy_handler()))
-    logging.getLogger("absl").addFilter(_without_expected_warnings)
+    quiet_expected_warnings()
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as checkpointer:
         checkpointer.save(Path(out), args=ocp.args.PyTreeSave(dict(tree)))
 

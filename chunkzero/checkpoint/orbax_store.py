@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -43,6 +42,7 @@ import numpy as np
 
 from ..errors import CheckpointError, CheckpointSaveError, ConfigError
 from .meta import META_FILENAME, META_ITEM, STATE_ITEM, ArrayPath, CheckpointMeta
+from .orbax_logs import quiet_expected_warnings, quiet_saves
 from .steps import list_steps, resolve_step_dir
 from .tree import flat_arrays, state_tree
 
@@ -219,10 +219,7 @@ def _manager(directory: Path, options: Any):
             m.manager.wait_until_finished()
             m.manager.close()
         _register_exit_hook()
-        logging.getLogger("absl").addFilter(_without_small_chunk_warning)  # (kept once however often added)
-        logging.getLogger("absl").addFilter(_without_orbax_thread_errors)
-        logging.getLogger("concurrent.futures").addFilter(_without_closed_loop_callbacks)
-        _drop_closed_loop_unraisables()
+        quiet_saves()
         # ``state`` through the PyTree handler: the on-disk format of ``StandardSave``, and subsets restore
         handlers = {
             STATE_ITEM: ocp.PyTreeCheckpointHandler(use_compression=COMPRESS),
@@ -408,65 +405,6 @@ def save_step(
     return directory / str(step)
 
 
-def _without_small_chunk_warning(record: logging.LogRecord) -> bool:
-    """Drop Orbax's "target_byte_size too small" warning: the small storage blocks are chosen on purpose
-    (a resume reads only the blocks it owns)."""
-    return "target_byte_size too small" not in record.getMessage()
-
-
-def _without_orbax_thread_errors(record: logging.LogRecord) -> bool:
-    """Drop the errors Orbax's save threads log with their tracebacks (every process, every thread, one
-    failure): the save raises :class:`CheckpointSaveError` once, in one line (:func:`_not_saved`)."""
-    if record.levelno < logging.ERROR:
-        return True
-    # absl reports its own file as the caller; Orbax starts its messages with "[process=N]"
-    return f"{os.sep}orbax{os.sep}" not in record.pathname and not record.getMessage().startswith("[process=")
-
-
-def _without_closed_loop_callbacks(record: logging.LogRecord) -> bool:
-    """Drop ``concurrent.futures``' "exception calling callback" for a write that finished after its save had
-    failed (a full disk): the save's event loop is closed by then (``RuntimeError: Event loop is closed``), and
-    the failure is raised once, in one line (:func:`_not_saved`)."""
-    error = record.exc_info[1] if record.exc_info else None
-    return not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed")
-
-
-def _closed_loop_unraisable(unraisable: Any) -> bool:
-    """Whether ``unraisable`` (a ``sys.UnraisableHookArgs``) is the same late write as
-    :func:`_without_closed_loop_callbacks`, reported by TensorStore's own thread with no object: its done
-    callback calls ``call_soon_threadsafe`` on the failed save's closed event loop."""
-    error = unraisable.exc_value
-    return (unraisable.object is None and isinstance(error, RuntimeError)
-            and str(error) == "Event loop is closed")
-
-
-def _drop_closed_loop_unraisables() -> None:
-    """Chain a ``sys.unraisablehook`` that drops :func:`_closed_loop_unraisable` reports (printed as a bare
-    traceback on stderr otherwise) and hands every other report to the hook it replaces. Idempotent."""
-    previous = sys.unraisablehook
-    if getattr(previous, "drops_closed_loop_callbacks", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if not _closed_loop_unraisable(unraisable):
-            previous(unraisable)
-
-    hook.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-
-
-_EXPECTED_ABSL_WARNINGS = (
-    "Given directory is read only",  # every read manager is read-only on purpose (it never saves)
-    "No jax.Array in TypeHandlerRegistry",  # an export registers its numpy leaves' handler only, on purpose
-)
-
-
-def _without_expected_warnings(record: logging.LogRecord) -> bool:
-    """Drop Orbax's absl warnings about choices made here on purpose (:data:`_EXPECTED_ABSL_WARNINGS`)."""
-    message = record.getMessage()
-    return not any(w in message for w in _EXPECTED_ABSL_WARNINGS)
-
-
 def _save_args(meta: CheckpointMeta, tree: Mapping[str, Any]) -> dict[str, Any]:
     """Orbax ``SaveArgs`` per array: storage chunks of the array's storage block
     (:meth:`CheckpointMeta.storage_block_numel`, which divides what each process writes, so Orbax's
@@ -539,7 +477,7 @@ def _read_manager(root: Path) -> Iterator[Any]:
         read_only=True, create=False, save_interval_steps=0, multiprocessing_options=alone
     )
     handlers = {STATE_ITEM: ocp.PyTreeCheckpointHandler(), META_ITEM: ocp.JsonCheckpointHandler()}
-    logging.getLogger("absl").addFilter(_without_expected_warnings)  # (kept once however often added)
+    quiet_expected_warnings()
     with ocp.CheckpointManager(root.absolute(), item_handlers=handlers, options=options) as manager:
         yield manager
 

@@ -1,4 +1,4 @@
-"""The unraisable-hook filter of a save (``orbax_store._drop_closed_loop_unraisables``): a late TensorStore
+"""The unraisable-hook filter of a save (``orbax_logs._drop_closed_loop_unraisables``): a late TensorStore
 write after a failed save reports ``RuntimeError: Event loop is closed`` with no object through
 ``sys.unraisablehook``, which printed a bare traceback above the save's one-line error; every other report
 still reaches the hook that was there before."""
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from chunkzero.checkpoint import orbax_store
+from chunkzero.checkpoint import orbax_logs
 
 
 def _report(error: BaseException, obj=None) -> SimpleNamespace:
@@ -23,8 +23,8 @@ def seen(monkeypatch):
 
 
 def test_a_closed_loop_callback_is_dropped_and_everything_else_reaches_the_previous_hook(seen):
-    orbax_store._drop_closed_loop_unraisables()
-    orbax_store._drop_closed_loop_unraisables()  # idempotent: one wrapper, so each report arrives once
+    orbax_logs._drop_closed_loop_unraisables()
+    orbax_logs._drop_closed_loop_unraisables()  # idempotent: one wrapper, so each report arrives once
     closed = RuntimeError("Event loop is closed")
     sys.unraisablehook(_report(closed))
     assert seen == []
