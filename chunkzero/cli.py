@@ -368,12 +368,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one sub-command; returns its exit status. A Ctrl-C that comes before a command handles its own
+    stop signals (while torch or a checkpoint is still being imported) ends it with one line and 130."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head` or a pager that quit: not an error
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        print(f"\nchunkzero {args.command}: stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

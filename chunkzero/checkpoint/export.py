@@ -324,7 +324,8 @@ def export_checkpoint(
         ema: write the EMA weights (the ``ema`` arrays) for the trainable tensors, as fp32 unless ``dtype``.
 
     Raises:
-        ConfigError: unknown format or dtype, bad size, ``out`` exists and is not empty.
+        ConfigError: unknown format or dtype, bad size, ``out`` exists and is not empty, or cannot be
+            created or written (nothing is left there).
         CheckpointError / CheckpointFormatError: the checkpoint cannot be read (names the file or array, and
             the ``--step`` of another committed step to export instead: :func:`export_failed`), or ``ema``
             and it holds no EMA.
@@ -370,6 +371,10 @@ def export_checkpoint(
     except CheckpointError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise export_failed(path, step_dir, e) from None
+    except OSError as e:  # the output cannot be made or written (a file on its path, no permission, a full disk)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"output {str(out)!r} cannot be written: {e.strerror or e} ({e.filename or tmp}); "
+                          "nothing was exported") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

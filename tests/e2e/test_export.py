@@ -92,6 +92,14 @@ def test_safetensors_export_loads_with_from_pretrained(trained, tmp_path, capsys
     assert "does not exist" in err and "no committed step 9" in err and len(err.strip().splitlines()) == 2
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
+    blocker = tmp_path / "a-file"  # an output that cannot be created: one line each, exit 2, nothing left
+    blocker.write_text("")
+    for fmt in ("safetensors", "orbax-params"):
+        assert cli(["export", str(root), "--format", fmt, str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("a-file/sub' cannot be written" in line for line in err), err
+    assert blocker.read_text() == "" and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
 
 def test_orbax_params_export_restores_with_standard_checkpointer(trained, tmp_path):
     import jax
