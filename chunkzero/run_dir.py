@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from .checkpoint import CheckpointMeta, latest_step, list_steps, read_meta
@@ -58,8 +59,9 @@ def check_out_dir(cfg: TrainConfig) -> None:
     ``--resume`` it must hold a committed checkpoint instead.
 
     Raises:
-        ConfigError: ``out`` is empty, a file, under a file, in a directory this process cannot write,
-            holds another run, or (``--resume``) holds no checkpoint.
+        ConfigError: ``out`` is empty, a file, under a file, in a directory this process cannot write or make
+            a directory in, is or is inside a ``--model`` or ``--data`` directory, holds another run, or
+            (``--resume``) holds no checkpoint.
     """
     if not str(cfg.out).strip():
         raise ConfigError("--out is empty: name a directory, or leave --out out for a fresh runs/<YYYYmmdd-HHMMSS>")
@@ -71,7 +73,13 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ConfigError(f"--out {out} cannot be created: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {out} cannot be written: no write permission on {existing}")
+    if not out.exists():  # what the permission bits do not say (root, /proc, a read-only mount): try it
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".chunkzero-out-check-", dir=existing))
+        except OSError as e:
+            raise ConfigError(f"--out {out} cannot be created in {existing}: {e.strerror or e}") from None
     check_out_apart_from_model(out, cfg.model)
+    check_out_apart_from_data(out, cfg.data)
     if cfg.resume:
         if latest_step(out / CHECKPOINT_DIR) is None:
             raise ConfigError(f"--resume: --out {out} holds no checkpoint ({CHECKPOINT_DIR}/<step>); "
@@ -99,6 +107,20 @@ def check_out_apart_from_model(out: Path, model: str | None) -> None:
     if where is not None:
         raise ConfigError(f"--out {out} {where} the --model directory {model}: the run would write its config.json "
                           "and outputs among the model's files; choose an --out apart from the model")
+
+
+def check_out_apart_from_data(out: Path, data: list[str] | None) -> None:
+    """``--out`` must not be a ``--data`` directory nor inside one: the run's logs, config and checkpoint
+    metadata would be read as training text by the next start (a resume would find the corpus changed).
+
+    Raises:
+        ConfigError: naming both paths.
+    """
+    o = out.resolve()
+    for d in data or ():
+        if Path(d).is_dir() and (o == (r := Path(d).resolve()) or r in o.parents):
+            raise ConfigError(f"--out {out} is {'inside ' if o != r else ''}the --data directory {d}: the run's "
+                              "outputs would become training text; choose an --out apart from the data")
 
 
 def set_aside_later_steps(root: Path, step: int) -> Path | None:

@@ -322,6 +322,9 @@ class TrainConfig:
         for name, flag in (("resume_step", "--resume-step"), ("allow_change", "--allow-change")):
             if getattr(self, name) not in (None, False) and not self.resume:
                 raise ConfigError(f"{flag} needs --resume (it says how to continue the run in --out)")
+        if self.schedule != "keep" and not self.resume:
+            raise ConfigError(f"--schedule {self.schedule} needs --resume (it says which LR schedule a resumed "
+                              "run follows)")
         if self.resume and self.overwrite:
             raise ConfigError("--resume continues the run in --out; it cannot be combined with --overwrite")
 

@@ -152,8 +152,9 @@ def find_text_files(paths: list[str | os.PathLike] | None) -> list[TextFile]:
     directly is an error.
 
     Raises:
-        DataError: a path does not exist, is not a file or directory, is a binary file, or a directory
-            holds no text file.
+        DataError: a path does not exist, is not a file or directory, is a binary file, a directory
+            holds no text file, or a file is named more than once (twice on the command line, or in a
+            directory named too).
     """
     if paths is None:
         (root,) = default_data_paths()
@@ -192,6 +193,12 @@ def find_text_files(paths: list[str | os.PathLike] | None) -> list[TextFile]:
             files.extend(found)
         else:
             raise DataError(f"--data path is neither a file nor a directory: {raw}")
+    first_named: dict[Path, TextFile] = {}
+    for f in files:
+        first = first_named.setdefault(f.path.resolve(), f)
+        if first is not f:
+            raise DataError(f"--data names the file {first.path} more than once (as {first.rel} and {f.rel}), so "
+                            "it would be trained on twice: name each file once")
     return files
 
 

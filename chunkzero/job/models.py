@@ -68,6 +68,9 @@ def model_block_size(model: str) -> tuple[str, int, int]:
         c = GPT_CONFIGS[model]
         return "gpt", c.block_size, c.vocab_size
     if os.sep in model or "/" in model or model.startswith("."):
+        if Path(model).exists():
+            raise ConfigError(f"--model {model} is a file: pass a Hugging Face model directory (config.json + "
+                              f"safetensors) or one of {', '.join(GPT_CONFIGS)}")
         raise ConfigError(f"--model directory {model} does not exist")
     hint = (f" ({model} is a size-only shape of chunkzero layout; train a Hugging Face model from its directory)"
             if model.startswith("hf-") or model == "llama-1b" else "")

@@ -316,6 +316,13 @@ BAD_INPUTS = {
     "bad number": (["--steps", "0"], "--steps: must be >= 1"),
     "missing model directory": (["--model", "./no-such-model"], "--model directory ./no-such-model does not exist"),
     "bin ids beyond vocabulary": (["--data", "{tmp}/wide.bin"], "token id 300 is not below"),
+    "a file as --model": (["--model", "{tmp}/short.txt"], "--model {tmp}/short.txt is a file"),
+    "a file named twice": (["--data", "{tmp}/texts", "{tmp}/texts/a.txt"], "names the file {tmp}/texts/a.txt more "
+                           "than once (as texts/a.txt and a.txt)"),
+    "out inside data": (["--data", "{tmp}/texts", "--out", "{tmp}/texts/run"],
+                        "--out {tmp}/texts/run is inside the --data directory {tmp}/texts"),
+    "out where no directory can be made": (["--out", "/proc/chunkzero-run"], "--out /proc/chunkzero-run cannot be"),
+    "schedule without resume": (["--schedule", "stretch"], "--schedule stretch needs --resume"),
 }
 
 
@@ -324,6 +331,8 @@ def _bad_input_files(tmp_path: Path) -> None:
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "short.txt").write_text("print(1)\n")
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("print('a line of text')\n" * 400)
     np.array([1, 2, 300] * 100, dtype=np.uint16).tofile(tmp_path / "wide.bin")
 
 
@@ -359,6 +368,7 @@ def test_bad_input_one_line_exit_2(case, tmp_path, held_run, monkeypatch, capsys
     assert lines[0].startswith("chunkzero train: error: ")
     assert expected.format(tmp=tmp_path) in lines[0]
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "runs").exists()  # nothing created
+    assert sorted(p.name for p in (tmp_path / "texts").iterdir()) == ["a.txt"]
     assert {p.name: p.read_bytes() for p in held_run.iterdir()} == before  # nothing overwritten
 
 
