@@ -143,7 +143,8 @@ def set_aside_later_steps(root: Path, step: int) -> Path | None:
 
 def prepare_out_dir(cfg: TrainConfig) -> Path:
     """Create ``--out``; with ``--overwrite`` remove the earlier run's outputs (only :data:`RUN_OUTPUTS`);
-    with ``--resume-step`` set the later checkpoint steps aside (:func:`set_aside_later_steps`); remove the
+    with ``--resume-step`` set the later checkpoint steps aside (:func:`set_aside_later_steps`), with a copy of
+    ``metrics.jsonl`` as it was (the resumed run keeps only its records up to the step); remove the
     temporaries of checkpoint saves that died before their commit (:func:`remove_uncommitted`: no save of
     this run has started yet)."""
     out = Path(cfg.out)
@@ -151,9 +152,13 @@ def prepare_out_dir(cfg: TrainConfig) -> Path:
     if cfg.resume and cfg.resume_step is not None:
         aside = set_aside_later_steps(out / CHECKPOINT_DIR, cfg.resume_step)
         if aside is not None:
+            # this run rewrites metrics.jsonl up to its step: the abandoned steps' records are kept with them
+            if (out / "metrics.jsonl").is_file():
+                shutil.copy2(out / "metrics.jsonl", aside / "metrics.jsonl")
             log.info(
-                "--resume-step %d: the later checkpoint steps (%s) are kept in %s, where --resume does not look",
-                cfg.resume_step, ", ".join(sorted((p.name for p in aside.iterdir()), key=int)), aside)
+                "--resume-step %d: the later checkpoint steps (%s) are kept in %s with the run's metrics.jsonl as "
+                "it was, where --resume does not look", cfg.resume_step,
+                ", ".join(sorted((p.name for p in aside.iterdir() if p.name.isdigit()), key=int)), aside)
     if cfg.overwrite:
         for name in RUN_OUTPUTS:
             p = out / name

@@ -149,7 +149,9 @@ def test_resume_step_resumes_from_an_older_step(backend, corpus, checkpointed, t
     assert [s["step"] for s in _sessions(out)] == [0, 2]
     # the abandoned step 4 is kept aside, and this run saved its own step 4
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4", "after-2"]
-    assert [p.name for p in (out / "checkpoints" / "after-2").iterdir()] == ["4"]
+    aside = out / "checkpoints" / "after-2"
+    assert sorted(p.name for p in aside.iterdir()) == ["4", "metrics.jsonl"]
+    assert (aside / "metrics.jsonl").read_bytes() == (checkpointed / "metrics.jsonl").read_bytes()  # steps 3, 4 kept
     assert "the later checkpoint steps (4) are kept in" in proc.stderr
     resumed = {r["step"]: r["loss"] for r in read_metrics(out)[0]}
     first = {r["step"]: r["loss"] for r in read_metrics(checkpointed)[0]}
