@@ -192,7 +192,7 @@ def check_resume(cfg: TrainConfig) -> CheckpointMeta:
 
     Raises:
         ConfigError: the checkpoint's step is ``--steps`` or beyond (nothing to train), or its metadata
-            cannot be read (the message names the checkpoint).
+            cannot be read (the message names the checkpoint and the older step to resume from instead).
     """
     root = Path(cfg.out) / CHECKPOINT_DIR
     if cfg.resume_step is not None and cfg.resume_step not in list_steps(root):
@@ -200,8 +200,9 @@ def check_resume(cfg: TrainConfig) -> CheckpointMeta:
                           f"{', '.join(map(str, list_steps(root)))})")
     try:
         meta = read_meta(root, cfg.resume_step)
-    except ChunkZeroError as e:
-        raise ConfigError(f"--resume: cannot read the checkpoint in {root}: {e}") from None
+    except ChunkZeroError as e:  # named with the older step to resume from instead, as a step whose arrays fail
+        step = cfg.resume_step if cfg.resume_step is not None else latest_step(root)
+        raise ConfigError(str(resume_failed(root, step, e))) from None
     if meta.step >= cfg.steps:
         raise ConfigError(f"--resume: the checkpoint in {root} is at step {meta.step}, and --steps {cfg.steps} is the "
                           f"run's total, so there is nothing to train; pass --steps above {meta.step} to train on")

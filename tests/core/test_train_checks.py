@@ -267,3 +267,16 @@ def test_more_cpu_workers_than_cores_warn_and_beyond_the_limit_are_refused(caplo
     with pytest.raises(ConfigError, match=rf"^--nproc 9 × --devices-per-process 4 \(36 devices\) is more than this "
                                           rf"machine allows: at most {2 * MAX_WORKERS_PER_CORE} CPU workers"):
         check_cpu_workers(36, "--nproc 9 × --devices-per-process 4 (36 devices)", cores=2)
+
+
+def test_an_unreadable_latest_checkpoint_names_the_older_step_to_resume_from(tmp_path):
+    """``--resume`` whose latest step's metadata is not readable (here: an empty metadata file) is refused
+    before any worker, naming that step and the older one to pass as ``--resume-step``."""
+    from chunkzero.run_dir import check_resume
+
+    root = _steps(tmp_path / "checkpoints", 6, 9)
+    (root / "9" / "meta" / "metadata").write_text("")
+    with pytest.raises(ConfigError) as e:
+        check_resume(TrainConfig(out=str(tmp_path), resume=True, steps=12))
+    msg = str(e.value)
+    assert msg.startswith("--resume: step 9 cannot be loaded: ") and "pass --resume-step 6" in msg, msg
