@@ -48,6 +48,21 @@ def hf_config(model_dir: str) -> dict:
     return {**GPT2_DEFAULTS, **config} if config["model_type"] == "gpt2" else config
 
 
+def check_hf_weights(model_dir: str, *, safetensors_only: bool = False) -> None:
+    """A Hugging Face ``--model`` directory must hold the weights a run starts from: ``*.safetensors`` (a file,
+    or shards with their index), or, unless ``safetensors_only`` (the JAX engine reads safetensors with numpy),
+    ``pytorch_model*.bin``. Checked before any worker starts, which would fail loading them.
+
+    Raises:
+        ConfigError: none of them is there.
+    """
+    d = Path(model_dir)
+    patterns = ("*.safetensors",) if safetensors_only else ("*.safetensors", "pytorch_model*.bin")
+    if not any(any(d.glob(p)) for p in patterns):
+        raise ConfigError(f"--model directory {model_dir} holds no weights ({' or '.join(patterns)}): a run starts "
+                          "from the model's saved weights")
+
+
 def hf_has_tokenizer(model_dir: str) -> bool:
     return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer.model"))
 

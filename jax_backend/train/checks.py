@@ -13,7 +13,7 @@ import dataclasses
 
 from chunkzero.errors import ConfigError
 from chunkzero.job.checks import check_run_out
-from chunkzero.job.models import hf_config, load_run_corpus, model_block_size, model_tensor_specs
+from chunkzero.job.models import check_hf_weights, hf_config, load_run_corpus, model_block_size, model_tensor_specs
 from chunkzero.train_config import TrainConfig, with_device_defaults
 from chunkzero.workers import available_cpu_cores, check_cpu_workers
 
@@ -48,6 +48,7 @@ def validate(cfg: TrainConfig, *, check_out: bool = True, num_processes: int | N
     cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
     if cfg.model_kind == "hf":
         check_hf_model(cfg)
+        check_hf_weights(cfg.model, safetensors_only=True)
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
     corpus = load_run_corpus(cfg)

@@ -128,6 +128,25 @@ def test_out_equal_to_the_model_directory_is_refused_and_the_model_kept(backend,
     assert tree_hash(tmp_path) == before
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_model_directory_without_weights_is_refused_before_any_worker(backend, corpus, tmp_path, monkeypatch,
+                                                                         capsys):
+    """A Hugging Face directory with a config.json and no weights: one line naming it, not a worker's late
+    failure (the JAX engine reads safetensors only, so a pytorch_model.bin alone is refused there too)."""
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256, "n_positions": 64,
+                                                   "n_embd": 32, "n_layer": 1, "n_head": 2}))
+    (model / "pytorch_model.bin.txt").write_text("not weights")
+    args = ["--data", str(corpus), *SMALL, "--model", str(model), "--steps", "2", "--out", str(tmp_path / "run")]
+    line = refused_line(args, backend, monkeypatch, capsys)
+    assert f"--model directory {model} holds no weights (*.safetensors" in line, line
+    (model / "pytorch_model.bin").write_bytes(b"")
+    if backend == "jax":
+        assert "holds no weights (*.safetensors)" in refused_line(args, backend, monkeypatch, capsys)
+    assert not (tmp_path / "run").exists()
+
+
 # ================================================================================ --resume-step
 
 @pytest.mark.slow

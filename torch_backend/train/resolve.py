@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from chunkzero.errors import ConfigError
 from chunkzero.job import data as data_mod
 from chunkzero.job.checks import check_run_out
-from chunkzero.job.models import load_run_corpus, model_block_size
+from chunkzero.job.models import check_hf_weights, load_run_corpus, model_block_size
 from chunkzero.layout import TensorSpec
 from chunkzero.train_config import TrainConfig, with_device_defaults
 from chunkzero.workers import available_cpu_cores, check_cpu_workers, threads_per_worker
@@ -143,6 +143,8 @@ def validate(cfg: TrainConfig, *, check_out: bool = True) -> tuple[TrainConfig, 
     if cfg.shard_group_size is not None and cfg.world_size % cfg.shard_group_size:
         raise ConfigError(f"--shard-group-size {cfg.shard_group_size} does not divide the world size {cfg.world_size}")
     cfg.model_kind, cfg.block_size, _ = model_block_size(cfg.model)
+    if cfg.model_kind == "hf":
+        check_hf_weights(cfg.model)
     if cfg.seq_len > cfg.block_size:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the block size {cfg.block_size} of model {cfg.model}")
     check_precision(cfg.mixed_precision, cfg.device)
