@@ -339,7 +339,12 @@ def load_corpus(paths: list[str | os.PathLike] | None, *, seq_len: int, tokenize
         train, val = _split_by_position(everything, val_fraction, window, notes,
                                         "too few files to split by file")
     else:
-        notes.append(f"split by file: {len(parts[True])} of {len(parts[False]) + len(parts[True])} files in validation")
+        note = f"split by file: {len(parts[True])} of {len(parts[False]) + len(parts[True])} files in validation"
+        share = val.size / total
+        if share > 2 * val_fraction:  # a few files: the hash buckets are coarse
+            note += (f", {share:.0%} of the tokens against --val-fraction {val_fraction:g} (with few files the split "
+                     "by their paths' hashes is coarse: give more files, or one file to split it by position)")
+        notes.append(note)
     return Corpus(train, val, tok.vocab_size, tok, description, len(files), notes)
 
 

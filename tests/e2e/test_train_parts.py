@@ -193,6 +193,22 @@ def test_text_corpus_split_by_file_is_deterministic(tmp_path):
     assert a.val.size == sum(len(files[f"d/m{i}.py"]) for i in range(60) if is_val_file(f"d/m{i}.py", 0.2))
     assert a.train.size + a.val.size == sum(len(files[f"d/m{i}.py"]) for i in range(60))
     assert a.train.dtype == np.uint8 and a.vocab_size == 256
+    assert a.notes == [f"split by file: {n_val} of 60 files in validation"]  # near --val-fraction: nothing more
+
+
+def test_a_coarse_split_by_file_names_its_share_of_the_tokens(tmp_path):
+    """Three files, one of which hashes into validation: a third of the tokens against --val-fraction 0.05,
+    which the note says, with what to do."""
+    from chunkzero.job.data import is_val_file, load_corpus
+
+    names = ["f6.txt", "f0.txt", "f1.txt"]
+    assert [is_val_file(f"d/{n}", 0.05) for n in names] == [True, False, False]
+    _write(tmp_path, {f"d/{n}": b"x = 1\n" * 100 for n in names})
+    c = load_corpus([str(tmp_path / "d")], seq_len=16, val_fraction=0.05)
+    assert c.val.size * 3 == c.train.size + c.val.size
+    [note] = c.notes
+    assert note.startswith("split by file: 1 of 3 files in validation, 33% of the tokens against --val-fraction "
+                           "0.05 (with few files"), note
 
 
 def test_small_corpus_falls_back_to_a_positional_split(tmp_path):
