@@ -102,8 +102,7 @@ def check_out_apart_from_model(out: Path, model: str | None) -> None:
     """
     if not model or not Path(model).is_dir():
         return
-    o, m = out.resolve(), Path(model).resolve()
-    where = ("is" if o == m else "is inside" if m in o.parents else "contains" if o in m.parents else None)
+    where = _placed(out, model)
     if where is not None:
         raise ConfigError(f"--out {out} {where} the --model directory {model}: the run would write its config.json "
                           "and outputs among the model's files; choose an --out apart from the model")
@@ -116,11 +115,17 @@ def check_out_apart_from_data(out: Path, data: list[str] | None) -> None:
     Raises:
         ConfigError: naming both paths.
     """
-    o = out.resolve()
     for d in data or ():
-        if Path(d).is_dir() and (o == (r := Path(d).resolve()) or r in o.parents):
-            raise ConfigError(f"--out {out} is {'inside ' if o != r else ''}the --data directory {d}: the run's "
-                              "outputs would become training text; choose an --out apart from the data")
+        where = _placed(out, d) if Path(d).is_dir() else None
+        if where in ("is", "is inside"):
+            raise ConfigError(f"--out {out} {where} the --data directory {d}: the run's outputs would become "
+                              "training text; choose an --out apart from the data")
+
+
+def _placed(out: Path, directory: str) -> str | None:
+    """Where ``out`` is against ``directory``, both resolved: ``"is"``, ``"is inside"``, ``"contains"`` or ``None``."""
+    o, d = out.resolve(), Path(directory).resolve()
+    return "is" if o == d else "is inside" if d in o.parents else "contains" if o in d.parents else None
 
 
 def set_aside_later_steps(root: Path, step: int) -> Path | None:
