@@ -11,6 +11,10 @@ Systems (``--systems``, comma-separated; options after ``:``, e.g. ``zero:prefet
 
 - ``floor`` — the plain module on each rank's batch, no collective at all: the same per-rank forward,
   backward and full AdamW step, nothing communicated. The lower bound for any data-parallel engine.
+- ``exchanges:count=N:numel=M`` — the floor plus ``N`` all-to-alls of ``M`` elements a step (each rank
+  sends ``M / W`` to every rank), issued asynchronously as the step starts and waited for as it ends: the
+  collectives an engine issues (at W = 2 one chunk gather or reduction is one such exchange), with no
+  engine around them and the most overlap any engine could have. What is left above it is the engine's.
 - ``ddp`` — ``DistributedDataParallel`` (``gradient_as_bucket_view=True``).
 - ``fsdp2`` — ``torch.distributed.fsdp.fully_shard`` on every transformer block, then the root; its
   default (implicit) prefetch.

@@ -8,7 +8,11 @@ one system at a time, the order rotating per repeat):
 
 - ``floor`` — no communication; ``ddp``; ``fsdp2`` (``fully_shard`` per block);
 - ZeroDDP with the searched chunk size (``zero``) and with one chunk per transformer block
-  (``zero:chunk_size=<block numel>``, computed here from the model).
+  (``zero:chunk_size=<block numel>``, computed here from the model): 13 chunks (12 blocks, and one for the
+  embeddings and the final norm);
+- ``exchanges`` — the floor plus the 39 exchanges of one block's elements that ZeroDDP issues a step at one
+  chunk per block (13 gathers in the forward, 13 in the backward, 13 reductions), with no engine: what
+  communication alone costs at that chunk size on this machine.
 
 Reported: min / median / max ms per step and the median's ratio to the floor and to FSDP2
 (``bench_engine.py``'s tables), with the machine's load average before and after.
@@ -44,7 +48,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import bench_engine
 
-    systems = ["floor", "ddp", "fsdp2", "zero", f"zero:chunk_size={block_numel()}"]
+    numel = block_numel()
+    chunks = SHAPE["n_layer"] + 1  # one per block, one for the embeddings and the final norm
+    systems = ["floor", f"exchanges:count={3 * chunks}:numel={numel}", "ddp", "fsdp2", "zero",
+               f"zero:chunk_size={numel}"]
     forwarded = ["--systems", ",".join(systems), "--precisions", "fp32", "--world-size", "2", "--backend", "gloo",
                  "--threads", "1", "--repeats", str(args.repeats), "--steps", str(args.steps),
                  "--warmup", str(args.warmup)]

@@ -1,6 +1,6 @@
 """The systems ``benchmarks/bench_engine.py`` compares, as they run inside one rank process.
 
-- :class:`System` builds one system on one rank (``floor``, ``ddp``, ``fsdp2``, ``zero``,
+- :class:`System` builds one system on one rank (``floor``, ``exchanges``, ``ddp``, ``fsdp2``, ``zero``,
   ``autocast``; see ``bench_engine.py`` for what each is) over the same model and per-rank batch, and
   runs a timed training step;
 - :class:`MasterWeights` gives the floor and DDP in bf16 the fp32 masters ZeroDDP and FSDP2 keep;
@@ -14,8 +14,8 @@ import functools
 import json
 import time
 
-NAMES = {"floor": "floor (no communication)", "ddp": "DDP", "fsdp2": "FSDP2 (fully_shard per block)",
-         "zero": "ZeroDDP", "autocast": "torch autocast + fused AdamW"}
+NAMES = {"floor": "floor (no communication)", "exchanges": "floor + exchanges alone", "ddp": "DDP",
+         "fsdp2": "FSDP2 (fully_shard per block)", "zero": "ZeroDDP", "autocast": "torch autocast + fused AdamW"}
 ADAMW_KERNELS = {"default": {}, "loop": {"foreach": False, "fused": False}, "foreach": {"foreach": True},
                  "fused": {"fused": True}}
 """``--adamw``: torch AdamW's kernel for every system (``default``: torch's choice, the for-loop on CPU)."""
@@ -142,6 +142,7 @@ class System:
         self.n_params = sum(p.numel() for p in module.parameters())
         self.autocast = None
         self.zero = None
+        self.exchanges: list = []
         adamw = torch.optim.AdamW
         lr = dict(lr=1e-4, **ADAMW_KERNELS[cfg["adamw"]])
         if self.name == "zero":
@@ -165,7 +166,11 @@ class System:
         elif self.name == "autocast":
             self.autocast = torch.autocast(device.type, dtype=torch.bfloat16)
             self.model, self.optim = module, adamw(module.parameters(), **{**lr, **ADAMW_KERNELS["fused"]})
-        else:  # floor, ddp
+        else:  # floor, exchanges, ddp
+            if self.name == "exchanges":  # the floor, plus `count` all-to-alls of `numel` elements a step
+                numel = -(-int(kwargs.pop("numel")) // world) * world
+                self.exchanges = [(torch.randn(numel, device=device), torch.empty(numel, device=device))
+                                  for _ in range(int(kwargs.pop("count")))]
             if bf16:
                 module = module.to(torch.bfloat16)
             self.model = module
@@ -194,6 +199,8 @@ class System:
         self.dist.barrier()
         self._sync()
         t0 = time.perf_counter()
+        # `exchanges`: issued at the start, waited for at the end: the most overlap any engine could have
+        exchanged = [self.dist.all_to_all_single(out, x, async_op=True) for x, out in self.exchanges]
         if self.autocast is not None:
             with self.autocast:
                 logits = logits_of(self.model(self.inp))
@@ -212,6 +219,8 @@ class System:
         if measure_state:
             self.state_bytes = self.model_state_bytes()
         self.optim.zero_grad()
+        for work in exchanged:
+            work.wait()
         self._sync()
         t3 = time.perf_counter()
         del logits, loss
