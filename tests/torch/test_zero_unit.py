@@ -88,6 +88,12 @@ def test_bad_inputs():
         ZeroDDP("not a module")
     with pytest.raises(ConfigError, match="no parameters"):
         ZeroDDP(torch.nn.ReLU())
+    # wrapping twice (accepted before, then a traceback at the first backward)
+    inner = ZeroDDP(zero_cases.Odd(), chunk_size=100)
+    with pytest.raises(ConfigError, match="the module is a ZeroDDP already"):
+        ZeroDDP(inner)
+    with pytest.raises(ConfigError, match="submodule 'body' is a ZeroDDP already"):
+        ZeroDDP(torch.nn.ModuleDict({"body": inner}))
     with pytest.raises(ConfigError):
         ZeroOptimizer(zero_cases.Odd())
     model = ZeroDDP(zero_cases.Odd(), chunk_size=100)

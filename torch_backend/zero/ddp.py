@@ -115,7 +115,8 @@ class ZeroDDP(nn.Module):
 
     Raises:
         ConfigError: a bad argument (named), a dataclass given with its flat keywords (both named), a
-            module without parameters, parameters on several devices, or a non-floating parameter.
+            module without parameters, a module that is or holds a ZeroDDP already, parameters on several
+            devices, or a non-floating parameter.
     """
 
     def __init__(
@@ -141,6 +142,10 @@ class ZeroDDP(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise ConfigError(f"module must be an nn.Module, got {type(module).__name__}")
+        wrapped = next((name for name, sub in module.named_modules() if isinstance(sub, ZeroDDP)), None)
+        if wrapped is not None:  # its parameters are chunk views already: a second wrap would shard the views
+            where = "the module is" if wrapped == "" else f"its submodule {wrapped!r} is"
+            raise ConfigError(f"{where} a ZeroDDP already: wrap a module once (wrap the inner module, not its ZeroDDP)")
         if chunk_size is not None and (
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
