@@ -437,8 +437,9 @@ def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, s
     settings (``--steps``, ``--warmup``, ``--lr``, ``--min-lr-ratio``) differ from the checkpointed run's
     ``previous`` ones, read from ``source``. With ``--schedule keep`` and only ``--steps`` grown the LR
     goes on as saved (an info line, naming the choice); a warning when the LR of step ``step + 1`` differs
-    from what the saved schedule gives it (``stretch`` after the warm-up, or another changed setting), or
-    when keep continues a saved schedule that ended in its warm-up (:func:`ends_in_warmup`). Silent when
+    from what the saved schedule gives it (``stretch`` after the warm-up, or another changed setting),
+    when keep continues a saved schedule that ended in its warm-up (:func:`ends_in_warmup`), or when keep
+    follows a saved schedule longer than the new ``--steps`` (the run ends before its decay does). Silent when
     nothing changed or ``previous`` is unknown."""
     if not previous:
         return
@@ -453,9 +454,14 @@ def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, s
     span = cfg.schedule_steps or cfg.steps
     saved = old.schedule_steps or old.steps
     continued = cfg.schedule == "keep" and span != saved and ends_in_warmup(saved, cfg.warmup)
+    cut_short = cfg.schedule == "keep" and cfg.steps < span  # the run ends before the kept decay does
     if continued:
         choice = (f"--schedule keep: the saved schedule over {saved} steps ends inside its {cfg.warmup}-step warm-up, "
                   f"so the warm-up goes on to the peak {cfg.lr:g} and the cosine decay spans the new {cfg.steps} steps")
+    elif cut_short:
+        choice = (f"--schedule keep: the LR follows the saved warm-up + cosine decay over {span} steps, so the run "
+                  f"ends at step {cfg.steps} with the LR still at {lr_at(cfg.steps - 1, cfg):.3g}, before that decay "
+                  f"ends (--schedule stretch would re-stretch the decay to {cfg.steps} steps)")
     elif cfg.schedule == "keep":
         choice = (f"--schedule keep: the LR follows the saved warm-up + cosine decay over {span} steps"
                   + (f", then stays at its final {lr_at(span - 1, cfg):.3g} to step {cfg.steps}"
@@ -464,7 +470,7 @@ def warn_schedule_change(previous: dict | None, source: str, cfg: TrainConfig, s
     else:
         choice = (f"--schedule stretch: the LR schedule (warm-up + cosine decay) is re-stretched to the new total "
                   f"of {cfg.steps} steps (--schedule keep would follow the saved one)")
-    warn = continued or not math.isclose(lr_at(step, old), after, rel_tol=0.05)  # step + 1's LR, either schedule
+    warn = continued or cut_short or not math.isclose(lr_at(step, old), after, rel_tol=0.05)  # step + 1's LR too
     logging.getLogger("chunkzero.train").log(
         logging.WARNING if warn else logging.INFO,
         "%s--resume with %s differs from the checkpointed run's settings (%s); %s: the LR goes from %.3g at step %d "

@@ -324,8 +324,8 @@ def export_checkpoint(
         ema: write the EMA weights (the ``ema`` arrays) for the trainable tensors, as fp32 unless ``dtype``.
 
     Raises:
-        ConfigError: unknown format or dtype, bad size, ``out`` exists and is not empty, or cannot be
-            created or written (nothing is left there).
+        ConfigError: unknown format or dtype, bad size, ``out`` exists and is not empty, is inside the
+            checkpoint directory (the steps' root), or cannot be created or written (nothing is left there).
         CheckpointError / CheckpointFormatError: the checkpoint cannot be read (names the file or array, and
             the ``--step`` of another committed step to export instead: :func:`export_failed`), or ``ema``
             and it holds no EMA.
@@ -343,6 +343,10 @@ def export_checkpoint(
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"output {str(out)!r} already exists and is not an empty directory; refusing to overwrite it")
     step_dir = orbax_store.committed_step_dir(path, step)
+    root = step_dir.resolve().parent
+    if root == out.resolve() or root in out.resolve().parents:
+        raise ConfigError(f"output {str(out)!r} is inside the checkpoint directory {str(root)!r}, where a run's "
+                          "retention (--keep) deletes old steps with whatever is in them: export outside it")
     try:
         meta = read_meta(step_dir)
     except CheckpointError as e:

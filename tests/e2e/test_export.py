@@ -100,6 +100,14 @@ def test_safetensors_export_loads_with_from_pretrained(trained, tmp_path, capsys
     assert len(err) == 2 and all("a-file/sub' cannot be written" in line for line in err), err
     assert blocker.read_text() == "" and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
+    # an output inside the checkpoint directory, where a run's --keep would delete it with an old step
+    inside = [root / "2" / "hf", root / "hf"]
+    for out_dir in inside:
+        assert cli(["export", str(root), "--format", "safetensors", str(out_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all("is inside the checkpoint directory" in line for line in err), err
+    assert not (root / "2" / "hf").exists() and not (root / "hf").exists()
+
 
 def test_orbax_params_export_restores_with_standard_checkpointer(trained, tmp_path):
     import jax
@@ -340,3 +348,12 @@ def test_resume_says_what_happens_to_the_lr_schedule(caplog):
     assert f"{before:.3g} at step 200 to {lr_at(200, stretch):.3g} at step 201" in text
     assert lr_at(200, stretch) > 3 * before
     assert other_lr.levelno == logging.WARNING and "--lr 0.001 (was 0.003)" in other_lr.getMessage()
+    # a smaller --steps under keep: the run ends before the saved decay does (said before as an info line)
+    caplog.clear()
+    shrunk = TrainConfig(steps=130, warmup=10, lr=3e-3, schedule="keep", schedule_steps=2000)
+    with caplog.at_level(logging.INFO, logger="chunkzero.train"):
+        warn_schedule_change({**saved, "steps": 2000}, "checkpoint 120", shrunk, 120)
+    (short,) = caplog.records
+    assert short.levelno == logging.WARNING and "--steps 130 (was 2000)" in short.getMessage()
+    assert f"ends at step 130 with the LR still at {lr_at(129, shrunk):.3g}" in short.getMessage()
+    assert lr_at(129, shrunk) > 0.9 * 3e-3  # still near the peak: the decay over 2000 steps has barely begun
