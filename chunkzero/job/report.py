@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import resource
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -72,7 +73,15 @@ class Report:
         self.is_main = rank == 0
         self.start, self.tokens_per_step = start, tokens_per_step
         path = Path(cfg.out) / "metrics.jsonl"
-        history = read_metrics_history(path, start - 1) if self.is_main and cfg.resume else None
+        history = None
+        if self.is_main and cfg.resume:
+            history, damage = read_metrics_history(path, start - 1)
+            if damage:  # the file is rewritten below with what can be read: the original is kept beside it
+                kept = path.with_name(f"{path.name}.before-resume-{start - 1}")
+                if not kept.exists():  # (a retried resume keeps the first copy, the untouched one)
+                    shutil.copy2(path, kept)
+                log.warning("warning: %s of the run's %s: the run's history goes on without them; the file as it "
+                            "was is kept as %s", damage, path.name, kept.name)
         if history is not None:  # an earlier try of this same resume is replaced by this session's record
             history = [r for r in history if not (r.get("kind") == "session" and r["step"] == start - 1)]
         self.metrics = Metrics(path if self.is_main else None, history)
@@ -226,24 +235,47 @@ def peak_memory_mib() -> dict:
     return {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}  # KiB on Linux
 
 
-def read_metrics_history(path: Path, upto_step: int) -> list[dict]:
+def read_metrics_history(path: Path, upto_step: int) -> tuple[list[dict], str | None]:
     """The records of an earlier session's ``metrics.jsonl`` up to step ``upto_step`` (a resumed run's
-    checkpoint step), in file order. Later records belong to steps that the resumed run trains again
-    (the earlier session outlived its last checkpoint) and are dropped; so are unreadable lines (a line
-    cut short by a kill)."""
+    checkpoint step), in file order, and what is wrong with the file (``None`` when nothing is). Later
+    records belong to steps that the resumed run trains again (the earlier session outlived its last
+    checkpoint) and are dropped; so are unreadable lines. A last line cut short (a kill) is expected; other
+    unreadable lines, or steps up to ``upto_step`` without their ``train`` record (a truncated or edited
+    file), are what is wrong."""
     records = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        return records
-    for line in lines:
+        return records, None
+    unreadable = []
+    for number, line in enumerate(lines, 1):
         try:
             r = json.loads(line)
         except ValueError:
+            if line.strip() and number < len(lines):
+                unreadable.append(number)
             continue
         if isinstance(r, dict) and isinstance(r.get("step"), int) and r["step"] <= upto_step:
             records.append(r)
-    return records
+    trained = {r["step"] for r in records if r.get("kind") == "train"}
+    missing = [step for step in range(1, upto_step + 1) if step not in trained]
+    problems = []
+    if unreadable:
+        problems.append(f"line(s) {_ranges(unreadable)} cannot be read")
+    if missing:
+        problems.append(f"step(s) {_ranges(missing)} have no record")
+    return records, "; ".join(problems) or None
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``"1-3, 7"``."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 class Metrics:

@@ -174,3 +174,37 @@ def test_a_resume_takes_this_sessions_clipping_and_weight_decay(tmp_path):
     assert resume(resumed, sampler, again, 0)[0] == 2
     assert resumed.optim.max_norm is None
     assert [g["weight_decay"] for g in resumed.optim.param_groups] == [0.5, 0.0]
+
+
+def _resumed_report(tmp_path, lines: list[str], start: int):
+    """A rank-0 Report resuming at ``start`` over a ``metrics.jsonl`` of ``lines``; the file after it."""
+    from chunkzero.job.report import Report
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    cfg = TrainConfig(out=str(tmp_path), steps=10, model="gpt-tiny", mixed_precision="fp32", resume=True)
+    report = Report(cfg, rank=0, world_size=1, device_type="cpu", backend="none", start=start, tokens_per_step=8)
+    report.metrics.f.close()
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_resume_over_a_damaged_metrics_history_says_so_and_keeps_the_file(tmp_path, caplog):
+    """Records missing or unreadable before the resumed step: a warning naming them, and the file as it was kept
+    beside the rewritten one; a last line cut short by a kill is expected, and says nothing."""
+    import logging
+
+    train = [json.dumps({"kind": "train", "step": s, "loss": 1.0}) for s in range(1, 9)]
+    whole = train[:5] + ['{"kind": "tr']  # cut short at the end (a kill): steps 1-5, resuming at 6
+    with caplog.at_level(logging.WARNING, logger="chunkzero.train"):
+        records = _resumed_report(tmp_path, whole, start=6)
+    assert not caplog.records and not list(tmp_path.glob("metrics.jsonl.*"))
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+
+    damaged = train[:5] + ['{"kind": "tr', train[5], '{"kind": "tr']  # steps 7-8 lost, a bad line inside
+    with caplog.at_level(logging.WARNING, logger="chunkzero.train"):
+        records = _resumed_report(tmp_path, damaged, start=9)
+    (warning,) = caplog.records
+    assert "line(s) 6 cannot be read; step(s) 7-8 have no record" in warning.getMessage(), warning.getMessage()
+    kept = tmp_path / "metrics.jsonl.before-resume-8"
+    assert kept.read_text() == "".join(line + "\n" for line in damaged)  # the file as it was
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
