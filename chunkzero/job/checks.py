@@ -5,6 +5,7 @@ array is read). Both engines' launchers call :func:`check_run_out`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +42,26 @@ def check_resume_model(cfg: TrainConfig, meta: CheckpointMeta, tensor_specs: Ten
                           f"{trained}): {e}") from None
 
 
+def warn_oversized_validation(cfg: TrainConfig, data_summary: dict | None) -> None:
+    """Warn (logger ``chunkzero.train``) when a new run's validation set (``cfg.val_sequences`` windows of
+    ``--seq-len`` tokens, drawn at random from the held-out split) asks for more windows than the split has
+    distinct ones: every evaluation then reads the same text over and over, and a large ``--eval-batches``
+    makes it look as if the run hung. Nothing without ``data_summary`` (its ``val_tokens``)."""
+    val_tokens = (data_summary or {}).get("val_tokens")
+    if not isinstance(val_tokens, int) or not cfg.val_sequences:
+        return
+    windows = max(1, val_tokens - cfg.seq_len)
+    if cfg.val_sequences <= windows:
+        return
+    per_batch = cfg.batch_size * cfg.world_size
+    logging.getLogger("chunkzero.train").warning(
+        "warning: --eval-batches %d asks for %s validation sequences of %d tokens at each evaluation (%d × "
+        "--batch-size %d × %d workers), %.0f× the %s distinct ones of the held-out split (%s tokens): every "
+        "evaluation reads the same text over and over; --eval-batches %d reads each about once",
+        cfg.eval_batches, f"{cfg.val_sequences:,}", cfg.seq_len, cfg.eval_batches, cfg.batch_size, cfg.world_size,
+        cfg.val_sequences / windows, f"{windows:,}", f"{val_tokens:,}", max(1, windows // per_batch))
+
+
 def check_run_out(cfg: TrainConfig, tensor_specs: TensorSpecs = model_tensor_specs, *,
                   data_summary: dict | None = None) -> CheckpointMeta | None:
     """Resolve and check ``--out`` in place, for either backend's launcher: ``runs/<timestamp>`` when
@@ -63,6 +84,7 @@ def check_run_out(cfg: TrainConfig, tensor_specs: TensorSpecs = model_tensor_spe
     cfg.schedule_steps = cfg.steps
     cfg.val_sequences = validation_sequences(cfg)
     if not cfg.resume:
+        warn_oversized_validation(cfg, data_summary)
         return None
     meta = check_resume(cfg)
     check_resume_model(cfg, meta, tensor_specs)

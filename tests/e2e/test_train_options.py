@@ -208,3 +208,25 @@ def test_a_resume_over_a_damaged_metrics_history_says_so_and_keeps_the_file(tmp_
     kept = tmp_path / "metrics.jsonl.before-resume-8"
     assert kept.read_text() == "".join(line + "\n" for line in damaged)  # the file as it was
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_validation_set_larger_than_the_held_out_split_is_warned_of(caplog):
+    """``--eval-batches`` asking for more validation windows than the held-out split has distinct ones (a new
+    user's 100,000 looked like a hung run): a warning naming the sizes and an --eval-batches that fits; none when
+    the set fits."""
+    import logging
+
+    from chunkzero.job.checks import warn_oversized_validation
+
+    cfg = TrainConfig(seq_len=32, batch_size=4, eval_batches=100_000)
+    cfg.world_size, cfg.val_sequences = 2, 800_000
+    fits = dataclasses.replace(cfg, eval_batches=8)
+    fits.world_size, fits.val_sequences = 2, 64
+    with caplog.at_level(logging.WARNING, logger="chunkzero.train"):
+        warn_oversized_validation(fits, {"val_tokens": 2_416})
+        assert not caplog.records
+        warn_oversized_validation(cfg, {"val_tokens": 2_416})
+    (warning,) = caplog.records
+    text = warning.getMessage()
+    assert "--eval-batches 100000 asks for 800,000 validation sequences of 32 tokens" in text, text
+    assert "the 2,384 distinct ones of the held-out split (2,416 tokens)" in text and "--eval-batches 298" in text
