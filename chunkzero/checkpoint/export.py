@@ -42,6 +42,7 @@ from ..errors import CheckpointError, ConfigError
 from ..layout import ChunkLayout, TensorPlacement
 from . import orbax_files, orbax_store
 from .meta import EMA_KEY, PARAMS_KEY, ArrayPath, CheckpointMeta, chunk_key
+from .orbax_logs import quiet_saves
 from .reader import ChunkReader
 from .steps import list_steps, read_meta
 
@@ -293,6 +294,7 @@ def _write_orbax_params(stream: TensorStream, out: Path, dtype: str | None) -> i
         total += leaf.size * leaf.dtype.itemsize
         return leaf
 
+    quiet_saves()  # Orbax's save threads read the leaves: a failed read is raised once, not logged by each thread
     orbax_files.write_param_tree(out, fill(param_tree([t.name for t in stream.ordered()])), _LazyLeaf)
     return total
 

@@ -174,9 +174,9 @@ def test_export_of_a_corrupted_step_names_the_step_to_export_instead(tmp_path, c
         save_checkpoint(root, model, optim, step=step)
     flip_saved_bit(root / "3", ("params", "chunk_0000"))
 
-    def refused(*args):
+    def refused(*args, fmt="safetensors"):
         capsys.readouterr()
-        assert cli(["export", *args, "--format", "safetensors", str(tmp_path / "out")]) == 2
+        assert cli(["export", *args, "--format", fmt, str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists(), err
         assert "array 'params.chunk_0000'" in err and "is corrupted" in err, err
@@ -184,6 +184,15 @@ def test_export_of_a_corrupted_step_names_the_step_to_export_instead(tmp_path, c
 
     err = refused(str(root))
     assert "error: step 3 cannot be exported: " in err and "/ckpt/3/state" in err, err
+    assert refused(str(root), fmt="orbax-params") == err
+    # as a user runs it: Orbax's save threads, which write the tree, logged the failed read with tracebacks
+    import subprocess
+
+    from .helpers import chunkzero_cmd, clean_env
+
+    proc = subprocess.run(chunkzero_cmd("export", str(root), "--format", "orbax-params", str(tmp_path / "out")),
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip() == err, proc.stderr[-3000:]
     assert err.endswith("; to export step 2 instead, pass --step 2"), err  # the newest older step
     assert refused(str(root / "3")).endswith(f"pass --step 2 with the checkpoint root {str(root)!r}")
     flip_saved_bit(root / "1", ("params", "chunk_0000"))
