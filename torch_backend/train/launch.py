@@ -96,8 +96,11 @@ def launch(entrypoint: Callable[..., Any], args: tuple, nproc: int, *, monitor_i
 
     from chunkzero.workers import launch_env
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, once
+    # we report failures and stops ourselves, once; elastic's modules set their own loggers' levels (its
+    # get_logger), so each is quietened, not only their parent
+    quiet = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    for name in [*quiet, *(n for n in logging.root.manager.loggerDict if n.startswith(quiet))]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # A worker killed by a signal leaves its multiprocessing semaphore to the resource tracker, which
     # would warn about it at exit; the failure is already reported above.
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
