@@ -534,17 +534,37 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+class _EarlyRecords(logging.Handler):
+    """What rank 0 logs before ``--out`` may be written (the data, the model, what a resume loaded): kept, and
+    written into ``train.log`` when it opens (:func:`setup_logging`)."""
+
+    def __init__(self, records: list[logging.LogRecord] | None = None):
+        super().__init__()
+        self.records = records if records is not None else []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def setup_logging(rank: int, out: Path | None) -> None:
+    """This process's log: rank 0's INFO lines on the console (through the progress bar), other ranks'
+    warnings prefixed with their rank; with ``out`` (rank 0, once ``--out`` may be written), also
+    ``out/train.log``, which starts with what rank 0 logged before (``None``: kept until then)."""
     root = logging.getLogger()
+    early = next((h.records for h in root.handlers if isinstance(h, _EarlyRecords)), [])
     for h in list(root.handlers):
         root.removeHandler(h)
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(message)s"))
     root.addHandler(handler)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if rank == 0 and out is None:
+        root.addHandler(_EarlyRecords(early))
     if rank == 0 and out is not None:
         fh = logging.FileHandler(out / "train.log")
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        for record in early:
+            fh.handle(record)
         root.addHandler(fh)
     for name in ("torch.distributed", "torch.distributed.elastic"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -230,3 +230,34 @@ def test_a_validation_set_larger_than_the_held_out_split_is_warned_of(caplog):
     text = warning.getMessage()
     assert "--eval-batches 100000 asks for 800,000 validation sequences of 32 tokens" in text, text
     assert "the 2,384 distinct ones of the held-out split (2,416 tokens)" in text and "--eval-batches 298" in text
+
+
+def test_train_log_starts_with_what_rank_0_logged_before_out_opened(tmp_path):
+    """What rank 0 logs before ``--out`` may be written (the data line, what a resume loaded: a torch resume's
+    "resumed from step N" came before it) is in ``train.log`` once it opens, in order; other ranks keep none."""
+    import logging
+
+    from chunkzero.job.report import setup_logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    log = logging.getLogger("chunkzero.train")
+    try:
+        setup_logging(1, None)
+        log.warning("rank 1's, never in train.log")
+        setup_logging(0, None)
+        log.info("resumed from step 4")
+        setup_logging(0, tmp_path)
+        log.info("step 5")
+        for h in root.handlers:
+            h.flush()
+        lines = (tmp_path / "train.log").read_text().splitlines()
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+            if h not in saved[0]:
+                h.close()
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
+    assert [line.split(": ", 1)[1] for line in lines] == ["resumed from step 4", "step 5"], lines
