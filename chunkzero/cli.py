@@ -194,7 +194,9 @@ examples:
   chunkzero plan --model gpt2 --nproc 2 --batch-size 4 --seq-len 256 --json   # the same as JSON
   chunkzero plan --model gpt2-medium --device cuda --nproc 8 --batch-size 64 --seq-len 1024 --fit --memory 80GiB
 
-The options are chunkzero train's (the data options are not used). Activations come from one micro-batch's
+The options are chunkzero train's, so a train command line can be planned as it is; those a plan does not
+use are accepted and not checked: the data options, --out, --resume and the run's reporting. --nproc is
+the world size to plan for, on any number of nodes. Activations come from one micro-batch's
 forward and backward of the real model on fake tensors (torch FakeTensorMode: no memory allocated).
 --fit searches the batch (with gradient accumulation, the tokens per step kept), activation checkpointing,
 the offload fractions (GPU) and more ranks for the fastest predicted step whose peak per rank fits --memory.
