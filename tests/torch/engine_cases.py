@@ -5,7 +5,9 @@ The oracle: on an unwrapped copy of the module, a torch-function mode records wh
 torch call uses in forward and saved-tensor hooks record which parameters each unpack needs in
 backward, interleaved with the leaf modules' forward and backward hook events. A chunk is *in use*
 at an event if one of its tensors was used before it and one is used after it in the same pass
-(forward, or backward). At every event a correct engine holds at most the chunks in use there plus
+(forward, or backward); in forward also at the event just before its first use (the pre-hook of the
+module that first reads it: a unit gathers its chunk there, Note [recorded units] in
+``torch_backend/zero/runtime.py``). At every event a correct engine holds at most the chunks in use there plus
 ``prefetch``; an engine that never releases holds every chunk it ever gathered.
 """
 
@@ -127,9 +129,10 @@ def in_use_bounds(trace: list, chunk_of: dict[str, int]) -> list[int]:
                 c = chunk_of[what]
                 first.setdefault(c, i)
                 last[c] = i
+        early = 1 if lo == 0 else 0  # forward: from the event before the first use (a unit's pre-hook)
         for i, (kind, _) in enumerate(part):
             if kind != "use":
-                bounds.append(sum(1 for c in first if first[c] < i < last[c]))
+                bounds.append(sum(1 for c in first if first[c] - early <= i < last[c]))
     return bounds
 
 

@@ -29,10 +29,11 @@ no chunk state of its own.
   hook on the forward's outputs, so it belongs to the outermost backward) ends the backward:
   agreement on unused parameters, the remaining reductions, releases, placeholders.
 
-Hook code runs with :attr:`ChunkRuntime.in_engine` set, so the torch calls it makes on chunk buffers
-bypass the access mode. After a backward each parameter that received a gradient holds a
-:class:`ShardedGradPlaceholder` in ``.grad``: the gradient lives in the chunk shards, so a plain torch
-optimizer or ``clip_grad_norm_`` over ``model.parameters()`` raises instead of doing nothing.
+Hook code runs under ``no_torch_function()``, so the torch calls it makes on chunk buffers (and the
+collectives it issues) skip the access mode, without a Python frame each. After a backward each
+parameter that received a gradient holds a :class:`ShardedGradPlaceholder` in ``.grad``: the gradient
+lives in the chunk shards, so a plain torch optimizer or ``clip_grad_norm_`` over ``model.parameters()``
+raises instead of doing nothing.
 """
 
 from __future__ import annotations
@@ -123,8 +124,6 @@ class ParamAccessMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         runtime = self.runtime
-        if runtime.in_engine:  # the engine's own tensor work inside a hook: nothing to gather
-            return func(*args, **kwargs)
         lookup = runtime.entries_by_id
         found = None
         views = None
@@ -145,6 +144,8 @@ class ParamAccessMode(TorchFunctionMode):
         if _func_name(func) in _METADATA_ONLY:
             return func(*args, **kwargs)
         for c in views or ():
+            if runtime._recording:
+                runtime._touch(c.index)
             runtime.use_chunk(c)  # a view of a released chunk (e.g. ``w.t()`` taken earlier in this forward)
         if found is None:
             return func(*args, **kwargs)
@@ -211,22 +212,37 @@ class ChunkRuntime:
         self.hook_handles = [
             e.param.register_post_accumulate_grad_hook(self._make_post_grad_hook(e)) for e in self.trainable
         ]
-        # torch.compile'd submodules run as one unit: their chunks are gathered before the call and the
-        # access mode is suspended inside it (the compiled graph sees plain, gathered parameters)
-        self._compiled: dict[int, list[Entry]] = {}
+        # Submodules run as one unit: their chunks gathered before the call, the access mode off inside
+        # it. torch.compile'd ones from the start (the compiled graph sees plain, gathered parameters);
+        # others once a recorded forward shows they use one chunk only (Note [recorded units]).
+        self._units: dict[int, list[Entry]] = {}
         inside: set[int] = set()
         for sub in module.modules():
             if compiled_original(sub) is not None and id(sub) not in inside:
-                self._compiled[id(sub)] = [
-                    self.entries_by_id[id(p)] for p in sub.parameters() if id(p) in self.entries_by_id
-                ]
+                self._units[id(sub)] = self._entries_of(sub)
                 inside |= {id(m) for m in compiled_original(sub).modules()}
+        self._sharded = [c for c in chunks if not c.resident]
+        self._unit_candidates: dict[int, tuple[int, list[Entry]]] = {}
+        """Submodules whose parameters all lie in one chunk: ``id -> (chunk index, entries)``, until a
+        forward has been recorded (Note [recorded units])."""
+        self._parent: dict[int, int] = {}
+        if self._sharded:
+            for sub in module.modules():
+                for child in sub.children():
+                    self._parent.setdefault(id(child), id(sub))
+                own = self._entries_of(sub)
+                if (sub is not module and own and len({e.chunk.index for e in own}) == 1
+                        and not any(id(m) in inside for m in sub.modules())):
+                    self._unit_candidates[id(sub)] = (own[0].chunk.index, own)
+        self._recording: list[tuple[int, int]] | None = None
+        """While a forward is recorded: the candidates running now, ``(id, chunk index)``, outermost first."""
+        self._called: set[int] = set()
+        self._touched_other: set[int] = set()
         for sub in module.modules():
             if id(sub) not in inside:
                 self.hook_handles.append(sub.register_forward_pre_hook(self._submodule_pre_hook))
                 self.hook_handles.append(sub.register_forward_hook(self._submodule_post_hook, always_call=True))
         self._suspended: list[tuple[nn.Module, Any]] = []
-        self._sharded = [c for c in chunks if not c.resident]
         self._may_suspend = False
         """In this forward, the access mode may come off once every sharded chunk is gathered
         (Note [suspended access mode])."""
@@ -234,7 +250,6 @@ class ChunkRuntime:
         """The forward's access mode while it is off the stack (Note [suspended access mode])."""
         self._release_later: list[tuple[Chunk, Any]] = []
         self.sync = True
-        self.in_engine = False
         self._phase: Phase | None = None
         self._mode_stack: list[tuple[nn.Module, ParamAccessMode]] = []
         self._release_in_forward = True
@@ -251,6 +266,9 @@ class ChunkRuntime:
         """Backward passes finished so far."""
         self.grad_received = torch.zeros(len(layout.tensors), dtype=torch.bool)
         """Per layout tensor: whether it received a gradient on some rank since the last ``zero_grad``."""
+
+    def _entries_of(self, sub: nn.Module) -> list[Entry]:
+        return [self.entries_by_id[id(p)] for p in sub.parameters() if id(p) in self.entries_by_id]
 
     @contextlib.contextmanager
     def syncing(self, enabled: bool):
@@ -295,6 +313,8 @@ class ChunkRuntime:
             grad_enabled and self.sched.policy is None
             and (not self._release_in_forward or all(c.index in self._keep_for_backward for c in self._sharded)))
         self._fwd_used = {}
+        if self._unit_candidates and not self._may_suspend:
+            self._recording, self._called, self._touched_other = [], set(), set()
         self._phase = FORWARD
         self.sched.start(FORWARD)
         backward_next = False
@@ -307,8 +327,11 @@ class ChunkRuntime:
                 else:
                     out = self.module(*args, **kwargs)
             backward_next = grad_enabled
+            if self._recording is not None:
+                self._decide_units()
         finally:
             # a forward that raised has no backward: nothing is gathered ahead for it, nothing kept
+            self._recording = None
             self._phase = None
             self._fwd_used = {}
             self.sched.end(FORWARD, prefetch_next=BACKWARD if backward_next else None, sync=self.sync)
@@ -333,6 +356,32 @@ class ChunkRuntime:
                     self._resume_mode()
         finally:
             self._mode_stack.pop()
+
+    # Note [recorded units]. Most of the access mode's calls are on activations, inside modules that
+    # read their own parameters only. A submodule whose parameters all lie in one chunk, and whose
+    # calls in a recorded forward (the first one that keeps the mode on throughout) read tensors of
+    # that chunk only, becomes a unit, as a compiled submodule is: its chunk is gathered and held
+    # before the call, the mode is off inside it, and its tensors count as used when it returns. The
+    # outermost such submodules are chosen (with one chunk per block: the blocks). A chunk gathers at
+    # the same points as under the mode: the unit's first call reads its chunk. What a unit would
+    # miss is a read of another chunk's parameter that the recorded forward did not make (a branch
+    # taken later): a released parameter reads NaN there (``chunks._released_placeholder``).
+    def _touch(self, chunk_index: int) -> None:
+        """Recording: a running candidate that reads another chunk's tensor cannot be a unit."""
+        for module_id, own in self._recording:
+            if own != chunk_index:
+                self._touched_other.add(module_id)
+
+    def _decide_units(self) -> None:
+        """After the recorded forward: the outermost candidates it called that read their chunk only."""
+        chosen = self._called - self._touched_other
+        for module_id in chosen:
+            up = self._parent.get(module_id)
+            while up is not None and up not in chosen:
+                up = self._parent.get(up)
+            if up is None:
+                self._units[module_id] = self._unit_candidates[module_id][1]
+        self._unit_candidates = {}
 
     # Note [suspended access mode]. The access mode exists to gather a chunk before a torch call reads
     # its parameters and to release it after; each intercepted call costs Python work, and a step
@@ -407,6 +456,9 @@ class ChunkRuntime:
         chunks gathered, the tensors in COMPUTE during the call (the access mode calls it)."""
         if len(entries) > 1:
             entries = list({id(e): e for e in entries}.values())
+        if self._recording:
+            for e in entries:
+                self._touch(e.chunk.index)
         for e in entries:
             if not e.chunk.resident:
                 self.use_chunk(e.chunk)
@@ -438,10 +490,14 @@ class ChunkRuntime:
     def _submodule_pre_hook(self, module, args):  # noqa: ARG002 - torch's forward pre-hook signature
         if self._may_suspend:
             self._try_suspend()
-        if self._mode_stack and id(module) not in self._compiled:  # inside forward, a plain submodule: nothing
+        if self._recording is not None:
+            candidate = self._unit_candidates.get(id(module))
+            if candidate is not None:
+                self._recording.append((id(module), candidate[0]))
+                self._called.add(id(module))
+        if self._mode_stack and id(module) not in self._units:  # inside forward, a plain submodule: nothing
             return
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
+        with no_torch_function():  # the engine's own torch calls skip the access mode
             if not self._mode_stack:  # not inside ZeroDDP.forward, nor already intercepting
                 if current_autograd_node() is not None:
                     # called while the autograd engine runs a node: a recomputation (activation checkpointing)
@@ -458,28 +514,34 @@ class ChunkRuntime:
                 mode = ParamAccessMode(self)
                 mode.__enter__()
                 self._mode_stack.append((module, mode))
-            entries = self._compiled.get(id(module))
+            entries = self._units.get(id(module))
             if entries is not None:
-                for c in sorted({e.chunk.index for e in entries}):
+                held = sorted({e.chunk.index for e in entries})
+                for c in held:
                     self.use_chunk(self.chunks[c])
                 if self._forward_mode_off is None and torch_function_mode_depth():
                     top = pop_torch_function_mode()
                     if isinstance(top, ParamAccessMode):
+                        for c in held:
+                            self.chunks[c].finish_gather()
+                            self.chunks[c].hold()  # nothing releases it while the mode is off
                         self._suspended.append((module, top))
                     else:  # another mode above ours: leave the stack as it is
                         push_torch_function_mode(top)
-        finally:
-            self.in_engine = prev
 
     def _submodule_post_hook(self, module, args, output):  # noqa: ARG002 - torch's forward hook signature
+        if self._recording and self._recording[-1][0] == id(module):
+            self._recording.pop()
         if not self._suspended and (not self._mode_stack or self._mode_stack[-1][0] is not module):
             return  # (the common case, inside forward: nothing to put back or end)
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
+        with no_torch_function():  # the engine's own torch calls skip the access mode
             if self._suspended and self._suspended[-1][0] is module:
                 push_torch_function_mode(self._suspended.pop()[1])
+                entries = self._units[id(module)]
+                for c in {e.chunk.index for e in entries}:
+                    self.chunks[c].unhold()
                 if self._phase is FORWARD:
-                    for e in self._compiled[id(module)]:
+                    for e in entries:
                         self._after_use(e)
             if not self._mode_stack or self._mode_stack[-1][0] is not module:
                 return
@@ -490,13 +552,10 @@ class ChunkRuntime:
                 self.sched.end(OUTSIDE)
                 for c in self.chunks:
                     c.rest(release=True)
-        finally:
-            self.in_engine = prev
 
     # ================================================================== backward
     def _pack(self, t):
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
+        with no_torch_function():  # the engine's own torch calls skip the access mode
             e = self.entries_by_id.get(id(t))
             if e is not None and e.param is t:
                 return SavedParam(self, e) if not e.chunk.resident else t
@@ -510,12 +569,9 @@ class ChunkRuntime:
                     return counter.hold(t)
                 self.saved_activations = None  # its traced step is over
             return t
-        finally:
-            self.in_engine = prev
 
     def _unpack(self, x):
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
+        with no_torch_function():  # the engine's own torch calls skip the access mode
             if type(x) is SavedParam:
                 if self._phase is not BACKWARD:
                     self._begin_backward()
@@ -529,8 +585,6 @@ class ChunkRuntime:
                 self._unpacked(x.chunk)
                 return x.tensor
             return x if isinstance(x, torch.Tensor) else x.tensor  # an activation a placement trace counts
-        finally:
-            self.in_engine = prev
 
     def _unpacked(self, c: Chunk) -> None:
         if self._release_later:
@@ -546,8 +600,7 @@ class ChunkRuntime:
         after the node ran — except inside a custom ``autograd.Function``'s backward, which may free
         them before it computes with them (compiled graphs do): then once that node has finished.
         """
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
+        with no_torch_function():  # the engine's own torch calls skip the access mode
             c.drop_saved_ref(name)
             if self._phase is not BACKWARD or c.has_saved_refs or c.pin_reason is not None:
                 return
@@ -557,16 +610,12 @@ class ChunkRuntime:
                     node.register_hook(lambda *_, n=node: self._flush_releases(finished=n))
                 self._release_later.append((c, node))
             else:
-                with no_torch_function():
-                    c.release_if_idle()
-        finally:
-            self.in_engine = prev
+                c.release_if_idle()
 
     def _flush_releases(self, finished=None) -> None:
         """Release the chunks whose last reference a custom function's backward freed, once it ran
         (``finished``: the node whose post-hook calls this)."""
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
+        with no_torch_function():  # the engine's own torch calls skip the access mode
             if not self._release_later:
                 return
             node = current_autograd_node()
@@ -577,17 +626,12 @@ class ChunkRuntime:
                 elif not c.has_saved_refs and c.pin_reason is None:
                     c.release_if_idle()
             self._release_later = keep
-        finally:
-            self.in_engine = prev
 
     def _output_grad_hook(self, grad):
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
+        with no_torch_function():  # the engine's own torch calls skip the access mode
             if self._phase is not BACKWARD:
                 self._begin_backward()
             return grad
-        finally:
-            self.in_engine = prev
 
     def _begin_backward(self) -> None:
         if self._phase is BACKWARD:
@@ -605,26 +649,22 @@ class ChunkRuntime:
         return functools.partial(self._on_grad, e)
 
     def _on_grad(self, e: Entry, param) -> None:
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
-            with no_torch_function():  # (and no Python frame per torch call: the mode is on in backward)
-                if self._phase is not BACKWARD:
-                    self._begin_backward()
-                if self._release_later:
-                    self._flush_releases()
-                c = e.chunk
-                grad = param.grad
-                if not c.gradient.landed(e.name, grad):  # else added in place (Note [gradients in the buffer])
-                    param.grad = None
-                    c.gradient.add(e.name, grad)
-                self._bwd_grads.add(e.index)
-                if c.grad_ready(e.name):
-                    if self.sync:
-                        self.sched.mark_ready(c)
-                    if c.pin_reason in (None, Pin.RECOMPUTE) and not c.has_saved_refs:
-                        c.release_if_idle()
-        finally:
-            self.in_engine = prev
+        with no_torch_function():  # the engine's own torch calls skip the access mode
+            if self._phase is not BACKWARD:
+                self._begin_backward()
+            if self._release_later:
+                self._flush_releases()
+            c = e.chunk
+            grad = param.grad
+            if not c.gradient.landed(e.name, grad):  # else added in place (Note [gradients in the buffer])
+                param.grad = None
+                c.gradient.add(e.name, grad)
+            self._bwd_grads.add(e.index)
+            if c.grad_ready(e.name):
+                if self.sync:
+                    self.sched.mark_ready(c)
+                if c.pin_reason in (None, Pin.RECOMPUTE) and not c.has_saved_refs:
+                    c.release_if_idle()
 
     def finish_aborted_backward(self) -> None:
         """End a backward that raised inside the autograd engine, which then drops the callbacks
@@ -641,47 +681,43 @@ class ChunkRuntime:
         left, release, reset states. Never raises (an error is kept for :meth:`raise_pending_error`).
         ``aborted``: the backward raised (:meth:`finish_aborted_backward`): no reduction, no error
         kept, not counted in :attr:`backward_passes`."""
-        prev, self.in_engine = self.in_engine, True  # torch calls on chunk buffers bypass the access mode
-        try:
-            with no_torch_function():
-                self._finalize_queued = False
-                error = None
-                try:
-                    used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
-                    if self._bwd_grads:
-                        used[sorted(self._bwd_grads)] = 1
-                    received = self.sched.end(BACKWARD, used, sync=self.sync) > 0
-                    if aborted:
+        with no_torch_function():  # the engine's own torch calls skip the access mode
+            self._finalize_queued = False
+            error = None
+            try:
+                used = torch.zeros(len(self.layout.tensors), dtype=torch.int32)
+                if self._bwd_grads:
+                    used[sorted(self._bwd_grads)] = 1
+                received = self.sched.end(BACKWARD, used, sync=self.sync) > 0
+                if aborted:
+                    self._discard_grad_buffers()
+                    return
+                self.backward_passes += 1
+                trainable = self.trainable
+                got = received.tolist()
+                if any(got[e.index] for e in trainable):
+                    unused = [e for e in trainable if not got[e.index]]
+                    if unused and not self.find_unused_parameters:
+                        error = _unused_parameter_error(unused)
                         self._discard_grad_buffers()
-                        return
-                    self.backward_passes += 1
-                    trainable = self.trainable
-                    got = received.tolist()
-                    if any(got[e.index] for e in trainable):
-                        unused = [e for e in trainable if not got[e.index]]
-                        if unused and not self.find_unused_parameters:
-                            error = _unused_parameter_error(unused)
-                            self._discard_grad_buffers()
-                        else:
-                            self.grad_received |= received.to(torch.bool)
-                            if self.sync:
-                                self.sched.final_reduce()
-                except Exception as e:  # noqa: BLE001 - kept and raised outside the autograd engine
-                    error = e
-                finally:
-                    self._phase = None
-                    self._bwd_grads = set()
-                    self._release_later = []
-                    for c in self.chunks:
-                        c.end_backward()
-                        c.rest(release=True)
-                        if c.gradient is not None:
-                            c.gradient.take_views()
-                    self._placeholders.set(self.grad_received)
-                if error is not None:
-                    self._pending_error = error
-        finally:
-            self.in_engine = prev
+                    else:
+                        self.grad_received |= received.to(torch.bool)
+                        if self.sync:
+                            self.sched.final_reduce()
+            except Exception as e:  # noqa: BLE001 - kept and raised outside the autograd engine
+                error = e
+            finally:
+                self._phase = None
+                self._bwd_grads = set()
+                self._release_later = []
+                for c in self.chunks:
+                    c.end_backward()
+                    c.rest(release=True)
+                    if c.gradient is not None:
+                        c.gradient.take_views()
+                self._placeholders.set(self.grad_received)
+            if error is not None:
+                self._pending_error = error
 
     def _discard_grad_buffers(self) -> None:
         """Drop the gradients not yet reduced (their chunks are no longer waiting to be reduced)."""

@@ -1,0 +1,161 @@
+"""Note [recorded units] (``torch_backend/zero/runtime.py``): a submodule whose parameters lie in one
+chunk, and whose recorded forward read tensors of that chunk only, runs as a unit from then on: its
+chunk gathered and held before the call, the access mode off inside it. One rank with the
+parameters offloaded has sharded chunks (gathered on use, released after), as at W >= 2.
+
+The mutants these tests catch: never making units (the mode stays on inside the blocks), making a
+unit of a module that reads another chunk (that chunk is released there: its parameter reads NaN, the
+losses differ), and not holding a unit's chunk (a release inside it frees what the rest reads)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from torch_backend import ZeroDDP, ZeroOptimizer
+from torch_backend.zero.runtime import ChunkRuntime, ParamAccessMode
+
+
+def _mode_on() -> bool:
+    return any(isinstance(m, ParamAccessMode) for m in torch.overrides._get_current_function_mode_stack())
+
+
+class _Block(nn.Module):
+    """One ``Linear(8, 8)`` (72 elements: one chunk at ``chunk_size=72``) and a probe of the access mode;
+    with ``reads``, it also reads that other linear's weight (not a submodule of it), with no gradient:
+    its backward needs no saved parameter, so that chunk is not kept for the backward either."""
+
+    def __init__(self, reads: nn.Linear | None = None):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        object.__setattr__(self, "reads", reads)
+        self.mode_on: list[bool] = []
+        self.during = None
+
+    def forward(self, h):
+        self.mode_on.append(_mode_on())
+        if self.during is not None:
+            self.during()
+        h = self.lin(h).relu()
+        if self.reads is not None:
+            h = h + self.reads.weight.mean().detach()
+        return h
+
+
+class _Net(nn.Module):
+    """Three blocks in three chunks; with ``cross``, the last block reads the first block's weight."""
+
+    def __init__(self, cross: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = _Block()
+        self.b = _Block()
+        self.c = _Block(reads=self.a.lin if cross else None)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def _inputs(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 8, generator=g) for _ in range(steps)]
+
+
+def _reference(net: nn.Module, xs: list[torch.Tensor]) -> list[float]:
+    ref = copy.deepcopy(net)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    losses = []
+    for x in xs:
+        loss = ref(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _zero(net: nn.Module, xs: list[torch.Tensor]) -> tuple[ZeroDDP, list[float]]:
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
+    assert len(model._runtime._sharded) == 3
+    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    losses = []
+    for x in xs:
+        loss = model(x).square().mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, losses
+
+
+def test_blocks_that_read_their_own_chunk_become_units_and_stay_exact():
+    """After the recorded first forward each block is a unit: the mode is off inside it; the losses
+    equal plain torch's exactly."""
+    net, xs = _Net(), _inputs(4)
+    want = _reference(net, xs)
+    model, losses = _zero(net, xs)
+    assert losses == want
+    for block in (net.a, net.b, net.c):
+        assert block.mode_on == [True, False, False, False], block.mode_on
+    assert set(model._runtime._units) == {id(net.a), id(net.b), id(net.c)}  # the outermost: not the linears
+
+
+def test_a_block_that_reads_another_chunk_stays_under_the_mode(monkeypatch):
+    """The last block reads the first block's weight, whose chunk is released by then: it stays under
+    the mode, which gathers that chunk again, and the losses equal plain torch's. Made a unit anyway
+    (the recording blinded), it reads the released weight's NaN."""
+    net, xs = _Net(cross=True), _inputs(4)
+    want = _reference(net, xs)
+    _, losses = _zero(net, xs)
+    assert losses == want
+    assert net.c.mode_on == [True] * 4
+    assert net.a.mode_on == [True, False, False, False]
+
+    monkeypatch.setattr(ChunkRuntime, "_touch", lambda self, chunk_index: None)
+    _, blind = _zero(_Net(cross=True), xs)
+    assert blind[0] == want[0] and any(v != v for v in blind[1:]), blind  # the recorded forward, then NaN
+
+
+def test_a_units_chunk_is_held_while_it_runs():
+    """A release asked for inside a unit (as a nested backward's end would) frees nothing: the rest of
+    the block reads its gathered weight."""
+    net, xs = _Net(), _inputs(3)
+    want = _reference(net, xs)
+    freed = []
+    holder: list[ZeroDDP] = []
+    net.b.during = lambda: freed.append(holder[0].chunks[1].release()) if holder else None
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
+    holder.append(model)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    losses = []
+    for x in xs:
+        loss = model(x).square().mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses == want
+    assert freed[1:] == [False, False], freed  # (the first forward is recorded under the mode)
+    assert not any(c._held for c in model.chunks)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["train", "no_grad"])
+def test_the_first_forward_that_raises_decides_nothing(grad):
+    """A forward that raises is not a recording: no unit is chosen from it, and the next forward records."""
+    net, xs = _Net(), _inputs(2)
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
+
+    def fail():
+        raise RuntimeError("boom")
+
+    net.c.during = fail
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="boom"):
+        model(xs[0])
+    assert model._runtime._units == {}
+    net.c.during = None
+    with torch.set_grad_enabled(grad):
+        model(xs[1])
+    assert set(model._runtime._units) == {id(net.a), id(net.b), id(net.c)}
