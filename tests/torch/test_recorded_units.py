@@ -159,3 +159,43 @@ def test_the_first_forward_that_raises_decides_nothing(grad):
     with torch.set_grad_enabled(grad):
         model(xs[1])
     assert set(model._runtime._units) == {id(net.a), id(net.b), id(net.c)}
+
+
+class _HandsOutAlias(nn.Module):
+    """A linear that also returns its weight detached (an alias of its chunk's buffer, no ``_base``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, h):
+        return self.lin(h), self.lin.weight.detach()
+
+
+class _AliasNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = _HandsOutAlias(), _Block()
+
+    def forward(self, x):
+        h, alias = self.a(x)
+        return self.b(h) * alias.mean()  # read after `a` returned and `b` ran
+
+
+def test_a_module_that_hands_out_a_detached_parameter_is_no_unit():
+    """Its alias outlives the call, so its chunk must stay gathered to the forward's end, which a unit's
+    release at its return would not do (the alias would read freed memory); it stays under the mode."""
+    net, xs = _AliasNet(), _inputs(3)
+    want = _reference(net, xs)
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    losses = []
+    for x in xs:
+        loss = model(x).square().mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses == want
+    assert id(net.a) not in model._runtime._units and id(net.b) in model._runtime._units

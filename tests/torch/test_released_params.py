@@ -108,3 +108,45 @@ def worker_released_reads(rank: int, world: int) -> bool:
 def test_released_parameter_reads_at_two_ranks():
     """The user's case: W=2 (gloo), one step, then ``net[0].weight.sum()`` and ``net.state_dict()``."""
     assert run_distributed(worker_released_reads, 2, timeout=300) == [True, True]
+
+
+class _DetachedReader(nn.Module):
+    """Three linears in three chunks (``chunk_size=72``, offloaded: one rank has sharded chunks). After
+    ``a`` has run and its chunk is released, the last step detaches ``a.weight`` (an alias of the
+    gathered buffer with no ``_base``), runs ``a`` again, whose use completes the chunk's uses, and
+    only then reads the detached alias."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.c(self.b(self.a(x).relu()).relu())
+        alias = self.a.weight.detach()
+        h = self.a(h)
+        return h * alias.mean()
+
+
+def test_a_detached_parameter_stays_readable_to_the_end_of_the_forward():
+    """A chunk whose parameter was detached in this forward is not released before the forward ends:
+    the alias reads the gathered values (released, it would read freed memory: a crash or garbage), and
+    training equals plain torch's."""
+    net = _DetachedReader()
+    ref = copy.deepcopy(net)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
+    assert len(model._runtime._sharded) == 3
+    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        want = ref(x).square().mean()
+        want.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        got = model(x).square().mean()
+        opt.backward(got)
+        opt.step()
+        opt.zero_grad()
+        assert got.item() == want.item()

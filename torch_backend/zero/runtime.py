@@ -106,6 +106,12 @@ _METADATA_ONLY = frozenset({
 })
 
 
+# Calls whose result aliases the parameter's storage without being a view of it (no ``_base``): the
+# mode cannot see the alias used later, so in forward the chunk is not released before the forward
+# ends (released, the alias would read freed memory).
+_ALIASING = frozenset({"detach", "data"})
+
+
 def _func_name(func) -> str | None:
     name = getattr(func, "__name__", None)
     if name == "__get__":
@@ -255,6 +261,8 @@ class ChunkRuntime:
         self._release_in_forward = True
         self._keep_for_backward: set[int] = set()
         self._fwd_used: dict[int, set[str]] = {}
+        self._aliased: set[int] = set()
+        """Chunks a parameter of which was detached in this forward (kept gathered to its end)."""
         self._bwd_grads: set[int] = set()
         self._finalize_queued = False
         self._pending_error: Exception | None = None
@@ -313,6 +321,7 @@ class ChunkRuntime:
             grad_enabled and self.sched.policy is None
             and (not self._release_in_forward or all(c.index in self._keep_for_backward for c in self._sharded)))
         self._fwd_used = {}
+        self._aliased = set()
         if self._unit_candidates and not self._may_suspend:
             self._recording, self._called, self._touched_other = [], set(), set()
         self._phase = FORWARD
@@ -360,12 +369,13 @@ class ChunkRuntime:
     # Note [recorded units]. Most of the access mode's calls are on activations, inside modules that
     # read their own parameters only. A submodule whose parameters all lie in one chunk, and whose
     # calls in a recorded forward (the first one that keeps the mode on throughout) read tensors of
-    # that chunk only, becomes a unit, as a compiled submodule is: its chunk is gathered and held
-    # before the call, the mode is off inside it, and its tensors count as used when it returns. The
-    # outermost such submodules are chosen (with one chunk per block: the blocks). A chunk gathers at
-    # the same points as under the mode: the unit's first call reads its chunk. What a unit would
-    # miss is a read of another chunk's parameter that the recorded forward did not make (a branch
-    # taken later): a released parameter reads NaN there (``chunks._released_placeholder``).
+    # that chunk only and detach none of them (an alias may outlive the call), becomes a unit, as a
+    # compiled submodule is: its chunk is gathered and held before the call, the mode is off inside
+    # it, and its tensors count as used when it returns. The outermost such submodules are chosen
+    # (with one chunk per block: the blocks). A chunk gathers at the same points as under the mode:
+    # the unit's first call reads its chunk. What a unit would miss is a read of another chunk's
+    # parameter that the recorded forward did not make (a branch taken later): a released parameter
+    # reads NaN there (``chunks._released_placeholder``).
     def _touch(self, chunk_index: int) -> None:
         """Recording: a running candidate that reads another chunk's tensor cannot be a unit."""
         for module_id, own in self._recording:
@@ -456,9 +466,11 @@ class ChunkRuntime:
         chunks gathered, the tensors in COMPUTE during the call (the access mode calls it)."""
         if len(entries) > 1:
             entries = list({id(e): e for e in entries}.values())
+        forward = self._phase is FORWARD
+        aliasing = forward and _func_name(func) in _ALIASING
         if self._recording:
             for e in entries:
-                self._touch(e.chunk.index)
+                self._touch(-1 if aliasing else e.chunk.index)  # an alias may outlive a unit's end: no unit
         for e in entries:
             if not e.chunk.resident:
                 self.use_chunk(e.chunk)
@@ -466,10 +478,11 @@ class ChunkRuntime:
         try:
             return func(*args, **kwargs)
         finally:
-            forward = self._phase is FORWARD
             for e in entries:
                 e.chunk.done_using(e.name)
-                if forward:
+                if aliasing:
+                    self._aliased.add(e.chunk.index)
+                elif forward:
                     self._after_use(e)
 
     def _after_use(self, e: Entry) -> None:
@@ -477,7 +490,7 @@ class ChunkRuntime:
         c = e.chunk
         used = self._fwd_used.setdefault(c.index, set())
         used.add(e.name)
-        if self._release_in_forward and len(used) == len(c.tensors) and c.idle:
+        if self._release_in_forward and len(used) == len(c.tensors) and c.idle and c.index not in self._aliased:
             if self._keep_for_backward and c.index in self._keep_for_backward and self.sched.last_use(FORWARD, c.index):
                 return  # the backward starts with it (a tied output head): keep it rather than gather it again
             if self.sched.used_next(FORWARD, c.index):  # the recorded order uses it again next: keep it gathered
