@@ -158,6 +158,7 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
 
     out = Path(cfg.out).resolve()  # the real folder, whatever the working directory
     log.info("chunkzero train: %d %s worker(s), output in %s", cfg.nproc, cfg.device, out)
+    from chunkzero.run_dir import stopped_run_checkpoints
     from chunkzero.workers import Stopped, signals_raise_stopped, stopped_message
 
     try:
@@ -166,15 +167,15 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
     except launcher.WorkerFailure as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    except Stopped as e:
-        print(f"\n{prog}: {e}", file=sys.stderr)  # on a line of its own, after a progress bar
+    except Stopped as e:  # on a line of its own, after a progress bar
+        print(f"\n{prog}: {stopped_message(e.signum, stopped_run_checkpoints(out))}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # torch's SignalException: its agent stopped the workers on a signal
         if type(e).__name__ == "SignalException":
-            print(f"\n{prog}: {stopped_message(int(e.sigval))}", file=sys.stderr)
+            print(f"\n{prog}: {stopped_message(int(e.sigval), stopped_run_checkpoints(out))}", file=sys.stderr)
             return 128 + int(e.sigval)
         raise
     code, message = _outcome(list(results.values()))

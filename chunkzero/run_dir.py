@@ -45,6 +45,16 @@ def checkpoint_root(path: str | os.PathLike) -> Path:
     return inner if not list_steps(path) and inner.is_dir() else path
 
 
+def stopped_run_checkpoints(out: str | os.PathLike) -> str:
+    """What a run at ``out`` stopped by a signal has saved, for :func:`chunkzero.workers.stopped_message`:
+    its latest committed step and where it is, or that there is none yet."""
+    root = Path(out) / CHECKPOINT_DIR
+    steps = list_steps(root)
+    if not steps:
+        return "no checkpoint was saved yet"
+    return f"the latest checkpoint, step {steps[-1]}, is in {root}; --resume {out} continues from it"
+
+
 def fresh_run_dir(root: Path) -> Path:
     """``root/<YYYYmmdd-HHMMSS>`` (with ``-2``, ``-3`` … appended while that exists); not created."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -138,9 +138,10 @@ def signal_name(signum: int) -> str:
     return name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
 
 
-def stopped_message(signum: int) -> str:
-    """The one line a launcher stopped by ``signum`` prints after its workers are stopped (both engines)."""
-    return f"stopped by {signal_name(signum)}; every worker was stopped (checkpoints saved before are intact)"
+def stopped_message(signum: int, checkpoints: str | None = None) -> str:
+    """The one line a launcher stopped by ``signum`` prints after its workers are stopped (both engines);
+    ``checkpoints`` says what the run has saved (:func:`chunkzero.run_dir.stopped_run_checkpoints`)."""
+    return f"stopped by {signal_name(signum)}; every worker was stopped" + (f" ({checkpoints})" if checkpoints else "")
 
 
 class Stopped(BaseException):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from chunkzero.errors import ChunkZeroError
 from chunkzero.host_memory import huge_page_malloc_env
+from chunkzero.run_dir import stopped_run_checkpoints
 from chunkzero.train_config import TrainConfig
 from chunkzero.workers import (
     COORDINATOR_ENV,
@@ -27,6 +28,7 @@ from chunkzero.workers import (
     Stopped,
     WorkerFailure,
     launch_processes,
+    stopped_message,
     threads_per_worker,
 )
 
@@ -101,7 +103,7 @@ def main(cfg: TrainConfig) -> int:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return EXIT_FAILED
         except Stopped as e:  # the workers are stopped; the temp directory goes with this block
-            print(f"\n{PROG}: {e}", file=sys.stderr)  # on a line of its own, after a progress bar
+            print(f"\n{PROG}: {stopped_message(e.signum, stopped_run_checkpoints(out))}", file=sys.stderr)
             return 128 + e.signum
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted", file=sys.stderr)

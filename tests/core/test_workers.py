@@ -153,3 +153,24 @@ def test_pdeathsig_before_the_launcher_is_gone(tmp_path, launcher_lives_s):
         time.sleep(0.05)
     assert not _running(worker)
     assert launch_dir.exists() is (launcher_lives_s > LAUNCHER_EXIT_WAIT_S)
+
+
+def test_the_stop_line_says_what_the_run_has_saved(tmp_path):
+    """A stopped run's last line names its latest committed step and how to resume, or says that nothing
+    was saved yet (it never claims checkpoints that are not there); a step still being written, without
+    its items, is not counted."""
+    from chunkzero.checkpoint import META_ITEM, STATE_ITEM
+    from chunkzero.run_dir import stopped_run_checkpoints
+    from chunkzero.workers import stopped_message
+
+    out = tmp_path / "run"
+    assert stopped_message(2, stopped_run_checkpoints(out)) == (
+        "stopped by SIGINT (Ctrl-C); every worker was stopped (no checkpoint was saved yet)")
+    for step in (3, 6):
+        for item in (META_ITEM, STATE_ITEM):
+            (out / "checkpoints" / str(step) / item).mkdir(parents=True)
+    (out / "checkpoints" / "9" / META_ITEM).mkdir(parents=True)  # no state item: not committed
+    assert stopped_message(15, stopped_run_checkpoints(out)) == (
+        f"stopped by SIGTERM; every worker was stopped (the latest checkpoint, step 6, is in {out / 'checkpoints'}; "
+        f"--resume {out} continues from it)")
+    assert stopped_message(15) == "stopped by SIGTERM; every worker was stopped"
