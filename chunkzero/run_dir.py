@@ -47,12 +47,12 @@ def checkpoint_root(path: str | os.PathLike) -> Path:
 
 def stopped_run_checkpoints(out: str | os.PathLike) -> str:
     """What a run at ``out`` stopped by a signal has saved, for :func:`chunkzero.workers.stopped_message`:
-    its latest committed step and where it is, or that there is none yet."""
+    its latest committed step, where it is and how to continue from it, or that there is none yet."""
     root = Path(out) / CHECKPOINT_DIR
     steps = list_steps(root)
     if not steps:
         return "no checkpoint was saved yet"
-    return f"the latest checkpoint, step {steps[-1]}, is in {root}; --resume {out} continues from it"
+    return f"the latest checkpoint, step {steps[-1]}, is in {root}; the same command with --resume continues from it"
 
 
 def fresh_run_dir(root: Path) -> Path:

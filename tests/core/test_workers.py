@@ -172,5 +172,5 @@ def test_the_stop_line_says_what_the_run_has_saved(tmp_path):
     (out / "checkpoints" / "9" / META_ITEM).mkdir(parents=True)  # no state item: not committed
     assert stopped_message(15, stopped_run_checkpoints(out)) == (
         f"stopped by SIGTERM; every worker was stopped (the latest checkpoint, step 6, is in {out / 'checkpoints'}; "
-        f"--resume {out} continues from it)")
+        "the same command with --resume continues from it)")
     assert stopped_message(15) == "stopped by SIGTERM; every worker was stopped"

@@ -112,11 +112,11 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
         name = re.escape(signal.Signals(sig).name + (" (Ctrl-C)" if how == "ctrl-c" else ""))
         said = re.fullmatch(
             rf"chunkzero train: stopped by {name}; every worker was stopped "
-            r"\(the latest checkpoint, step (\d+), is in (.+); --resume (.+) continues from it\)", last)
+            r"\(the latest checkpoint, step (\d+), is in (.+); the same command with --resume continues from it\)",
+            last)
         assert said, stderr[-3000:]
         saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
         assert int(said[1]) == saved[-1] and Path(said[2]) == (out / "checkpoints").resolve(), last
-        assert Path(said[3]) == out.resolve(), last
         assert "Traceback" not in stderr and "SavedView" not in stderr, stderr[-3000:]
         assert "death signal" not in stderr, stderr[-3000:]  # torch's agent's own line ("Received 2 death signal")
         # absl's fatal and error lines: a torch worker runs JAX's distributed client after its first save, which
