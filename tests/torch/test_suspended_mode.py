@@ -16,15 +16,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from mode_cases import inputs, mode_on, reference, train
 from torch import nn
 
 from chunkzero.errors import ConfigError
-from torch_backend import ZeroDDP, ZeroOptimizer
-from torch_backend.zero.runtime import ParamAccessMode
-
-
-def _mode_on() -> bool:
-    return any(isinstance(m, ParamAccessMode) for m in torch.overrides._get_current_function_mode_stack())
+from torch_backend import ZeroDDP
 
 
 class _Probe(nn.Module):
@@ -36,7 +32,7 @@ class _Probe(nn.Module):
         self.during = None
 
     def forward(self, h):
-        self.mode_on.append(_mode_on())
+        self.mode_on.append(mode_on())
         if self.during is not None:
             self.during()
         return h
@@ -58,69 +54,39 @@ class _Cross(nn.Module):
         return F.linear(h, self.a.weight) + self.b(h)
 
 
-def _reference(net: nn.Module, xs: list[torch.Tensor]) -> tuple[list[float], dict]:
-    ref = copy.deepcopy(net)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
-    losses = []
-    for x in xs:
-        loss = ref(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in ref.state_dict().items()}
-
-
-def _zero(model: ZeroDDP, xs: list[torch.Tensor]) -> list[float]:
-    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2, eps=1e-6)
-    losses = []
-    for x in xs:
-        loss = model(x).square().mean()
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _inputs(steps: int = 4) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randn(4, 8, generator=g) for _ in range(steps)]
-
-
 @pytest.mark.parametrize("chunk_size", [72, None], ids=["three-chunks-kept", "one-chunk"])
 def test_mode_off_once_every_chunk_is_gathered_and_exact(chunk_size):
     """Three chunks kept into the backward (``reshard_after_forward=False``): the mode goes off at the
     probe, where all three are gathered; one chunk (the searched size): off from the step after the
     first (the backward's prefetched chunk is then known to be all of them). Losses and values equal
     plain torch's exactly."""
-    net, xs = _Cross(), _inputs()
-    want_losses, want_state = _reference(net, xs)
+    net, xs = _Cross(), inputs()
+    want_losses, want_state = reference(net, xs)
     kw = dict(chunk_size=72, reshard_after_forward=False) if chunk_size else {}
     model = ZeroDDP(net, offload_param_frac=1.0, **kw)
     assert len(model._runtime._sharded) == (3 if chunk_size else 1)
-    assert _zero(model, xs) == want_losses
+    assert train(model, xs) == want_losses
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, want_state[k], rtol=1e-5, atol=1e-6)  # AdamW: flat vs per tensor
     assert net.probe.mode_on[-2:] == [False, False], net.probe.mode_on  # it did go off
-    assert _mode_on() is False  # and is off the stack after the forward too (not left behind)
+    assert mode_on() is False  # and is off the stack after the forward too (not left behind)
 
 
 def test_mode_stays_on_while_a_chunk_is_released():
     """Released after use (the default), three chunks are never all gathered: the mode stays on and the
     result is the same."""
-    net, xs = _Cross(), _inputs(3)
-    want_losses, _ = _reference(net, xs)
+    net, xs = _Cross(), inputs(3)
+    want_losses, _ = reference(net, xs)
     model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
-    assert _zero(model, xs) == want_losses
+    assert train(model, xs) == want_losses
     assert net.probe.mode_on == [True, True, True]
 
 
 def test_chunks_are_held_while_the_mode_is_off():
     """A release asked for while the mode is off (as a nested backward's end would) frees nothing: the
     rest of the forward reads the gathered values; an update of a chunk's values raises."""
-    net, xs = _Cross(), _inputs(3)
-    want_losses, _ = _reference(net, xs)
+    net, xs = _Cross(), inputs(3)
+    want_losses, _ = reference(net, xs)
     model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72, reshard_after_forward=False)
     freed = []
 
@@ -128,7 +94,7 @@ def test_chunks_are_held_while_the_mode_is_off():
         freed.extend(c.release() for c in model.chunks)
 
     net.probe.during = release_all
-    assert _zero(model, xs) == want_losses
+    assert train(model, xs) == want_losses
     assert freed == [False] * 9
 
     def refresh():
@@ -139,7 +105,7 @@ def test_chunks_are_held_while_the_mode_is_off():
         model(xs[0])
     net.probe.during = None
     assert not any(c._held for c in model.chunks)  # the mode came back when the forward raised
-    assert _mode_on() is False
+    assert mode_on() is False
 
 
 def _torch_grads(net, xs) -> torch.Tensor:
@@ -157,7 +123,7 @@ def test_gradients_land_in_the_buffer_and_leave_grad_after_backward():
     one that adds a landed gradient a second time fails the values)."""
     from torch_backend.zero.runtime import ShardedGradPlaceholder
 
-    net, xs = _Cross(), _inputs(3)
+    net, xs = _Cross(), inputs(3)
     want = _torch_grads(net, xs)
     model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
     with model.no_sync():
@@ -175,7 +141,7 @@ def test_create_graph_backwards_accumulate_once():
     """``create_graph`` backwards under ``no_sync``: AccumulateGrad then replaces a lent view by the
     sum of the view and the new gradient, which is copied into the buffer, not added (the mutant that
     adds it counts the earlier backwards' gradients twice)."""
-    net, xs = _Cross(), _inputs(3)
+    net, xs = _Cross(), inputs(3)
     want = _torch_grads(net, xs)
     model = ZeroDDP(net, offload_param_frac=1.0, chunk_size=72)
     with model.no_sync():
