@@ -7,7 +7,7 @@ backward, interleaved with the leaf modules' forward and backward hook events. A
 at an event if one of its tensors was used before it and one is used after it in the same pass
 (forward, or backward); in forward also at the event just before its first use (the pre-hook of the
 module that first reads it: a unit gathers its chunk there, Note [recorded units] in
-``torch_backend/zero/runtime.py``). At every event a correct engine holds at most the chunks in use there plus
+``torch_backend/zero/units.py``). At every event a correct engine holds at most the chunks in use there plus
 ``prefetch``; an engine that never releases holds every chunk it ever gathered.
 """
 

@@ -1,4 +1,4 @@
-"""Note [recorded units] (``torch_backend/zero/runtime.py``): a submodule whose parameters lie in one
+"""Note [recorded units] (``torch_backend/zero/units.py``): a submodule whose parameters lie in one
 chunk, and whose recorded forward read tensors of that chunk only, runs as a unit from then on: its
 chunk gathered and held before the call, the access mode off inside it. One rank with the
 parameters offloaded has sharded chunks (gathered on use, released after), as at W >= 2.
@@ -15,7 +15,7 @@ from mode_cases import assert_losses_match, inputs, mode_on, reference, train
 from torch import nn
 
 from torch_backend import ZeroDDP
-from torch_backend.zero.runtime import ChunkRuntime
+from torch_backend.zero.units import UnitRecorder
 
 
 class _Block(nn.Module):
@@ -83,7 +83,7 @@ def test_a_block_that_reads_another_chunk_stays_under_the_mode(monkeypatch):
     assert net.c.mode_on == [True] * 4
     assert net.a.mode_on == [True, False, False, False]
 
-    monkeypatch.setattr(ChunkRuntime, "_touch", lambda self, chunk_index: None)
+    monkeypatch.setattr(UnitRecorder, "touch", lambda self, chunk_index: None)
     _, blind = _zero(_Net(cross=True), xs)
     assert any(v != v for v in blind[1:]), blind  # NaN after the recorded forward
 

@@ -63,6 +63,7 @@ from .torch_internals import (
     tree_flatten,
     wrapper_tensor,
 )
+from .units import ALIAS, UnitRecorder
 
 __all__ = ["ChunkRuntime", "Entry", "GradPlaceholders", "ShardedGradPlaceholder"]
 
@@ -150,8 +151,8 @@ class ParamAccessMode(TorchFunctionMode):
         if _func_name(func) in _METADATA_ONLY:
             return func(*args, **kwargs)
         for c in views or ():
-            if runtime._recording:
-                runtime._touch(c.index)
+            if runtime.recording:
+                runtime.recorder.touch(c.index)
             runtime.use_chunk(c)  # a view of a released chunk (e.g. ``w.t()`` taken earlier in this forward)
         if found is None:
             return func(*args, **kwargs)
@@ -220,7 +221,7 @@ class ChunkRuntime:
         ]
         # Submodules run as one unit: their chunks gathered before the call, the access mode off inside
         # it. torch.compile'd ones from the start (the compiled graph sees plain, gathered parameters);
-        # others once a recorded forward shows they use one chunk only (Note [recorded units]).
+        # others once a recorded forward shows they use one chunk only (Note [recorded units], units.py).
         self._units: dict[int, list[Entry]] = {}
         inside: set[int] = set()
         for sub in module.modules():
@@ -228,22 +229,10 @@ class ChunkRuntime:
                 self._units[id(sub)] = self._entries_of(sub)
                 inside |= {id(m) for m in compiled_original(sub).modules()}
         self._sharded = [c for c in chunks if not c.resident]
-        self._unit_candidates: dict[int, tuple[int, list[Entry]]] = {}
-        """Submodules whose parameters all lie in one chunk: ``id -> (chunk index, entries)``, until a
-        forward has been recorded (Note [recorded units])."""
-        self._parent: dict[int, int] = {}
-        if self._sharded:
-            for sub in module.modules():
-                for child in sub.children():
-                    self._parent.setdefault(id(child), id(sub))
-                own = self._entries_of(sub)
-                if (sub is not module and own and len({e.chunk.index for e in own}) == 1
-                        and not any(id(m) in inside for m in sub.modules())):
-                    self._unit_candidates[id(sub)] = (own[0].chunk.index, own)
-        self._recording: list[tuple[int, int]] | None = None
-        """While a forward is recorded: the candidates running now, ``(id, chunk index)``, outermost first."""
-        self._called: set[int] = set()
-        self._touched_other: set[int] = set()
+        self.recorder = UnitRecorder(module, self._entries_of, inside | set(self._units)) if self._sharded else None
+        """Until a forward has been recorded: the candidate units (Note [recorded units], units.py)."""
+        self.recording = False
+        """Whether this forward is being recorded."""
         for sub in module.modules():
             if id(sub) not in inside:
                 self.hook_handles.append(sub.register_forward_pre_hook(self._submodule_pre_hook))
@@ -322,8 +311,9 @@ class ChunkRuntime:
             and (not self._release_in_forward or all(c.index in self._keep_for_backward for c in self._sharded)))
         self._fwd_used = {}
         self._aliased = set()
-        if self._unit_candidates and not self._may_suspend:
-            self._recording, self._called, self._touched_other = [], set(), set()
+        self.recording = self.recorder is not None and not self._may_suspend
+        if self.recording:
+            self.recorder.start()
         self._phase = FORWARD
         self.sched.start(FORWARD)
         backward_next = False
@@ -336,11 +326,12 @@ class ChunkRuntime:
                 else:
                     out = self.module(*args, **kwargs)
             backward_next = grad_enabled
-            if self._recording is not None:
-                self._decide_units()
+            if self.recording:
+                self._units.update(self.recorder.units())
+                self.recorder = None  # recorded once
         finally:
             # a forward that raised has no backward: nothing is gathered ahead for it, nothing kept
-            self._recording = None
+            self.recording = False
             self._phase = None
             self._fwd_used = {}
             self.sched.end(FORWARD, prefetch_next=BACKWARD if backward_next else None, sync=self.sync)
@@ -365,33 +356,6 @@ class ChunkRuntime:
                     self._resume_mode()
         finally:
             self._mode_stack.pop()
-
-    # Note [recorded units]. Most of the access mode's calls are on activations, inside modules that
-    # read their own parameters only. A submodule whose parameters all lie in one chunk, and whose
-    # calls in a recorded forward (the first one that keeps the mode on throughout) read tensors of
-    # that chunk only and detach none of them (an alias may outlive the call), becomes a unit, as a
-    # compiled submodule is: its chunk is gathered and held before the call, the mode is off inside
-    # it, and its tensors count as used when it returns. The outermost such submodules are chosen
-    # (with one chunk per block: the blocks). A chunk gathers at the same points as under the mode:
-    # the unit's first call reads its chunk. What a unit would miss is a read of another chunk's
-    # parameter that the recorded forward did not make (a branch taken later): a released parameter
-    # reads NaN there (``chunks._released_placeholder``).
-    def _touch(self, chunk_index: int) -> None:
-        """Recording: a running candidate that reads another chunk's tensor cannot be a unit."""
-        for module_id, own in self._recording:
-            if own != chunk_index:
-                self._touched_other.add(module_id)
-
-    def _decide_units(self) -> None:
-        """After the recorded forward: the outermost candidates it called that read their chunk only."""
-        chosen = self._called - self._touched_other
-        for module_id in chosen:
-            up = self._parent.get(module_id)
-            while up is not None and up not in chosen:
-                up = self._parent.get(up)
-            if up is None:
-                self._units[module_id] = self._unit_candidates[module_id][1]
-        self._unit_candidates = {}
 
     # Note [suspended access mode]. The access mode exists to gather a chunk before a torch call reads
     # its parameters and to release it after; each intercepted call costs Python work, and a step
@@ -468,9 +432,9 @@ class ChunkRuntime:
             entries = list({id(e): e for e in entries}.values())
         forward = self._phase is FORWARD
         aliasing = forward and _func_name(func) in _ALIASING
-        if self._recording:
+        if self.recording:
             for e in entries:
-                self._touch(-1 if aliasing else e.chunk.index)  # an alias may outlive a unit's end: no unit
+                self.recorder.touch(ALIAS if aliasing else e.chunk.index)
         for e in entries:
             if not e.chunk.resident:
                 self.use_chunk(e.chunk)
@@ -503,11 +467,8 @@ class ChunkRuntime:
     def _submodule_pre_hook(self, module, args):  # noqa: ARG002 - torch's forward pre-hook signature
         if self._may_suspend:
             self._try_suspend()
-        if self._recording is not None:
-            candidate = self._unit_candidates.get(id(module))
-            if candidate is not None:
-                self._recording.append((id(module), candidate[0]))
-                self._called.add(id(module))
+        if self.recording:
+            self.recorder.enter(module)
         if self._mode_stack and id(module) not in self._units:  # inside forward, a plain submodule: nothing
             return
         with no_torch_function():  # the engine's own torch calls skip the access mode
@@ -535,16 +496,15 @@ class ChunkRuntime:
                 if self._forward_mode_off is None and torch_function_mode_depth():
                     top = pop_torch_function_mode()
                     if isinstance(top, ParamAccessMode):
-                        for c in held:
-                            self.chunks[c].finish_gather()
+                        for c in held:  # (gathered: use_chunk waited for it)
                             self.chunks[c].hold()  # nothing releases it while the mode is off
                         self._suspended.append((module, top))
                     else:  # another mode above ours: leave the stack as it is
                         push_torch_function_mode(top)
 
     def _submodule_post_hook(self, module, args, output):  # noqa: ARG002 - torch's forward hook signature
-        if self._recording and self._recording[-1][0] == id(module):
-            self._recording.pop()
+        if self.recording:
+            self.recorder.exit(module)
         if not self._suspended and (not self._mode_stack or self._mode_stack[-1][0] is not module):
             return  # (the common case, inside forward: nothing to put back or end)
         with no_torch_function():  # the engine's own torch calls skip the access mode
