@@ -20,6 +20,7 @@ from pathlib import Path  # noqa: E402  (after the environment above)
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns xdist_group marks into scopes (`test@group`)
 def pytest_collection_modifyitems(config, items):
     """Group each module's users of a module-scoped fixture (``xdist_group``, read by ``--dist
     loadgroup``); then order the work: groups and tests holding a ``slow`` test first, each kept
