@@ -13,6 +13,16 @@ from jaxtest_utils import TorchRun, make_torch_run
 from jaxtest_utils import eval_tokens as _eval_tokens
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache():
+    """JAX's persistent compilation cache, where ``chunkzero train --backend jax`` keeps it
+    (:func:`jax_backend.processes.compilation_cache_dir`; ``CHUNKZERO_JAX_CACHE=off`` turns it off): a program
+    compiled by an earlier test run, or by another worker of this one, is loaded instead of compiled again."""
+    from jax_backend.processes import compilation_cache_dir, use_compilation_cache
+
+    use_compilation_cache(compilation_cache_dir())
+
+
 @pytest.fixture(scope="session")
 def torch_run(tmp_path_factory) -> TorchRun:
     """gpt-tiny trained 3 AdamW steps in torch, checkpointed at world size 3 (step 3).
