@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from jax_cache import jax_cache_env
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -27,6 +28,8 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("CHUNKZERO_NOTEBOOK_MEASURE", "small")  # big models predicted only: keeps it ~1-2 min
+    for key, value in jax_cache_env().items():  # compiled programs an earlier run kept are loaded
+        monkeypatch.setenv(key, value)
     client = nbclient.NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from jax_cache import jax_cache_env
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
@@ -28,8 +30,9 @@ def example_path(name: str) -> Path:
 
 
 def example_env(**extra: str) -> dict[str, str]:
-    """This process's environment, offline, with this checkout first on ``PYTHONPATH``, and ``extra``."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
+    """This process's environment, offline, with this checkout first on ``PYTHONPATH``, JAX's persistent
+    compilation cache on (``tests/jax_cache.py``), and ``extra``."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **jax_cache_env(), **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
 
