@@ -2,8 +2,8 @@
 
 On a machine with fewer cores than pytest workers the suite is CPU-bound, so its wall time is its CPU time over
 the cores, and the way to a shorter run is less CPU. This runs pytest (the arguments given, by default the
-Makefile's ``-n 3 --dist loadgroup tests``) with itself loaded as a plugin (``-p suite_cpu``). In each pytest
-process it reads ``getrusage`` before and after every test:
+Makefile's: cores + 1 workers, ``--dist loadgroup``, ``tests``) with itself loaded as a plugin (``-p suite_cpu``).
+In each pytest process it reads ``getrusage`` before and after every test:
 
 - **self**: the pytest process's own CPU (the test's in-process work: single-process tests, the test side of a
   distributed one);
@@ -37,8 +37,9 @@ from collections import defaultdict
 from pathlib import Path
 
 OUT_ENV = "CHUNKZERO_SUITE_CPU_OUT"
-DEFAULT_PYTEST_ARGS = ["-n", "3", "--dist", "loadgroup", "--no-loadscope-reorder", "-q", "-p", "no:cacheprovider",
-                       "tests"]
+CORES = len(os.sched_getaffinity(0))
+DEFAULT_PYTEST_ARGS = ["-n", str(CORES + 1), "--dist", "loadgroup", "--no-loadscope-reorder", "-q", "-p",
+                       "no:cacheprovider", "tests"]
 
 
 def _cpu_s(who: int) -> float:
@@ -105,14 +106,13 @@ def summarize(records: list[dict], run_cpu_s: float, run_wall_s: float, top: int
         return [*lines, ""]
 
     tests_cpu = sum(r["self_cpu_s"] + r["children_cpu_s"] for r in records)
-    cores = os.cpu_count() or 1
     lines = [*table(f"The {top} files with the most CPU", by_file, top), *table("By folder", by_dir, None),
              "### The run", "", "| | s |", "|---|---:|",
              f"| wall | {run_wall_s:.0f} |",
              f"| CPU of pytest and every process it waited for | {run_cpu_s:.0f} |",
              f"| of which in the tests (self + children above) | {tests_cpu:.0f} |",
              f"| unattributed (collection, start-up, pools' ranks closed at the end) | {run_cpu_s - tests_cpu:.0f} |",
-             f"| CPU / ({cores} cores x wall) | {run_cpu_s / (cores * run_wall_s):.2f} |", ""]
+             f"| CPU / ({CORES} cores x wall) | {run_cpu_s / (CORES * run_wall_s):.2f} |", ""]
     return "\n".join(lines)
 
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
         if args.json:
             args.json.write_text("".join(json.dumps(r) + "\n" for r in records))
-    print(f"\n## Where the suite's CPU goes ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, pytest "
+    print(f"\n## Where the suite's CPU goes ({time.strftime('%Y-%m-%d %H:%M')}, {CORES} cores, pytest "
           f"exit {code}, load average at the end {os.getloadavg()[0]:.1f})\n")
     print(summarize(records, run_cpu_s, run_wall_s, args.top))
     return code
