@@ -278,21 +278,21 @@ class EngineProfile:
     """
 
     def __init__(self):
-        from torch_backend.zero import chunks, collectives, runtime
+        from torch_backend.zero import access_mode, chunk_gradient, chunks, collectives, runtime
 
         self.totals: dict[str, list[float]] = {}
         targets = {
             "vote_rounds": (collectives, "agree"),
             "gather_issue": (chunks.Chunk, "begin_gather"),
             "gather_wait": (chunks.Chunk, "finish_gather"),
-            "reduce_issue": (chunks.ChunkGradient, "begin_reduce"),
-            "reduce_wait": (chunks.ChunkGradient, "finish_reduces"),
+            "reduce_issue": (chunk_gradient.ChunkGradient, "begin_reduce"),
+            "reduce_wait": (chunk_gradient.ChunkGradient, "finish_reduces"),
             "grad_hooks": (runtime.ChunkRuntime, "_on_grad"),
             "finalize": (runtime.ChunkRuntime, "_finalize_backward"),
         }
         for key, (owner, attr) in targets.items():
             setattr(owner, attr, self._timed(key, getattr(owner, attr)))
-        mode = runtime.ParamAccessMode
+        mode = access_mode.ParamAccessMode
         mode.__torch_function__ = self._self_timed(mode.__torch_function__)
 
     def _self_timed(self, handler):

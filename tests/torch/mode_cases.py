@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torch_backend import ZeroDDP, ZeroOptimizer
-from torch_backend.zero.runtime import ParamAccessMode
+from torch_backend.zero.access_mode import ParamAccessMode
 
 
 def mode_on() -> bool:

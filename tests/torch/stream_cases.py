@@ -69,7 +69,7 @@ def worker_recorded_step(rank: int, world: int, placement: dict, mutant: bool = 
     difference of the parameters to the reference run."""
     from stream_recorder import StreamRecorder
 
-    from torch_backend.zero.chunks import ChunkGradient
+    from torch_backend.zero.chunk_gradient import ChunkGradient
 
     reference = _train(rank, placement)
     recorder = StreamRecorder()

@@ -6,7 +6,7 @@ chunks (gathered on use, released after), as at W >= 2.
 The mutants these tests catch: taking the mode off while some chunk is still released (its
 parameters read NaN placeholders: the losses differ), not holding the chunks while it is off (a
 release inside the forward frees a buffer the rest of the forward reads), and never taking it off.
-The last two tests hold Note [gradients in the buffer] (``torch_backend/zero/chunks.py``) on the same
+The last two tests hold Note [gradients in the buffer] (``torch_backend/zero/chunk_gradient.py``) on the same
 sharded chunks: views left in ``.grad`` after a backward, a replaced view added instead of copied."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_gradients_land_in_the_buffer_and_leave_grad_after_backward():
     as plain torch's ``.grad`` does, and after each backward ``.grad`` holds the placeholder, never a
     view of a chunk's gradient buffer (the mutant that leaves the views there fails the type check;
     one that adds a landed gradient a second time fails the values)."""
-    from torch_backend.zero.runtime import ShardedGradPlaceholder
+    from torch_backend.zero.grad_placeholders import ShardedGradPlaceholder
 
     net, xs = _Cross(), inputs(3)
     want = _torch_grads(net, xs)

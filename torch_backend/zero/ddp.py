@@ -47,6 +47,7 @@ from chunkzero import ChunkLayout, ChunkPlacement, Location, static_placement
 from chunkzero.errors import ConfigError, ShapeMismatchError
 
 from . import collectives
+from .access_mode import Entry
 from .chunks import TORCH_DTYPES, Chunk
 from .config import (
     AutoPlacementPolicy,
@@ -62,7 +63,7 @@ from .memory import AllocationTracker, MemoryReport
 from .module_layout import ParamGroups, build_module_layout, collect_parameters
 from .pinned import arena_bytes
 from .placement import AutoPlacement, placement_budget_bytes, warmup_placements
-from .runtime import ChunkRuntime, Entry
+from .runtime import ChunkRuntime
 from .schedule import Scheduler
 from .sharding_groups import ShardingGroups, build_sharding_groups
 from .state_dict import full_state_dict, load_full_state_dict

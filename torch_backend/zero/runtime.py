@@ -4,36 +4,32 @@ It turns each event into calls on the chunk it concerns (:class:`torch_backend.z
 methods) and asks the :class:`~torch_backend.zero.schedule.Scheduler` for gathers and reductions; it keeps
 no chunk state of its own.
 
-- **Forward** — while the wrapped module runs, a ``TorchFunctionMode`` (:class:`ParamAccessMode`)
-  sees every torch call. When an argument is a managed parameter its chunk is gathered (if needed)
-  and the tensor is in use for the call (:meth:`ChunkRuntime.run_op`). So a parameter used by
-  another module (``F.linear(x, other.weight)``), through an operator (``x @ w``), inside
-  ``torch.stack([...])`` or several times is always gathered. With ``reshard_after_forward`` a chunk
-  is released once every tensor of it has been used in this forward; whatever is still gathered is
-  released when the forward returns, except the first ``prefetch`` chunks of the recorded backward
-  order (gathered ahead, so the backward does not start on a miss). A ``torch.compile``'d submodule
-  has its chunks gathered before the call and runs with the mode suspended; a submodule called
-  directly under ``no_grad`` runs under the mode too. In a forward that releases nothing before its
-  end (one rank; or every sharded chunk kept into the backward) the mode comes off once every
-  sharded chunk is gathered, the chunks held until it is back (Note [suspended access mode]).
+- **Forward** — while the wrapped module runs, a ``TorchFunctionMode``
+  (:class:`~torch_backend.zero.access_mode.ParamAccessMode`) sees every torch call. When an argument is a managed
+  parameter its chunk is gathered (if needed) and the tensor is in use for the call (:meth:`ChunkRuntime.run_op`).
+  So a parameter used by another module (``F.linear(x, other.weight)``), through an operator (``x @ w``), inside
+  ``torch.stack([...])`` or several times is always gathered. With ``reshard_after_forward`` a chunk is released
+  once every tensor of it has been used in this forward; whatever is still gathered is released when the forward
+  returns, except the first ``prefetch`` chunks of the recorded backward order (gathered ahead, so the backward
+  does not start on a miss). A ``torch.compile``'d submodule has its chunks gathered before the call and runs with
+  the mode suspended; a submodule called directly under ``no_grad`` runs under the mode too. In a forward that
+  releases nothing before its end (one rank; or every sharded chunk kept into the backward) the mode comes off
+  once every sharded chunk is gathered, the chunks held until it is back (Note [suspended access mode]).
 - **Backward** — ``saved_tensors_hooks`` replace a saved parameter (or a saved view of a chunk
   buffer) by a reference that counts on its chunk; unpacking it gathers the chunk again, and once
   autograd has freed every reference to a chunk, the chunk is released — so a frozen chunk is
   gathered in backward only if a saved tensor needs it, and only for as long. A recomputation in
   backward (activation checkpointing) runs under the same mode and pins what it gathers until the
   chunk's gradients are final (frozen chunks: until the backward ends). A post-accumulate-grad hook
-  moves each parameter's final gradient into its chunk's gradient buffer (after a chunk's first,
-  autograd adds them there in place: Note [gradients in the buffer] in
-  :mod:`torch_backend.zero.chunks`); a chunk whose tensors are
-  all READY_FOR_REDUCE is handed to the scheduler. A callback queued on the autograd engine (from a
-  hook on the forward's outputs, so it belongs to the outermost backward) ends the backward:
-  agreement on unused parameters, the remaining reductions, releases, placeholders.
+  moves each parameter's final gradient into its chunk's gradient buffer (after a chunk's first, autograd
+  adds them there in place: Note [gradients in the buffer] in :mod:`torch_backend.zero.chunk_gradient`); a
+  chunk whose tensors are all READY_FOR_REDUCE is handed to the scheduler. A callback queued on the autograd
+  engine (from a hook on the forward's outputs, so it belongs to the outermost backward) ends the backward:
+  agreement on unused parameters, the remaining reductions, releases, ``param.grad`` placeholders
+  (:mod:`torch_backend.zero.grad_placeholders`).
 
 Hook code runs under ``no_torch_function()``, so the torch calls it makes on chunk buffers (and the
-collectives it issues) skip the access mode, without a Python frame each. After a backward each
-parameter that received a gradient holds a :class:`ShardedGradPlaceholder` in ``.grad``: the gradient
-lives in the chunk shards, so a plain torch optimizer or ``clip_grad_norm_`` over ``model.parameters()``
-raises instead of doing nothing.
+collectives it issues) skip the access mode, without a Python frame each.
 """
 
 from __future__ import annotations
@@ -44,12 +40,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from chunkzero import ChunkLayout
 from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
+from .access_mode import ALIASING, Entry, ParamAccessMode, SavedParam, SavedView, func_name
 from .chunks import Chunk, Pin
+from .grad_placeholders import GradPlaceholders
 from .schedule import BACKWARD, FORWARD, OUTSIDE, Phase, Scheduler
 from .torch_internals import (
     ENGINE_RUN_BACKWARD,
@@ -61,11 +58,10 @@ from .torch_internals import (
     storage_key,
     torch_function_mode_depth,
     tree_flatten,
-    wrapper_tensor,
 )
 from .units import ALIAS, UnitRecorder
 
-__all__ = ["ChunkRuntime", "Entry", "GradPlaceholders", "ShardedGradPlaceholder"]
+__all__ = ["ChunkRuntime"]
 
 
 def _tensors_in(out) -> list[torch.Tensor]:
@@ -87,109 +83,6 @@ def _unused_parameter_error(unused) -> UnusedParameterError:
         f"{len(unused)} parameter(s) received no gradient on any rank in this backward pass: {names}. Make every "
         "parameter take part in the loss, freeze it (requires_grad=False) before wrapping, or pass "
         "find_unused_parameters=True to reduce a zero gradient for it.")
-
-
-class Entry:
-    """A managed parameter: its object, primary name, index in the layout, chunk and its place in the chunk
-    (``tensor``, the layout's :class:`chunkzero.TensorPlacement`)."""
-
-    __slots__ = ("chunk", "index", "name", "param", "tensor")
-
-    def __init__(self, param, name, index, chunk, tensor):
-        self.param, self.name, self.index, self.chunk, self.tensor = param, name, index, chunk, tensor
-
-
-# Tensor attributes and methods that read only metadata (right on a released parameter): no gather.
-_METADATA_ONLY = frozenset({
-    "dtype", "device", "requires_grad", "is_cuda", "is_leaf", "grad_fn", "layout", "is_sparse", "shape", "size",
-    "dim", "ndim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "stride",
-    "is_contiguous", "names", "is_meta", "is_quantized", "itemsize", "nbytes", "grad", "data_ptr",
-})
-
-
-# Calls whose result aliases the parameter's storage without being a view of it (no ``_base``): the
-# mode cannot see the alias used later, so in forward the chunk is not released before the forward
-# ends (released, the alias would read freed memory).
-_ALIASING = frozenset({"detach", "data"})
-
-
-def _func_name(func) -> str | None:
-    name = getattr(func, "__name__", None)
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", None)
-    return name
-
-
-class ParamAccessMode(TorchFunctionMode):
-    """Gathers a parameter's chunk around every torch call that takes the parameter."""
-
-    def __init__(self, runtime: ChunkRuntime):
-        super().__init__()
-        self.runtime = runtime
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        runtime = self.runtime
-        lookup = runtime.entries_by_id
-        found = None
-        views = None
-        for a in (*args, *kwargs.values()) if kwargs else args:
-            for b in a if type(a) is tuple or type(a) is list else (a,):
-                e = lookup.get(id(b))
-                if e is not None:
-                    if e.param is b:
-                        found = [e] if found is None else found + [e]
-                elif isinstance(b, torch.Tensor):
-                    base = b._base  # a view of a parameter (``w.t()``) taken while its chunk was gathered
-                    if base is not None:
-                        e = lookup.get(id(base))
-                        if e is not None and e.param is base and not e.chunk.is_gathered:
-                            views = [e.chunk] if views is None else views + [e.chunk]
-        if found is None and views is None:
-            return func(*args, **kwargs)
-        if _func_name(func) in _METADATA_ONLY:
-            return func(*args, **kwargs)
-        for c in views or ():
-            if runtime.recording:
-                runtime.recorder.touch(c.index)
-            runtime.use_chunk(c)  # a view of a released chunk (e.g. ``w.t()`` taken earlier in this forward)
-        if found is None:
-            return func(*args, **kwargs)
-        return runtime.run_op(found, func, args, kwargs)
-
-
-class SavedParam:
-    """A managed parameter saved for backward: one reference on its chunk while autograd holds it."""
-
-    __slots__ = ("entry", "runtime")
-
-    def __init__(self, runtime: ChunkRuntime, entry):
-        self.runtime, self.entry = runtime, entry
-        entry.chunk.add_saved_ref(entry.name)
-
-    def __del__(self):
-        try:
-            self.runtime.saved_released(self.entry.chunk, self.entry.name)
-        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to release
-            pass
-
-
-class SavedView:
-    """A saved tensor that is a view of a sharded chunk's buffer (e.g. ``weight.t()`` inside
-    ``F.linear``): unpacking it gathers the chunk first."""
-
-    __slots__ = ("chunk", "runtime", "tensor")
-
-    def __init__(self, runtime: ChunkRuntime, chunk, tensor):
-        self.runtime, self.chunk, self.tensor = runtime, chunk, tensor
-        chunk.add_saved_ref()
-
-    def __del__(self):
-        try:
-            self.runtime.saved_released(self.chunk, None)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 class ChunkRuntime:
@@ -431,7 +324,7 @@ class ChunkRuntime:
         if len(entries) > 1:
             entries = list({id(e): e for e in entries}.values())
         forward = self._phase is FORWARD
-        aliasing = forward and _func_name(func) in _ALIASING
+        aliasing = forward and func_name(func) in ALIASING
         if self.recording:
             for e in entries:
                 self.recorder.touch(ALIAS if aliasing else e.chunk.index)
@@ -704,73 +597,3 @@ class ChunkRuntime:
         error, self._pending_error = self._pending_error, None
         if error is not None:
             raise error
-
-
-# ====================================================================== param.grad after a backward
-class ShardedGradPlaceholder(torch.Tensor):
-    """``param.grad`` of a ZeroDDP parameter after a backward: same shape, dtype and device, no data.
-
-    Any operation on it raises :class:`chunkzero.errors.ConfigError` pointing to ``ZeroOptimizer``,
-    so a plain torch optimizer or ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()`` fails
-    loudly instead of doing nothing.
-    """
-
-    param_name: str
-
-    @staticmethod
-    def __new__(cls, param: torch.Tensor, name: str):
-        t = wrapper_tensor(cls, param)
-        t.param_name = name
-        return t
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        names = [a.param_name for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradPlaceholder)]
-        names += [
-            b.param_name
-            for a in args
-            if isinstance(a, (list, tuple))
-            for b in a
-            if isinstance(b, ShardedGradPlaceholder)
-        ]
-        raise ConfigError(
-            f"the gradient of {names[0] if names else 'a ZeroDDP parameter'!r} lives in ZeroDDP's chunk shards, so "
-            f"{func} cannot use param.grad: step with ZeroOptimizer(model, torch.optim.AdamW, max_norm=...) "
-            "(it clips and steps the shards), or read ZeroDDP.grad_shard(chunk)")
-
-    def __repr__(self) -> str:
-        return f"ShardedGradPlaceholder({self.param_name!r}, shape={tuple(self.shape)})"
-
-
-class GradPlaceholders:
-    """The placeholders of a model's trainable parameters: set after a backward in the ``.grad`` of
-    each parameter that received a gradient on some rank, cleared before the next forward, backward
-    or ``zero_grad`` (only where ``.grad`` still holds the placeholder).
-
-    Args:
-        params: ``(parameter, name, layout tensor index)`` of each trainable parameter.
-    """
-
-    def __init__(self, params: list[tuple[torch.nn.Parameter, str, int]]):
-        self.params = params
-        self._made: dict[int, ShardedGradPlaceholder] = {}
-        self.installed = False
-        """Whether some parameter's ``.grad`` may hold its placeholder now."""
-
-    def set(self, grad_received: torch.Tensor) -> None:
-        """Put a placeholder in ``.grad`` of every parameter whose ``grad_received[index]`` is set."""
-        received = grad_received.tolist()
-        for param, name, index in self.params:
-            if received[index] and param.grad is None:
-                if index not in self._made:
-                    self._made[index] = ShardedGradPlaceholder(param, name)
-                param.grad = self._made[index]
-                self.installed = True
-
-    def clear(self) -> None:
-        """Take the placeholders out of ``.grad`` again."""
-        if self.installed:
-            for param, _, index in self.params:
-                if param.grad is not None and param.grad is self._made.get(index):
-                    param.grad = None
-            self.installed = False
