@@ -13,7 +13,9 @@ TORCH_VERSION ?= 2.13.0
 # One pytest worker more than cores: a test that runs the CLI keeps ~1.3 cores busy (its launcher and rank 0
 # work alone at times), so cores + 1 workers fill the idle time (2 cores, e2e tests: 79% busy at -n 2, 91% at 3).
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
-PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
+# --max-worker-restart 0: a worker that crashes fails its test and is not replaced, because pytest-xdist 3.8's
+# loadgroup scheduler can hang forever after replacing one (pytest-xdist issue 1378); the run ends red, not stuck.
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 --durations=30
 
 .PHONY: setup train test test-fast lint clean-venv
 

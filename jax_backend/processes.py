@@ -135,18 +135,47 @@ def bound_cpu_threads(threads: int) -> bool:
 
 
 COMPILATION_CACHE_ENV = "CHUNKZERO_JAX_CACHE"
-"""The JAX compilation cache's directory (``off``: none); default ``$XDG_CACHE_HOME/chunkzero/jax``
-(``~/.cache/chunkzero/jax``)."""
+"""The JAX compilation cache's root directory (``off``: none); default ``$XDG_CACHE_HOME/chunkzero/jax``
+(``~/.cache/chunkzero/jax``). Entries go in a subdirectory per host CPU (:func:`host_cpu_id`)."""
+
+
+def host_cpu_id(cpuinfo: str | None = None) -> str:
+    """A short name of this host's CPU kind: ``<machine>-<12 hex digits>``, the digits a SHA-256 of its
+    instruction-set features (the ``flags`` or ``Features`` line of ``/proc/cpuinfo``, given as ``cpuinfo`` or
+    read; elsewhere ``platform.processor()``), order-insensitive.
+
+    Note [a cache per CPU]: JAX's cache key does not name the host CPU, and XLA:CPU loads an executable compiled
+    for other instruction-set features with only a logged error (``cpu_aot_loader.cc``), then runs code this CPU
+    may not have (AVX-512, AMX): the process dies. A home directory shared by machines, or a disk moved between
+    them, must not hand one CPU's programs to another."""
+    import hashlib
+    import platform
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    features = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                     if line.split(":", 1)[0].strip() in ("flags", "Features") and ":" in line), None)
+    text = " ".join(sorted(set(features))) if features else platform.processor()
+    return f"{platform.machine() or 'unknown'}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 def compilation_cache_dir(env: dict | None = None) -> Path | None:
-    """Where :func:`use_compilation_cache` keeps compiled programs: ``$CHUNKZERO_JAX_CACHE`` (``off`` or empty:
-    ``None``), else ``$XDG_CACHE_HOME/chunkzero/jax``, else ``~/.cache/chunkzero/jax``."""
+    """Where :func:`use_compilation_cache` keeps compiled programs: ``<root>/<host_cpu_id()>`` (Note [a cache
+    per CPU]), the root ``$CHUNKZERO_JAX_CACHE`` (``off`` or empty: ``None``), else ``$XDG_CACHE_HOME/chunkzero/jax``,
+    else ``~/.cache/chunkzero/jax``."""
     env = os.environ if env is None else env
     if COMPILATION_CACHE_ENV in env:
         value = env[COMPILATION_CACHE_ENV]
-        return None if value.strip().lower() in ("", "off", "0", "none") else Path(value)
-    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chunkzero" / "jax"
+        if value.strip().lower() in ("", "off", "0", "none"):
+            return None
+        root = Path(value)
+    else:
+        root = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "chunkzero" / "jax"
+    return root / host_cpu_id()
 
 
 def use_compilation_cache(directory: Path | None) -> bool:

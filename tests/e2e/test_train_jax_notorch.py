@@ -45,8 +45,11 @@ def test_jax_job_runs_without_torch_and_torch_continues_it(no_torch):
     assert (out / "sample.txt").read_text().startswith("def ")
     assert [r["step"] for r in read_metrics(out)[0]] == [1, 2, 3, 4]
     # the compiled step, for the next start, from each process: their cache keys differ (each hashes its own
-    # view of the devices), so an entry from process 0 alone would leave process 1 compiling on every restart
-    assert len(list((tmp / "jax-cache").glob("jit_local_step-*"))) == 2
+    # view of the devices), so an entry from process 0 alone would leave process 1 compiling on every restart;
+    # in the directory of this CPU kind (Note [a cache per CPU])
+    from jax_backend.processes import host_cpu_id
+
+    assert len(list((tmp / "jax-cache" / host_cpu_id()).glob("jit_local_step-*"))) == 2
 
     for args in (["inspect", str(out / "checkpoints")], ["layout", "--model", "gpt-tiny", "--world-size", "2"]):
         p = subprocess.run(chunkzero_cmd(*args), cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
@@ -82,9 +85,24 @@ def test_the_torch_commands_without_torch_are_one_line_errors(no_torch):
 def test_compilation_cache_directory():
     from pathlib import Path
 
-    from jax_backend.processes import compilation_cache_dir
+    from jax_backend.processes import compilation_cache_dir, host_cpu_id
 
-    assert compilation_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/chunkzero/jax")
-    assert compilation_cache_dir({}) == Path.home() / ".cache" / "chunkzero" / "jax"
-    assert compilation_cache_dir({"CHUNKZERO_JAX_CACHE": "/c", "XDG_CACHE_HOME": "/x"}) == Path("/c")
+    cpu = host_cpu_id()
+    assert compilation_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/chunkzero/jax") / cpu
+    assert compilation_cache_dir({}) == Path.home() / ".cache" / "chunkzero" / "jax" / cpu
+    assert compilation_cache_dir({"CHUNKZERO_JAX_CACHE": "/c", "XDG_CACHE_HOME": "/x"}) == Path("/c") / cpu
     assert compilation_cache_dir({"CHUNKZERO_JAX_CACHE": "off"}) is None
+
+
+def test_compilation_cache_is_per_cpu_kind():
+    """A CPU with other instruction-set features gets another directory (Note [a cache per CPU]): executables
+    compiled with AVX-512 or AMX must not be loaded where those instructions do not exist."""
+    from jax_backend.processes import host_cpu_id
+
+    xeon = "processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu sse4_2 avx2 avx512f amx_tile\n"
+    epyc = "processor\t: 0\nmodel name\t: EPYC\nflags\t\t: fpu sse4_2 avx2 sse4a\n"
+    assert host_cpu_id(xeon) != host_cpu_id(epyc)
+    assert host_cpu_id(xeon) == host_cpu_id(xeon.replace("avx2 avx512f", "avx512f avx2"))  # the set, not the order
+    assert host_cpu_id(xeon) == host_cpu_id(xeon.replace("model name\t: Xeon", "model name\t: Xeon 2"))
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve\n"
+    assert host_cpu_id(arm) != host_cpu_id(arm.replace(" sve", ""))
