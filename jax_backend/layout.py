@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from chunkzero.checkpoint import chunk_index, chunk_key, param_array_dtype
 from chunkzero.errors import CheckpointFormatError, ConfigError, LayoutError, ShapeMismatchError
@@ -130,14 +130,29 @@ def check_chunks(chunks: Mapping[str, Any] | Sequence[Any], layout: ChunkLayout,
 
 
 def _tensor_views(arrays: dict[int, Any], layout: ChunkLayout, include_aliases: bool) -> dict[str, jax.Array]:
+    views: dict[str, jax.Array] = {}
+    for index, array in arrays.items():  # one chunk whole at a time (Note [one gather per chunk])
+        whole = _whole_on_each_device(array)
+        for t in layout.chunk_tensors(index):
+            views[t.name] = jnp.reshape(whole[t.offset : t.end], t.shape)
     out: dict[str, jax.Array] = {}
-    for t in layout.tensors:
-        if t.chunk not in arrays:
-            continue
-        value = jnp.reshape(arrays[t.chunk][t.offset : t.end], t.shape)
-        for name in t.names if include_aliases else (t.name,):
-            out[name] = value
+    for t in layout.tensors:  # in parameter order
+        if t.name in views:
+            for name in t.names if include_aliases else (t.name,):
+                out[name] = views[t.name]
     return out
+
+
+# Note [one gather per chunk]. Outside ``jit``, slicing a tensor out of a chunk array sharded over several
+# devices runs one program per slice, each with its own all-gather (a rendezvous of every device). Gathered
+# once per chunk, the slices are local. The tensors come out replicated on the mesh either way; under
+# ``jit`` nothing changes (XLA places the gathers itself).
+def _whole_on_each_device(array):
+    """A concrete chunk array sharded over a mesh, replicated on it (one all-gather); else ``array``."""
+    sharding = getattr(array, "sharding", None)
+    if isinstance(array, jax.core.Tracer) or not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
+        return array
+    return jax.device_put(array, NamedSharding(sharding.mesh, PartitionSpec()))
 
 
 def unflatten(chunks: Mapping[str, Any] | Sequence[Any], layout: ChunkLayout, *, nested: bool = True,
