@@ -15,7 +15,10 @@ TORCH_VERSION ?= 2.13.0
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 # --max-worker-restart 0: a worker that crashes fails its test and is not replaced, because pytest-xdist 3.8's
 # loadgroup scheduler can hang forever after replacing one (pytest-xdist issue 1378); the run ends red, not stuck.
-PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 --durations=30
+# --capture=sys: Python's output is captured per test as usual, but what native code writes to the file descriptors
+# (XLA's and gloo's logs) reaches the log, so the message of a worker that crashes is not lost with it.
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --max-worker-restart 0 --capture=sys \
+	--durations=30
 
 .PHONY: setup train test test-fast lint clean-venv
 

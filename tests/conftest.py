@@ -1,6 +1,8 @@
 """Test-suite set-up shared by every test directory.
 
-JAX must see 8 simulated CPU devices, so XLA_FLAGS is set here, before anything imports jax.
+JAX must see 8 simulated CPU devices, so XLA_FLAGS is set here, before anything imports jax. XLA:CPU ends the
+process when a collective's devices have not all arrived after 40 s; on 2 busy cores running 8 simulated devices
+that is allowed 10 minutes, and the warning it logs after 20 s stays.
 
 Under pytest-xdist (``make test``: ``-n <cores + 1> --dist loadgroup``) the tests that share a module-scoped
 fixture run on one worker (the fixture is built once), and the ``slow`` ones are handed out first,
@@ -9,7 +11,10 @@ so that no worker starts a long test while the other has nothing left to do.
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=600",
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
