@@ -146,8 +146,8 @@ def host_cpu_id(cpuinfo: str | None = None) -> str:
 
     Note [a cache per CPU]: JAX's cache key does not name the host CPU, and XLA:CPU loads an executable compiled
     for other instruction-set features with only a logged error (``cpu_aot_loader.cc``), then runs code this CPU
-    may not have (AVX-512, AMX): the process dies. A home directory shared by machines, or a disk moved between
-    them, must not hand one CPU's programs to another."""
+    may not have (AVX-512, AMX), which can kill the process (SIGILL). A home directory shared by machines, or a
+    disk moved between them, must not hand one CPU's programs to another."""
     import hashlib
     import platform
 
