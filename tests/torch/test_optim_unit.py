@@ -360,3 +360,50 @@ def test_skips_in_a_row_at_the_minimum_loss_scale_raise(precision):
     assert run("x" * 30, None)[0] is None
     with pytest.raises(ConfigError, match="max_skipped_at_min_scale"):
         ZeroOptimizer(ZeroDDP(zero_cases.Odd(), chunk_size=100), max_skipped_at_min_scale=0)
+
+
+class _ReplacingMomentum(torch.optim.Optimizer):
+    """An elementwise optimizer that replaces its state tensor every step instead of updating it in place
+    (``state["m"] = ...`` or ``state.update(m=...)``), as a custom optimizer may."""
+
+    def __init__(self, params, lr=0.1, write="setitem"):
+        super().__init__(params, dict(lr=lr))
+        self.write = write
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - torch's signature
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                m = 0.9 * state["m"] + p.grad if "m" in state else p.grad.clone()
+                if self.write == "setitem":
+                    state["m"] = m
+                else:
+                    state.update(m=m)
+                p.sub_(group["lr"] * m)
+
+
+@pytest.mark.parametrize("write", ["setitem", "update"])
+def test_state_replaced_every_step_is_checkpointed(tmp_path, write):
+    """The state an optimizer writes anew at every step reaches the checkpoint (Note [adopt what was written]):
+    a run resumed from step 2 takes step 3 exactly as the uninterrupted run. A ZeroOptimizer that moved the
+    state into its buffers at the first step only would save step 1's momentum, and the resumed step differ."""
+    def build():
+        model = ZeroDDP(zero_cases.Odd(), chunk_size=100)
+        return model, ZeroOptimizer(model, _ReplacingMomentum, lr=0.05, write=write)
+
+    data = zero_cases.batches("odd", 3, 2)
+    model, optim = build()
+    for batch in data[:2]:
+        optim.backward(zero_cases.odd_loss(model, batch))
+        optim.step()
+        optim.zero_grad()
+    save_checkpoint(tmp_path, model, optim, step=2)
+    other, other_optim = build()
+    load_checkpoint(tmp_path, other, other_optim)
+    for m, o in ((model, optim), (other, other_optim)):
+        o.backward(zero_cases.odd_loss(m, data[2]))
+        o.step()
+    zero_cases.assert_state_close(other.state_dict(), model.state_dict(), rtol=0, atol=0)

@@ -121,7 +121,7 @@ def test_gradients_land_in_the_buffer_and_leave_grad_after_backward():
     as plain torch's ``.grad`` does, and after each backward ``.grad`` holds the placeholder, never a
     view of a chunk's gradient buffer (the mutant that leaves the views there fails the type check;
     one that adds a landed gradient a second time fails the values)."""
-    from torch_backend.zero.grad_placeholders import ShardedGradPlaceholder
+    from torch_backend.zero.chunk_gradient import ShardedGradPlaceholder
 
     net, xs = _Cross(), inputs(3)
     want = _torch_grads(net, xs)

@@ -1,11 +1,16 @@
-"""The gradient of one trainable chunk on a rank: :class:`ChunkGradient`, which its
-:class:`~torch_backend.zero.chunks.Chunk` owns as ``chunk.gradient``.
+"""The gradients of a ``ZeroDDP``: :class:`ChunkGradient`, the gradient of one trainable chunk on a rank,
+which its :class:`~torch_backend.zero.chunks.Chunk` owns as ``chunk.gradient``; and what ``param.grad`` holds
+after a backward, :class:`ShardedGradPlaceholder` (set and cleared by :class:`GradPlaceholders`).
 
 A backward's gradients land in one full-chunk buffer (compute dtype; Note [gradients in the buffer]); the
 buffer is averaged over the ranks (reduce-scattered, or all-reduced for a keep-gathered chunk) and each
 result is added into the fp32 master's ``.grad``, on the master's device. The
 step's owner (:class:`torch_backend.zero.schedule.Scheduler`) and the runtime call its methods. Sizes are in
 elements; ``*_bytes`` are bytes.
+
+The gradient lives in the chunk shards, so each parameter that received one holds a placeholder in
+``.grad``: a plain torch optimizer or ``clip_grad_norm_`` over ``model.parameters()`` raises instead of
+doing nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +18,14 @@ from __future__ import annotations
 import torch
 
 from chunkzero import TensorState
+from chunkzero.errors import ConfigError
 
 from . import collectives
 from .pinned import host_empty
 from .sharding_groups import INTER, INTRA
+from .torch_internals import wrapper_tensor
+
+__all__ = ["ChunkGradient", "GradPlaceholders", "ShardedGradPlaceholder"]
 
 S = TensorState
 
@@ -251,3 +260,72 @@ class ChunkGradient:
         self.discard_buffer()
         self._chunk.master.grad = None
         self.sq_norm = None
+
+
+class ShardedGradPlaceholder(torch.Tensor):
+    """``param.grad`` of a ZeroDDP parameter after a backward: same shape, dtype and device, no data.
+
+    Any operation on it raises :class:`chunkzero.errors.ConfigError` pointing to ``ZeroOptimizer``,
+    so a plain torch optimizer or ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()`` fails
+    loudly instead of doing nothing.
+    """
+
+    param_name: str
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, name: str):
+        t = wrapper_tensor(cls, param)
+        t.param_name = name
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        names = [a.param_name for a in (*args, *(kwargs or {}).values()) if isinstance(a, ShardedGradPlaceholder)]
+        names += [
+            b.param_name
+            for a in args
+            if isinstance(a, (list, tuple))
+            for b in a
+            if isinstance(b, ShardedGradPlaceholder)
+        ]
+        raise ConfigError(
+            f"the gradient of {names[0] if names else 'a ZeroDDP parameter'!r} lives in ZeroDDP's chunk shards, so "
+            f"{func} cannot use param.grad: step with ZeroOptimizer(model, torch.optim.AdamW, max_norm=...) "
+            "(it clips and steps the shards), or read ZeroDDP.grad_shard(chunk)")
+
+    def __repr__(self) -> str:
+        return f"ShardedGradPlaceholder({self.param_name!r}, shape={tuple(self.shape)})"
+
+
+class GradPlaceholders:
+    """The placeholders of a model's trainable parameters: set after a backward in the ``.grad`` of
+    each parameter that received a gradient on some rank, cleared before the next forward, backward
+    or ``zero_grad`` (only where ``.grad`` still holds the placeholder).
+
+    Args:
+        params: ``(parameter, name, layout tensor index)`` of each trainable parameter.
+    """
+
+    def __init__(self, params: list[tuple[torch.nn.Parameter, str, int]]):
+        self.params = params
+        self._made: dict[int, ShardedGradPlaceholder] = {}
+        self.installed = False
+        """Whether some parameter's ``.grad`` may hold its placeholder now."""
+
+    def set(self, grad_received: torch.Tensor) -> None:
+        """Put a placeholder in ``.grad`` of every parameter whose ``grad_received[index]`` is set."""
+        received = grad_received.tolist()
+        for param, name, index in self.params:
+            if received[index] and param.grad is None:
+                if index not in self._made:
+                    self._made[index] = ShardedGradPlaceholder(param, name)
+                param.grad = self._made[index]
+                self.installed = True
+
+    def clear(self) -> None:
+        """Take the placeholders out of ``.grad`` again."""
+        if self.installed:
+            for param, _, index in self.params:
+                if param.grad is not None and param.grad is self._made.get(index):
+                    param.grad = None
+            self.installed = False

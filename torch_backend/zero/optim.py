@@ -138,10 +138,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             torch.optim.Optimizer.__init__(self, [torch.zeros(0)], dict(inner.defaults))
         finally:
             self._constructing = False
+        self._states = PieceStates(model, inner.state, inner.param_groups, self._pieces)
+        inner.state = self._states.state  # (Note [adopt what was written] in optim_pieces.py)
         self.param_groups = inner.param_groups
         self.state = inner.state
         self.defaults = inner.defaults
-        self._states = PieceStates(model, inner.state, inner.param_groups, self._pieces)
         self._tensor_index = {t.name: i for i, t in enumerate(model.layout.tensors)}
         self._trainable = torch.zeros(len(model.layout.tensors), dtype=torch.bool)
         self._trainable[[self._tensor_index[n] for g in self.group_names for n in g]] = True
@@ -383,7 +384,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for p in ps:
                     p.param.grad = None
         self._states.steps[active] += 1
-        self._states.adopt()
+        if self._states.stale:
+            self._states.adopt()
         for c in self._chunks:
             c.refresh_from_master()
         self.step_count += 1

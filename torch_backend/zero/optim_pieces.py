@@ -13,13 +13,15 @@ pieces (the split of a tensor between ranks must not matter).
 per (chunk, state key) of ``shard_numel`` elements aligned with the master shard; each piece's state
 entry is a view into it. The inner optimizer creates its state lazily, per piece; after each step
 :meth:`PieceStates.adopt` moves any state tensor that is not yet such a view into the buffer (once,
-at the first step, for optimizers that update in place). Checkpoints read and write the buffers
-directly. ``step`` counts are kept per tensor (:attr:`PieceStates.steps`, identical on every rank):
-0 means "no state yet", as for a torch parameter that never had a gradient.
+at the first step, for optimizers that update in place; Note [adopt what was written]). Checkpoints read
+and write the buffers directly. ``step`` counts are kept per tensor (:attr:`PieceStates.steps`,
+identical on every rank): 0 means "no state yet", as for a torch parameter that never had a gradient.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any
 
 import torch
@@ -80,18 +82,68 @@ def _step_tensor(value: int, group: dict, param: torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=_step_device(group, param))
 
 
+# Note [adopt what was written]. The inner optimizer's state is a mapping of this module's own dicts
+# (:class:`_StateMap` of :class:`_StateEntry`), which mark their PieceStates stale when an entry is
+# written. An optimizer that updates in place (torch's) writes its entries at its first step only, so
+# ZeroOptimizer.step runs :meth:`PieceStates.adopt`, a walk over every piece, only after a step that
+# wrote: one flag read per step, not a loop over tensors. An optimizer that replaces its state tensors
+# writes them each step, and is adopted each step. An entry that is not one of these dicts (a plain
+# dict put in ``optim.state[p]`` by hand) keeps the states stale, so it too is adopted after every step.
+
+
+class _StateEntry(dict):
+    """One piece's inner-optimizer state (a dict): writing a key marks ``states`` stale."""
+
+    def __init__(self, states: PieceStates, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.states = states
+
+    def __setitem__(self, key, value):
+        self.states.stale = True
+        super().__setitem__(key, value)
+
+    def update(self, *args, **kwargs):
+        self.states.stale = True
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self.states.stale = True
+        return super().setdefault(key, default)
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+
+class _StateMap(collections.defaultdict):
+    """The inner optimizer's ``state``: a ``defaultdict`` whose new entries are :class:`_StateEntry`;
+    putting in an entry marks ``states`` stale."""
+
+    def __init__(self, states: PieceStates, entries=()):
+        super().__init__(functools.partial(_StateEntry, states), entries)
+        self.states = states
+
+    def __setitem__(self, key, value):
+        self.states.stale = True
+        super().__setitem__(key, value)
+
+
 class PieceStates:
     """The flat per-chunk state buffers behind the pieces' optimizer state (see the module docstring).
 
     Args:
         model: the ZeroDDP model.
-        state: the inner optimizer's ``state`` (keyed by piece parameter).
+        state: the inner optimizer's ``state`` (keyed by piece parameter); its entries are copied into
+            :attr:`state`, which replaces it (Note [adopt what was written]).
         groups: the inner optimizer's ``param_groups`` (where a piece's ``step`` lives depends on them).
         pieces: :func:`build_pieces`'s result.
     """
 
     def __init__(self, model, state, groups: list[dict], pieces: dict[int, list[Piece]]):
-        self.state = state
+        self.stale = True
+        """Whether a state entry was written since the last :meth:`adopt` (Note [adopt what was written])."""
+        self.state = _StateMap(self, ((k, _StateEntry(self, v)) for k, v in state.items()))
+        """The inner optimizer's ``state`` from now on (keyed by piece parameter)."""
         self.groups = groups
         self.pieces = pieces
         self.chunks = {ci: model.chunks[ci] for ci in pieces}
@@ -113,12 +165,15 @@ class PieceStates:
 
     # ------------------------------------------------------------------ after a step
     def adopt(self) -> None:
-        """Move every per-element state tensor that is not a view of a flat buffer into one."""
+        """Move every per-element state tensor that is not a view of a flat buffer into one (ZeroOptimizer
+        calls it after a step that wrote state: :attr:`stale`)."""
+        watched = True
         for ci, pieces in self.pieces.items():
             for p in pieces:
                 st = self.state.get(p.param)
                 if not st:
                     continue
+                watched = watched and type(st) is _StateEntry
                 for key, value in st.items():
                     if key == "step":
                         self.uses_step = True
@@ -133,6 +188,7 @@ class PieceStates:
         for ci in self.pieces:  # every trainable chunk holds every key (a checkpoint saves each chunk's)
             for key in self.keys:
                 self._buffer(ci, key, torch.float32)
+        self.stale = not watched
 
     def _buffer(self, ci: int, key: str, dtype: torch.dtype) -> torch.Tensor:
         flat = self.flat.setdefault(ci, {})
@@ -232,7 +288,7 @@ class PieceStates:
                 p.views = {}
                 continue
             p.views = {k: buf[p.offset : p.offset + p.numel] for k, buf in flat.items()}
-            st: dict[str, Any] = dict(p.views)
+            st = _StateEntry(self, p.views)
             for k, v in self.scalars.get(ci, {}).items():
                 st[k] = v.clone()
             if self.uses_step:

@@ -26,7 +26,7 @@ no chunk state of its own.
   chunk whose tensors are all READY_FOR_REDUCE is handed to the scheduler. A callback queued on the autograd
   engine (from a hook on the forward's outputs, so it belongs to the outermost backward) ends the backward:
   agreement on unused parameters, the remaining reductions, releases, ``param.grad`` placeholders
-  (:mod:`torch_backend.zero.grad_placeholders`).
+  (:mod:`torch_backend.zero.chunk_gradient`).
 
 Hook code runs under ``no_torch_function()``, so the torch calls it makes on chunk buffers (and the
 collectives it issues) skip the access mode, without a Python frame each.
@@ -45,8 +45,8 @@ from chunkzero import ChunkLayout
 from chunkzero.errors import ConfigError, ShapeMismatchError, UnusedParameterError
 
 from .access_mode import ALIASING, Entry, ParamAccessMode, SavedParam, SavedView, func_name
+from .chunk_gradient import GradPlaceholders
 from .chunks import Chunk, Pin
-from .grad_placeholders import GradPlaceholders
 from .schedule import BACKWARD, FORWARD, OUTSIDE, Phase, Scheduler
 from .torch_internals import (
     ENGINE_RUN_BACKWARD,
@@ -140,6 +140,8 @@ class ChunkRuntime:
         self.sync = True
         self._phase: Phase | None = None
         self._mode_stack: list[tuple[nn.Module, ParamAccessMode]] = []
+        self._mode = ParamAccessMode(self)
+        """The access mode of a forward or backward (stateless: one object, pushed each time)."""
         self._release_in_forward = True
         self._keep_for_backward: set[int] = set()
         self._fwd_used: dict[int, set[str]] = {}
@@ -239,10 +241,9 @@ class ChunkRuntime:
 
     @contextlib.contextmanager
     def _intercepting(self):
-        mode = ParamAccessMode(self)
-        self._mode_stack.append((self, mode))
+        self._mode_stack.append((self, self._mode))
         try:
-            with mode:
+            with self._mode:
                 try:
                     yield
                 finally:
@@ -305,10 +306,11 @@ class ChunkRuntime:
         if run is None or self._mode_stack:
             loss.backward()
             return
+        seed = torch.ones_like(loss)  # outside the mode: it takes no parameter
         with self._intercepting():
             # the engine directly: Tensor.backward would go through the mode, whose handler runs with
             # the mode off, and the engine keeps the modes active when it starts
-            run((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True)
+            run((loss,), (seed,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
     def use_chunk(self, c: Chunk) -> None:
         """Have ``c`` gathered for a computation now (forward, or a recomputation in backward)."""
@@ -378,9 +380,8 @@ class ChunkRuntime:
                 else:
                     self._phase = OUTSIDE
                     self.sched.start(OUTSIDE)
-                mode = ParamAccessMode(self)
-                mode.__enter__()
-                self._mode_stack.append((module, mode))
+                self._mode.__enter__()
+                self._mode_stack.append((module, self._mode))
             entries = self._units.get(id(module))
             if entries is not None:
                 held = sorted({e.chunk.index for e in entries})
