@@ -276,6 +276,29 @@ class PieceStates:
         self.steps[self.chunk_tensors[ci]] = step
         self.attach(ci)
 
+    def load_shards(self, ci: int, shards: dict[str, torch.Tensor], steps: dict[int, int], *, uses_step: bool) -> None:
+        """Set chunk ``ci``'s state from a torch-format state dict's values, then :meth:`attach` it.
+
+        Args:
+            ci: the chunk's index.
+            shards: state key -> this rank's 1-D shard (``shard_numel`` elements, any device), copied into the
+                key's flat buffer (one is made on the master's device where the key is new).
+            steps: layout tensor index -> its ``step`` (0: no state).
+            uses_step: whether the dict keeps a ``step`` per tensor (Adam-style).
+        """
+        flat = self.flat.setdefault(ci, {})
+        for key, shard in shards.items():
+            if key in flat:
+                flat[key].copy_(shard)
+            else:
+                flat[key] = shard.to(self.chunks[ci].master.device)
+                if key not in self.keys:
+                    self.keys.append(key)
+        for index, step in steps.items():
+            self.steps[index] = step
+        self.uses_step = self.uses_step or uses_step
+        self.attach(ci)
+
     def attach(self, ci: int) -> None:
         """Rebuild the inner optimizer's state of chunk ``ci``'s pieces from the flat buffers and
         :attr:`steps` (a tensor with step 0 gets no state)."""

@@ -135,17 +135,16 @@ def load_full_state_dict(zopt, state_dict: dict[str, Any]) -> None:
         tensors = layout.chunk_tensors(c.index)
         fulls: dict[str, dict[str, torch.Tensor]] = {}
         scalars: dict[str, dict[str, torch.Tensor]] = {}
+        steps: dict[int, int] = {}
+        uses_step = False
         for t in tensors:
             entry = by_name.get(t.name, {})
             step = entry.get("step")
-            if entry:
-                states.steps[states.tensor_index[t.name]] = (
-                    max(zopt.step_count, 1) if step is None else _scalar_step(step)
-                )
+            if not entry:
+                steps[states.tensor_index[t.name]] = 0
             else:
-                states.steps[states.tensor_index[t.name]] = 0
-            if step is not None:
-                states.uses_step = True
+                steps[states.tensor_index[t.name]] = max(zopt.step_count, 1) if step is None else _scalar_step(step)
+            uses_step = uses_step or step is not None
             for key, v in entry.items():
                 if key == "step":
                     continue
@@ -155,16 +154,9 @@ def load_full_state_dict(zopt, state_dict: dict[str, Any]) -> None:
                     fulls.setdefault(key, {})[t.name] = v
                 else:
                     scalars.setdefault(t.name, {})[key] = torch.as_tensor(v)
-        flat = states.flat.setdefault(c.index, {})
-        for key in dict.fromkeys([*flat, *fulls]):
-            shard = chunk_io.shard_from_full(c, fulls.get(key, {}))  # zeros where a tensor has no state
-            if key in flat:
-                flat[key].copy_(shard)
-            else:
-                flat[key] = shard.to(c.master.device)
-                if key not in states.keys:
-                    states.keys.append(key)
-        states.attach(c.index)
+        keys = dict.fromkeys([*states.flat.get(c.index, {}), *fulls])
+        shards = {key: chunk_io.shard_from_full(c, fulls.get(key, {})) for key in keys}  # zeros: no state
+        states.load_shards(c.index, shards, steps, uses_step=uses_step)
         for p in states.pieces.get(c.index, []):
             for key, v in scalars.get(p.name, {}).items():
                 if p.param in zopt.state:
