@@ -57,6 +57,22 @@ def test_flatten_unflatten_roundtrip_on_mesh(world):
         np.testing.assert_array_equal(np.asarray(again[k], np.float32), np.asarray(chunks[k], np.float32))
 
 
+def test_unflatten_gathers_each_sharded_chunk_once(monkeypatch):
+    """Note [one gather per chunk]: outside ``jit``, unflatten moves each chunk sharded on the mesh to every device
+    once (one ``device_put`` each, so one all-gather), then slices it there; the tensors come out replicated. One
+    program per slice of the sharded chunk would make no such move, and gather once per tensor instead."""
+    layout = ChunkLayout.build(SPECS, chunk_size=20, world_size=4)
+    chunks = jb.flatten(tensors(), layout, mesh=jb.make_mesh(4))
+    moved = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: moved.append(x.shape) or device_put(x, *a, **k))
+    flat = jb.unflatten(chunks, layout, nested=False)
+    assert sorted(moved) == sorted((c.size,) for c in layout.chunks if not c.keep_gathered)
+    assert all(v.sharding.is_fully_replicated for v in flat.values())
+    for name, x in tensors().items():
+        np.testing.assert_array_equal(np.asarray(flat[name]), x)
+
+
 def test_keep_gathered_chunks_are_replicated():
     specs = [TensorSpec("big", (40,)), TensorSpec("small", (3,), keep_gathered=True)]
     layout = ChunkLayout.build(specs, chunk_size=64, world_size=4)
