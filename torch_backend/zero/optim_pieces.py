@@ -282,18 +282,13 @@ class PieceStates:
         Args:
             ci: the chunk's index.
             shards: state key -> this rank's 1-D shard (``shard_numel`` elements, any device), copied into the
-                key's flat buffer (one is made on the master's device where the key is new).
+                key's flat buffer (an fp32 one is made on the master's device where the key is new).
             steps: layout tensor index -> its ``step`` (0: no state).
             uses_step: whether the dict keeps a ``step`` per tensor (Adam-style).
         """
-        flat = self.flat.setdefault(ci, {})
+        self.flat.setdefault(ci, {})
         for key, shard in shards.items():
-            if key in flat:
-                flat[key].copy_(shard)
-            else:
-                flat[key] = shard.to(self.chunks[ci].master.device)
-                if key not in self.keys:
-                    self.keys.append(key)
+            self._buffer(ci, key, torch.float32).copy_(shard)
         for index, step in steps.items():
             self.steps[index] = step
         self.uses_step = self.uses_step or uses_step
