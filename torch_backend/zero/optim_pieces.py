@@ -114,6 +114,9 @@ class _StateEntry(dict):
         self.update(other)
         return self
 
+    def __reduce__(self):  # copies keep their owner (copy, deepcopy)
+        return _StateEntry, (self.states, dict(self))
+
 
 class _StateMap(collections.defaultdict):
     """The inner optimizer's ``state``: a ``defaultdict`` whose new entries are :class:`_StateEntry`;
@@ -126,6 +129,9 @@ class _StateMap(collections.defaultdict):
     def __setitem__(self, key, value):
         self.states.stale = True
         super().__setitem__(key, value)
+
+    def __reduce__(self):  # copies keep their owner (copy, deepcopy)
+        return _StateMap, (self.states, list(self.items()))
 
 
 class PieceStates:
