@@ -21,7 +21,7 @@ from .errors import (
     ShapeMismatchError,
     UnusedParameterError,
 )
-from .layout import ChunkInfo, ChunkLayout, TensorPlacement, TensorSpec
+from .layout import ChunkInfo, ChunkLayout, TensorSlot, TensorSpec
 from .placement import ChunkPlacement, Location, chunk_placements, offload_count, static_placement
 from .placement_auto import PlacementPlan, StepSchedule, plan_placement
 from .search import SearchResult, build_layout, gemini_search, search_chunk_size
@@ -63,7 +63,7 @@ __all__ = [
     "LayoutFormatError",
     "LayoutVersionError",
     "ShapeMismatchError",
-    "TensorPlacement",
+    "TensorSlot",
     "TensorSpec",
     "TensorState",
     "UnusedParameterError",

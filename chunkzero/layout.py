@@ -81,8 +81,8 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
-class TensorPlacement:
-    """Where one tensor lives: ``chunk`` index and element ``offset`` inside it, ``numel`` elements."""
+class TensorSlot:
+    """A tensor's slot: its ``chunk`` index and element ``offset`` inside it, ``numel`` elements."""
 
     name: str
     shape: tuple[int, ...]
@@ -138,18 +138,18 @@ class ChunkLayout:
     Attributes:
         chunk_size: packing capacity in elements (tensors are packed until the next would exceed it).
         world_size: number of data-parallel ranks.
-        tensors: :class:`TensorPlacement` per unique tensor, in parameter order.
+        tensors: :class:`TensorSlot` per unique tensor, in parameter order.
         chunks: :class:`ChunkInfo` per chunk, by index.
     """
 
     def __init__(
-        self, tensors: Sequence[TensorPlacement], chunks: Sequence[ChunkInfo], *, chunk_size: int, world_size: int
+        self, tensors: Sequence[TensorSlot], chunks: Sequence[ChunkInfo], *, chunk_size: int, world_size: int
     ):
         self.chunk_size = int(chunk_size)
         self.world_size = int(world_size)
-        self.tensors: tuple[TensorPlacement, ...] = tuple(tensors)
+        self.tensors: tuple[TensorSlot, ...] = tuple(tensors)
         self.chunks: tuple[ChunkInfo, ...] = tuple(chunks)
-        self._by_name: dict[str, TensorPlacement] = {}
+        self._by_name: dict[str, TensorSlot] = {}
         for t in self.tensors:
             for n in t.names:
                 self._by_name[n] = t
@@ -227,13 +227,13 @@ class ChunkLayout:
             chunk_members[idx].append(spec)
             chunk_fill[idx] += spec.numel
 
-        placements: dict[str, TensorPlacement] = {}
+        slots: dict[str, TensorSlot] = {}
         chunks: list[ChunkInfo] = []
         for idx, (members, key) in enumerate(zip(chunk_members, chunk_keys)):
             dtype, requires_grad, keep_gathered = key
             offset = 0
             for spec in members:
-                placements[spec.name] = TensorPlacement(
+                slots[spec.name] = TensorSlot(
                     spec.name, spec.shape, spec.dtype, idx, offset, spec.aliases, spec.requires_grad
                 )
                 offset += spec.numel
@@ -248,7 +248,7 @@ class ChunkLayout:
                     tuple(s.name for s in members),
                 )
             )
-        tensors = [placements[s.name] for s in specs]
+        tensors = [slots[s.name] for s in specs]
         return cls(tensors, chunks, chunk_size=chunk_size, world_size=world_size)
 
     def relayout(self, world_size: int) -> ChunkLayout:
@@ -259,7 +259,7 @@ class ChunkLayout:
         return ChunkLayout(self.tensors, chunks, chunk_size=self.chunk_size, world_size=world_size)
 
     # ------------------------------------------------------------------ queries
-    def tensor(self, name: str) -> TensorPlacement:
+    def tensor(self, name: str) -> TensorSlot:
         """Placement of the tensor called ``name`` (a primary name or an alias).
 
         Raises:
@@ -283,7 +283,7 @@ class ChunkLayout:
         """Every name including aliases, each tensor's primary name first."""
         return tuple(n for t in self.tensors for n in t.names)
 
-    def chunk_tensors(self, chunk: int) -> tuple[TensorPlacement, ...]:
+    def chunk_tensors(self, chunk: int) -> tuple[TensorSlot, ...]:
         """The tensors of chunk ``chunk``, in offset order."""
         return tuple(self._by_name[n] for n in self.chunks[chunk].tensor_names)
 
@@ -315,7 +315,7 @@ class ChunkLayout:
         stop = max(min(s1, t.end), start)
         return (start - t.offset, stop - t.offset)
 
-    def shard_pieces(self, chunk: int, rank: int) -> list[tuple[TensorPlacement, int, int, int]]:
+    def shard_pieces(self, chunk: int, rank: int) -> list[tuple[TensorSlot, int, int, int]]:
         """The tensor pieces inside ``rank``'s shard of ``chunk``.
 
         Returns:
@@ -435,13 +435,13 @@ class ChunkLayout:
             except ConfigError as e:
                 raise LayoutFormatError(f"tensors[{i}].dtype", str(e)) from None
             tensors.append(
-                TensorPlacement(
+                TensorSlot(
                     f.get("name", str), tuple(shape), dtype, f.get("chunk", int), f.get("offset", int),
                     tuple(aliases), f.get("requires_grad", bool),
                 )
             )
         chunk_dicts = d.get("chunks", list)
-        members: dict[int, list[TensorPlacement]] = {i: [] for i in range(len(chunk_dicts))}
+        members: dict[int, list[TensorSlot]] = {i: [] for i in range(len(chunk_dicts))}
         for i, t in enumerate(tensors):
             if t.chunk not in members:
                 raise LayoutFormatError(

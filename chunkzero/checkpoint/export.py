@@ -39,7 +39,7 @@ import numpy as np
 
 from ..dtypes import canonical_dtype, itemsize_bytes, numpy_dtype
 from ..errors import CheckpointError, ConfigError
-from ..layout import ChunkLayout, TensorPlacement
+from ..layout import ChunkLayout, TensorSlot
 from . import orbax_files, orbax_store
 from .meta import EMA_KEY, PARAMS_KEY, ArrayPath, CheckpointMeta, chunk_key
 from .orbax_logs import quiet_saves
@@ -156,7 +156,7 @@ class TensorStream:
         kind = EMA_KEY if self.ema and self.layout.chunks[index].requires_grad else PARAMS_KEY
         return (kind, chunk_key(index))
 
-    def saved_dtype(self, t: TensorPlacement) -> str:
+    def saved_dtype(self, t: TensorSlot) -> str:
         return self.reader.expected[self.array(t.chunk)][1]
 
     def chunk(self, index: int) -> np.ndarray:
@@ -166,11 +166,11 @@ class TensorStream:
             self._cached = (index, self.reader.read(self.array(index), 0, c.utilized))
         return self._cached[1]
 
-    def tensor(self, t: TensorPlacement) -> np.ndarray:
+    def tensor(self, t: TensorSlot) -> np.ndarray:
         """Full-shaped view of tensor ``t`` in its chunk (valid until the next chunk is read)."""
         return self.chunk(t.chunk)[t.offset : t.end].reshape(t.shape)
 
-    def ordered(self) -> list[TensorPlacement]:
+    def ordered(self) -> list[TensorSlot]:
         """Tensors in storage order (chunk, offset): each chunk is read once."""
         return sorted(self.layout.tensors, key=lambda t: (t.chunk, t.offset))
 
@@ -210,7 +210,7 @@ def _write_safetensors(
     stream: TensorStream, out: Path, dtype: str | None, max_shard_bytes: int
 ) -> tuple[list[str], int]:
     tensors = stream.ordered()
-    plan: list[list[tuple[TensorPlacement, str, int]]] = [[]]
+    plan: list[list[tuple[TensorSlot, str, int]]] = [[]]
     current = 0
     for t in tensors:
         out_dtype = _export_dtype(stream.saved_dtype(t), dtype)
@@ -260,14 +260,14 @@ def _write_safetensors(
 
 
 class _LazyLeaf:
-    """A leaf of the exported tree: the tensor ``placement`` of ``stream``, read when written (in
+    """A leaf of the exported tree: the tensor in ``slot`` of ``stream``, read when written (in
     storage order, so each chunk is read once)."""
 
-    def __init__(self, stream: TensorStream, placement: TensorPlacement, dtype: str):
-        self.stream, self.placement = stream, placement
-        self.shape = tuple(placement.shape)
+    def __init__(self, stream: TensorStream, slot: TensorSlot, dtype: str):
+        self.stream, self.slot = stream, slot
+        self.shape = tuple(slot.shape)
         self.dtype = numpy_dtype(dtype)
-        self.order = (placement.chunk, placement.offset)
+        self.order = (slot.chunk, slot.offset)
 
     @property
     def size(self) -> int:
@@ -278,7 +278,7 @@ class _LazyLeaf:
         return len(self.shape)
 
     def load(self) -> np.ndarray:
-        a = self.stream.tensor(self.placement)
+        a = self.stream.tensor(self.slot)
         return a.astype(self.dtype) if a.dtype != self.dtype else np.array(a)
 
 

@@ -11,19 +11,19 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, ShapeMismatchError
-from ..layout import ChunkLayout, TensorPlacement, TensorSpec
+from ..layout import ChunkLayout, TensorSlot, TensorSpec
 from .meta import PARAMS_KEY, ArrayPath, chunk_key
 
 
-def matching_names(tensor: TensorPlacement | TensorSpec, keys: Container[str]) -> list[str]:
+def matching_names(tensor: TensorSlot | TensorSpec, keys: Container[str]) -> list[str]:
     """The names of ``tensor`` that ``keys`` holds: its primary name first, then its aliases (tied
     weights), in their order. ``keys`` is any container of names: a layout, a state dict, a set."""
     return [n for n in (tensor.name, *tensor.aliases) if n in keys]
 
 
 def saved_tensor(
-    saved: ChunkLayout, tensor: TensorPlacement | TensorSpec, *, source: str = "checkpoint"
-) -> TensorPlacement:
+    saved: ChunkLayout, tensor: TensorSlot | TensorSpec, *, source: str = "checkpoint"
+) -> TensorSlot:
     """The placement in ``saved`` of ``tensor`` (a tensor of another layout), by name or any alias.
 
     Raises:

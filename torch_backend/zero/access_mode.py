@@ -17,7 +17,7 @@ __all__ = ["ALIASING", "Entry", "ParamAccessMode", "SavedParam", "SavedView", "f
 
 class Entry:
     """A managed parameter: its object, primary name, index in the layout, chunk and its place in the chunk
-    (``tensor``, the layout's :class:`chunkzero.TensorPlacement`)."""
+    (``tensor``, the layout's :class:`chunkzero.TensorSlot`)."""
 
     __slots__ = ("chunk", "index", "name", "param", "tensor")
 

@@ -16,7 +16,7 @@ import enum
 
 import torch
 
-from chunkzero import ChunkLayout, ChunkStates, TensorPlacement, TensorState
+from chunkzero import ChunkLayout, ChunkStates, TensorSlot, TensorState
 from chunkzero.errors import ConfigError
 
 from . import collectives
@@ -132,7 +132,7 @@ class Chunk:
         self.shard_start, self.shard_stop = layout.shard_range(index, rank)
         self.valid_numel = layout.valid_length(index, rank)
         self.keep_gathered = info.keep_gathered
-        self.tensors: tuple[TensorPlacement, ...] = layout.chunk_tensors(index)
+        self.tensors: tuple[TensorSlot, ...] = layout.chunk_tensors(index)
         """The chunk's tensors: each one's name, shape and offset in the chunk."""
         self.params = params
         self.param_offloaded = bool(param_offloaded) and not self.keep_gathered
