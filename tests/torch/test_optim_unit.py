@@ -1,6 +1,7 @@
 """In-process checks of ZeroOptimizer as a torch optimizer (no process group, fast): bad param groups,
 refused no-ops, add_param_group, hooks, a checkpoint round trip with a tensor that never had a gradient."""
 
+import collections
 import copy
 import logging
 
@@ -407,3 +408,93 @@ def test_state_replaced_every_step_is_checkpointed(tmp_path, write):
         o.backward(zero_cases.odd_loss(m, data[2]))
         o.step()
     zero_cases.assert_state_close(other.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
+class _SetdefaultMomentum(torch.optim.Optimizer):
+    """In-place momentum whose state entries are made with ``self.state.setdefault(p, {})``, a plain dict."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ARG002 - torch's signature
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state.setdefault(p, {})
+                    if "m" not in state:
+                        state["m"] = torch.zeros_like(p)
+                    state["m"].mul_(0.9).add_(p.grad)
+                    p.sub_(group["lr"] * state["m"])
+
+
+class _LateUse(torch.nn.Module):
+    """A layer, and a bias used only when asked: it gets its first gradient late."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.late = torch.nn.Parameter(torch.randn(4))
+        self.use_late = False
+
+    def forward(self, x):
+        y = self.a(x)
+        return (y + self.late if self.use_late else y).square().sum()
+
+
+def test_state_made_late_by_setdefault_is_checkpointed(tmp_path):
+    """A resumed run (every entry watched, nothing left to adopt) in which a tensor gets its first gradient:
+    its state, a plain dict put in by ``state.setdefault``, reaches the next checkpoint, so a run resumed from
+    it steps as the uninterrupted one (Note [adopt what was written]; a map that missed the write saved zeros).
+    An entry the map cannot watch keeps the states to adopt after every step."""
+    def build():
+        model = ZeroDDP(_LateUse(), chunk_size=100, find_unused_parameters=True)
+        return model, ZeroOptimizer(model, _SetdefaultMomentum, lr=0.05)
+
+    def step(model, optim, i, use_late):
+        model.module.use_late = use_late
+        optim.backward(model(torch.full((2, 4), 0.1 * i)))
+        optim.step()
+        optim.zero_grad()
+
+    model, optim = build()
+    step(model, optim, 0, False)
+    save_checkpoint(tmp_path / "a", model, optim, step=1)
+    model, optim = build()
+    load_checkpoint(tmp_path / "a", model, optim)
+    step(model, optim, 1, False)
+    assert not optim.piece_states.stale.value  # all adopted, and every entry watched
+    step(model, optim, 2, True)  # ``late`` gets its first gradients
+    step(model, optim, 3, True)
+    assert optim.piece_states.stale.value and dict in {type(e) for e in optim.state.values()}
+    save_checkpoint(tmp_path / "b", model, optim, step=4)
+    other, other_optim = build()
+    load_checkpoint(tmp_path / "b", other, other_optim)
+    for m, o in ((model, optim), (other, other_optim)):
+        step(m, o, 4, True)
+    zero_cases.assert_state_close(other.state_dict(), model.state_dict(), rtol=0, atol=0)
+
+
+def test_state_copies_are_torchs_and_nothing_keeps_the_buffers_alive():
+    """``deepcopy(optim.state)`` is torch's ``defaultdict`` of plain dicts, equal to the live state (not a copy of
+    the model's chunks through the entries' owner); and the state buffers go with the optimizer, without waiting
+    for the cycle collector."""
+    import gc
+    import weakref
+
+    model = ZeroDDP(zero_cases.Odd(), chunk_size=100)
+    optim = ZeroOptimizer(model, torch.optim.AdamW, **ADAMW)
+    optim.backward(zero_cases.odd_loss(model, zero_cases.batches("odd", 1, 2)[0]))
+    optim.step()
+    copied = copy.deepcopy(optim.state)
+    assert type(copied) is collections.defaultdict and {type(e) for e in copied.values()} == {dict}
+    assert [sorted(e) for e in copied.values()] == [sorted(e) for e in optim.state.values()]
+    assert all(torch.equal(c[k], e[k]) for c, e in zip(copied.values(), optim.state.values()) for k in e)
+    states = weakref.ref(optim.piece_states)
+    gc.disable()
+    try:
+        del optim, copied
+        assert states() is None
+    finally:
+        gc.enable()

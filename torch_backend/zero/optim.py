@@ -384,7 +384,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for p in ps:
                     p.param.grad = None
         self._states.steps[active] += 1
-        if self._states.stale:
+        if self._states.stale.value:
             self._states.adopt()
         for c in self._chunks:
             c.refresh_from_master()

@@ -83,55 +83,67 @@ def _step_tensor(value: int, group: dict, param: torch.Tensor) -> torch.Tensor:
 
 
 # Note [adopt what was written]. The inner optimizer's state is a mapping of this module's own dicts
-# (:class:`_StateMap` of :class:`_StateEntry`), which mark their PieceStates stale when an entry is
-# written. An optimizer that updates in place (torch's) writes its entries at its first step only, so
-# ZeroOptimizer.step runs :meth:`PieceStates.adopt`, a walk over every piece, only after a step that
-# wrote: one flag read per step, not a loop over tensors. An optimizer that replaces its state tensors
-# writes them each step, and is adopted each step. An entry that is not one of these dicts (a plain
-# dict put in ``optim.state[p]`` by hand) keeps the states stale, so it too is adopted after every step.
+# (:class:`_StateMap` of :class:`_StateEntry`), which raise their PieceStates' :class:`_Stale` flag when
+# written (an item set, ``update``, ``setdefault``, ``|=``). An optimizer that updates in place (torch's)
+# writes its entries at its first step only, so ZeroOptimizer.step runs :meth:`PieceStates.adopt`, a walk
+# over every piece, only after a step that wrote: one flag read per step, not a loop over tensors. An
+# optimizer that replaces its state tensors writes them each step, and is adopted each step. An entry that
+# is not one of these dicts (a plain dict put in ``optim.state[p]`` by hand) keeps the flag up, so it too
+# is adopted after every step. The dicts hold the flag, not the PieceStates (no reference cycle keeps the
+# buffers alive), and their copies (``copy``, ``deepcopy``, pickling) are plain dicts, as torch's are.
 
 
-class _StateEntry(dict):
-    """One piece's inner-optimizer state (a dict): writing a key marks ``states`` stale."""
+class _Stale:
+    """Whether a piece's state was written since the last :meth:`PieceStates.adopt`: :attr:`value`."""
 
-    def __init__(self, states: PieceStates, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.states = states
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = True
+
+
+class _WriteFlagging:
+    """The write methods of a dict that raise ``self.stale`` (a :class:`_Stale`) before writing."""
+
+    stale: _Stale
 
     def __setitem__(self, key, value):
-        self.states.stale = True
+        self.stale.value = True
         super().__setitem__(key, value)
 
     def update(self, *args, **kwargs):
-        self.states.stale = True
+        self.stale.value = True
         super().update(*args, **kwargs)
 
     def setdefault(self, key, default=None):
-        self.states.stale = True
+        self.stale.value = True
         return super().setdefault(key, default)
 
     def __ior__(self, other):
         self.update(other)
         return self
 
-    def __reduce__(self):  # copies keep their owner (copy, deepcopy)
-        return _StateEntry, (self.states, dict(self))
+
+class _StateEntry(_WriteFlagging, dict):
+    """One piece's inner-optimizer state: a dict whose writes raise ``stale``."""
+
+    def __init__(self, stale: _Stale, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stale = stale
+
+    def __reduce__(self):  # a copy is a plain dict
+        return dict, (dict(self),)
 
 
-class _StateMap(collections.defaultdict):
-    """The inner optimizer's ``state``: a ``defaultdict`` whose new entries are :class:`_StateEntry`;
-    putting in an entry marks ``states`` stale."""
+class _StateMap(_WriteFlagging, collections.defaultdict):
+    """The inner optimizer's ``state``: a ``defaultdict`` of :class:`_StateEntry` whose writes raise ``stale``."""
 
-    def __init__(self, states: PieceStates, entries=()):
-        super().__init__(functools.partial(_StateEntry, states), entries)
-        self.states = states
+    def __init__(self, stale: _Stale, entries=()):
+        super().__init__(functools.partial(_StateEntry, stale), entries)
+        self.stale = stale
 
-    def __setitem__(self, key, value):
-        self.states.stale = True
-        super().__setitem__(key, value)
-
-    def __reduce__(self):  # copies keep their owner (copy, deepcopy)
-        return _StateMap, (self.states, list(self.items()))
+    def __reduce__(self):  # a copy is torch's defaultdict(dict)
+        return collections.defaultdict, (dict,), None, None, iter(self.items())
 
 
 class PieceStates:
@@ -146,9 +158,10 @@ class PieceStates:
     """
 
     def __init__(self, model, state, groups: list[dict], pieces: dict[int, list[Piece]]):
-        self.stale = True
-        """Whether a state entry was written since the last :meth:`adopt` (Note [adopt what was written])."""
-        self.state = _StateMap(self, ((k, _StateEntry(self, v)) for k, v in state.items()))
+        self.stale = _Stale()
+        """Whether a state entry was written since the last :meth:`adopt` (``stale.value``; Note [adopt what was
+        written])."""
+        self.state = _StateMap(self.stale, ((k, _StateEntry(self.stale, v)) for k, v in state.items()))
         """The inner optimizer's ``state`` from now on (keyed by piece parameter)."""
         self.groups = groups
         self.pieces = pieces
@@ -177,7 +190,7 @@ class PieceStates:
         for ci, pieces in self.pieces.items():
             for p in pieces:
                 st = self.state.get(p.param)
-                if not st:
+                if st is None:
                     continue
                 watched = watched and type(st) is _StateEntry
                 for key, value in st.items():
@@ -194,7 +207,7 @@ class PieceStates:
         for ci in self.pieces:  # every trainable chunk holds every key (a checkpoint saves each chunk's)
             for key in self.keys:
                 self._buffer(ci, key, torch.float32)
-        self.stale = not watched
+        self.stale.value = not watched
 
     def _buffer(self, ci: int, key: str, dtype: torch.dtype) -> torch.Tensor:
         flat = self.flat.setdefault(ci, {})
@@ -312,7 +325,7 @@ class PieceStates:
                 p.views = {}
                 continue
             p.views = {k: buf[p.offset : p.offset + p.numel] for k, buf in flat.items()}
-            st = _StateEntry(self, p.views)
+            st = _StateEntry(self.stale, p.views)
             for k, v in self.scalars.get(ci, {}).items():
                 st[k] = v.clone()
             if self.uses_step:
