@@ -128,8 +128,8 @@ class _StateEntry(_WriteFlagging, dict):
     """One piece's inner-optimizer state: a dict whose writes raise ``stale``."""
 
     def __init__(self, stale: _Stale, *args, **kwargs):
-        super().__init__(*args, **kwargs)
         self.stale = stale
+        super().__init__(*args, **kwargs)
 
     def __reduce__(self):  # a copy is a plain dict
         return dict, (dict(self),)
@@ -139,8 +139,8 @@ class _StateMap(_WriteFlagging, collections.defaultdict):
     """The inner optimizer's ``state``: a ``defaultdict`` of :class:`_StateEntry` whose writes raise ``stale``."""
 
     def __init__(self, stale: _Stale, entries=()):
-        super().__init__(functools.partial(_StateEntry, stale), entries)
         self.stale = stale
+        super().__init__(functools.partial(_StateEntry, stale), entries)
 
     def __reduce__(self):  # a copy is torch's defaultdict(dict)
         return collections.defaultdict, (dict,), None, None, iter(self.items())
