@@ -7,10 +7,6 @@ buffer is averaged over the ranks (reduce-scattered, or all-reduced for a keep-g
 result is added into the fp32 master's ``.grad``, on the master's device. The
 step's owner (:class:`torch_backend.zero.schedule.Scheduler`) and the runtime call its methods. Sizes are in
 elements; ``*_bytes`` are bytes.
-
-The gradient lives in the chunk shards, so each parameter that received one holds a placeholder in
-``.grad``: a plain torch optimizer or ``clip_grad_norm_`` over ``model.parameters()`` raises instead of
-doing nothing.
 """
 
 from __future__ import annotations
