@@ -17,6 +17,14 @@ from torch_backend.checkpoint.sharded import load_checkpoint, read_meta, save_ch
 ADAMW = dict(lr=1e-2, eps=1e-6)
 
 
+def _train_odd(model, optim, batches) -> None:
+    """A ZeroOptimizer step on each of ``batches`` of the ``Odd`` model."""
+    for batch in batches:
+        optim.backward(zero_cases.odd_loss(model, batch))
+        optim.step()
+        optim.zero_grad()
+
+
 def _gpt2():
     module = zero_cases.tiny_gpt2()
     return module, ZeroDDP(module, chunk_size=1500)
@@ -233,10 +241,7 @@ def test_checkpoint_keeps_a_never_stepped_tensor_without_state(tmp_path):
 
     data = zero_cases.batches("odd", 3, 2)
     model, optim = build()
-    for batch in data[:2]:
-        optim.backward(zero_cases.odd_loss(model, batch))
-        optim.step()
-        optim.zero_grad()
+    _train_odd(model, optim, data[:2])
     optim.param_groups[1]["lr"] = 4e-3  # as a scheduler would
     save_checkpoint(tmp_path, model, optim, step=2)
     meta = read_meta(tmp_path, 2).optimizer
@@ -397,10 +402,7 @@ def test_state_replaced_every_step_is_checkpointed(tmp_path, write):
 
     data = zero_cases.batches("odd", 3, 2)
     model, optim = build()
-    for batch in data[:2]:
-        optim.backward(zero_cases.odd_loss(model, batch))
-        optim.step()
-        optim.zero_grad()
+    _train_odd(model, optim, data[:2])
     save_checkpoint(tmp_path, model, optim, step=2)
     other, other_optim = build()
     load_checkpoint(tmp_path, other, other_optim)
