@@ -50,6 +50,93 @@ def run_train(*args: str, cwd: Path, env: dict | None = None, timeout: float = 3
                           text=True, timeout=timeout)
 
 
+def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``chunkzero train ARGS`` as :func:`run_train` runs it, but the command in this process and its workers on
+    the test run's rank pools (``run_distributed``): no launcher or worker process starts, so none imports torch
+    (the launcher and each worker import it and ``torch._dynamo``: about 2 s of CPU each). Each worker runs
+    ``worker_main``, as a launched one does; its output comes back in the result's ``stdout`` and ``stderr``,
+    between the command's lines.
+
+    For tests of what a run computes and writes. What the launch does with processes (signals, exits, a killed
+    worker, ``torchrun``) is :func:`run_train`'s. A run whose workers import JAX (``--backend jax``, or a torch
+    run that saves or resumes a checkpoint) runs as :func:`run_train` runs it: a pooled rank that imported JAX is
+    retired, so the next test at its world size would pay a new pool's start instead."""
+    pairs = list(zip(args, [*args[1:], ""]))
+    if any(a == "--backend" and b == "jax" or a == "--save-interval" and b != "0" or a == "--resume"
+           for a, b in pairs):
+        return run_train(*args, cwd=cwd, timeout=timeout)
+    import contextlib
+    import io
+    import logging
+
+    import torch_backend.train.launch as launcher
+    from chunkzero.cli import main
+    from torch_backend._testing import run_distributed
+
+    def pooled_launch(entrypoint, launch_args, nproc, timeout_s=None):
+        cfg, hooks = launch_args
+        if hooks or cfg.save_interval or cfg.resume:
+            raise AssertionError("step hooks, saves and resumes are not for pooled workers: use run_train")
+        workers = run_distributed(_pooled_worker, nproc, json.dumps(cfg.to_dict()), timeout=timeout)
+        for w in workers:  # where a launched worker's output falls: between the command's lines
+            sys.stdout.write(w["stdout"])
+            sys.stderr.write(w["stderr"])
+        return {rank: json.loads(w["result"]) for rank, w in enumerate(workers)}
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()  # the command's logging.basicConfig then logs to the stderr captured here, as in a shell
+    out, err = io.StringIO(), io.StringIO()
+    real_launch = launcher.launch
+    launcher.launch = pooled_launch
+    try:
+        with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["train", *args])
+            except SystemExit as e:  # argparse's own checks
+                code = e.code
+    finally:
+        launcher.launch = real_launch
+        for h in root.handlers:
+            h.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    return subprocess.CompletedProcess(["chunkzero", "train", *args], code, out.getvalue(), err.getvalue())
+
+
+def _pooled_worker(rank: int, world_size: int, cfg_json: str) -> dict:
+    """One pooled worker of :func:`run_train_pooled`: ``worker_main`` with a launched worker's environment, its
+    output captured; the process's logging, signal handlers and stop state are put back after it."""
+    import contextlib
+    import io
+    import logging
+    import signal
+
+    import chunkzero.workers as workers
+    from chunkzero.train_config import TrainConfig
+    from torch_backend.train.worker import worker_main
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    signals = {s: signal.getsignal(s) for s in workers.STOP_SIGNALS}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            result = worker_main(TrainConfig(**json.loads(cfg_json)))
+    finally:
+        for h in root.handlers:
+            if h not in handlers:
+                h.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for s, h in signals.items():
+            signal.signal(s, h)
+        workers._outlived = None
+    return {"result": json.dumps(result), "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import pytest
 from tiny_models import HF_GPT2_FOR_TRAIN, hf_gpt2_config
 
 from .exit_probe import clean_exits, markers
-from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, read_metrics, run_train
+from .helpers import SMALL, chunkzero_cmd, clean_env, describe, free_port, read_metrics, run_train, run_train_pooled
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 HOOKED_TRAIN = Path(__file__).with_name("hooked_train.py")
@@ -55,8 +55,8 @@ def _check_run(out: Path, steps: int, world_size: int) -> tuple[list[dict], list
 def test_train_two_gloo_workers(corpus, tmp_path, held_run):
     """The main path; ``--out`` holds an earlier run, which ``--overwrite`` replaces."""
     out = held_run
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "24", "--eval-interval", "12", "--nproc", "2",
-                     "--out", str(out), "--overwrite", cwd=tmp_path)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "24", "--eval-interval", "12", "--nproc", "2",
+                            "--out", str(out), "--overwrite", cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     _check_run(out, steps=24, world_size=2)
     assert (out / "loss.png").read_bytes() != PNG_MAGIC + b"earlier"
@@ -71,7 +71,7 @@ def test_same_seed_same_world_size_same_losses(corpus, tmp_path):
             "--seed", "7"]
     losses = []
     for name in ("a", "b"):
-        proc = run_train(*args, "--out", str(tmp_path / name), cwd=tmp_path)
+        proc = run_train_pooled(*args, "--out", str(tmp_path / name), cwd=tmp_path)
         assert proc.returncode == 0, describe(proc)
         train, val = read_metrics(tmp_path / name)
         losses.append(([r["loss"] for r in train], [r["val_loss"] for r in val]))
@@ -121,8 +121,8 @@ def test_hugging_face_model_directory(corpus, tmp_path):
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf-model")
     assert (tmp_path / "hf-model" / "model.safetensors").is_file()
     out = tmp_path / "run"
-    proc = run_train("--data", str(corpus), *SMALL, "--model", str(tmp_path / "hf-model"), "--steps", "16",
-                     "--eval-interval", "8", "--out", str(out), cwd=tmp_path)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--model", str(tmp_path / "hf-model"), "--steps", "16",
+                            "--eval-interval", "8", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     _check_run(out, steps=16, world_size=2)
 
@@ -138,7 +138,8 @@ def test_default_run_shows_chunked_zero3(tmp_path):
     """The default model at the searched chunk size spans at least 4 chunks on the default 2 workers; the
     summary gives the chunk count, each rank's shard (half of the parameters) and the peak gathered."""
     out = tmp_path / "run"
-    proc = run_train("--steps", "2", "--eval-batches", "1", "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
+    proc = run_train_pooled("--steps", "2", "--eval-batches", "1", "--sample-tokens", "0", "--out", str(out),
+                            cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert _chunks_logged(proc.stderr) >= 4
     summary = json.loads((out / "summary.json").read_text())
@@ -188,9 +189,9 @@ def test_fp16_that_cannot_make_progress_stops_the_run(corpus, tmp_path):
         model.transformer.wte.weight.fill_(1e6)  # finite in fp32, inf once cast to fp16
     model.save_pretrained(tmp_path / "overflow")
     out = tmp_path / "run"
-    proc = run_train("--data", str(corpus), *SMALL, "--model", str(tmp_path / "overflow"), "--mixed-precision",
-                     "fp16", "--steps", "200", "--eval-interval", "1000", "--sample-tokens", "0", "--out", str(out),
-                     cwd=tmp_path)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--model", str(tmp_path / "overflow"),
+                            "--mixed-precision", "fp16", "--steps", "200", "--eval-interval", "1000",
+                            "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 1, describe(proc)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("chunkzero train: error: step 27: 10 steps in a row were skipped"), proc.stderr[-3000:]
@@ -212,7 +213,7 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
     per_worker = 4 * 32  # --batch-size 4 × --seq-len 32, one micro-batch
     resume = ("--resume", "--allow-change")  # the tokens per step change with the world size
     for nproc, flags, dropped in (("2", (), ("4", "6")), ("1", resume, ("6",)), ("2", resume, ())):
-        proc = run_train(*args, "--nproc", nproc, *flags, cwd=tmp_path)
+        proc = run_train_pooled(*args, "--nproc", nproc, *flags, cwd=tmp_path)
         assert proc.returncode == 0, describe(proc)
         for step in dropped:  # as if the session had died after the checkpoint before
             shutil.rmtree(out / "checkpoints" / step)

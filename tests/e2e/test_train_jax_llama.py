@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from .helpers import SMALL, describe, make_corpus, run_train
+from .helpers import SMALL, describe, make_corpus, run_train, run_train_pooled
 from .test_train_jax import GLOBAL_BATCH, LOSS_TOL, _losses
 
 transformers = pytest.importorskip("transformers")
@@ -42,7 +42,8 @@ def runs(tmp_path_factory):
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).save_pretrained(model)
     corpus = make_corpus(tmp / "corpus")
     outs = {"torch": tmp / "torch", "jax": tmp / "jax"}
-    p = run_train(*_args(corpus, model, 2), "--engine", "ddp", "--nproc", "2", "--out", str(outs["torch"]), cwd=tmp)
+    p = run_train_pooled(*_args(corpus, model, 2), "--engine", "ddp", "--nproc", "2", "--out", str(outs["torch"]),
+                         cwd=tmp)
     assert p.returncode == 0, describe(p)
     p = run_train(*_args(corpus, model, 2), "--backend", "jax", "--nproc", "1", "--devices-per-process", "2",
                   "--save-interval", "4", "--out", str(outs["jax"]), cwd=tmp)
