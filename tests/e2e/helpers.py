@@ -1,4 +1,6 @@
-"""Running ``chunkzero train`` as a user would, in subprocesses, for the end-to-end tests."""
+"""Running ``chunkzero train`` as a user would, for the end-to-end tests: in subprocesses (:func:`run_train`), or,
+for a torch run that neither saves nor resumes, with its workers on the test run's rank pools
+(:func:`run_train_pooled`)."""
 
 from __future__ import annotations
 
@@ -55,28 +57,31 @@ def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.
     the test run's rank pools (``run_distributed``): no launcher or worker process starts, so none imports torch
     (the launcher and each worker import it and ``torch._dynamo``: about 2 s of CPU each). Each worker runs
     ``worker_main``, as a launched one does; its output comes back in the result's ``stdout`` and ``stderr``,
-    between the command's lines.
+    between the command's lines. A stop signal that reached the command raises ``KeyboardInterrupt`` here.
 
-    For tests of what a run computes and writes. What the launch does with processes (signals, exits, a killed
-    worker, ``torchrun``) is :func:`run_train`'s. A run whose workers import JAX (``--backend jax``, or a torch
-    run that saves or resumes a checkpoint) runs as :func:`run_train` runs it: a pooled rank that imported JAX is
-    retired, so the next test at its world size would pay a new pool's start instead."""
-    pairs = list(zip(args, [*args[1:], ""]))
-    if any(a == "--backend" and b == "jax" or a == "--save-interval" and b != "0" or a == "--resume"
-           for a, b in pairs):
-        return run_train(*args, cwd=cwd, timeout=timeout)
+    For torch runs that neither save nor resume, and tests of what such a run computes and writes, not of its
+    processes: the workers' pids, peak RSS (a pooled rank's is its whole life's) and collective timeout
+    (``run_distributed``'s ``timeout``, not ``--timeout``) are the pool's. Refused, with an ``AssertionError``: a
+    JAX run (its engine has no torch launcher to stand in for), and a save or a resume (the ranks would import
+    JAX, which retires their pool, and the next test at that world size would pay a new one).
+    """
     import contextlib
     import io
     import logging
 
     import torch_backend.train.launch as launcher
-    from chunkzero.cli import main
-    from torch_backend._testing import run_distributed
+    from chunkzero.cli import build_parser, main
+
+    parsed = build_parser().parse_args(["train", *args])
+    if parsed.backend != "torch" or parsed.save_interval or parsed.resume:
+        raise AssertionError("run_train_pooled is for torch runs that neither save nor resume: use run_train")
 
     def pooled_launch(entrypoint, launch_args, nproc, timeout_s=None):
+        from torch_backend._testing import run_distributed
+
         cfg, hooks = launch_args
-        if hooks or cfg.save_interval or cfg.resume:
-            raise AssertionError("step hooks, saves and resumes are not for pooled workers: use run_train")
+        if hooks:
+            raise AssertionError("step hooks cannot reach pooled workers: use run_train")
         workers = run_distributed(_pooled_worker, nproc, json.dumps(cfg.to_dict()), timeout=timeout)
         for w in workers:  # where a launched worker's output falls: between the command's lines
             sys.stdout.write(w["stdout"])
@@ -86,6 +91,7 @@ def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     root.handlers.clear()  # the command's logging.basicConfig then logs to the stderr captured here, as in a shell
+    launcher_vars = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
     out, err = io.StringIO(), io.StringIO()
     real_launch = launcher.launch
     launcher.launch = pooled_launch
@@ -97,43 +103,68 @@ def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.
                 code = e.code
     finally:
         launcher.launch = real_launch
+        os.environ.update(launcher_vars)
         for h in root.handlers:
             h.close()
         root.handlers[:] = handlers
         root.setLevel(level)
+    if code in (130, 128 + 15, 128 + 1):  # the command stopped on SIGINT, SIGTERM or SIGHUP: the test run stops
+        raise KeyboardInterrupt(err.getvalue()[-2000:])
     return subprocess.CompletedProcess(["chunkzero", "train", *args], code, out.getvalue(), err.getvalue())
 
 
 def _pooled_worker(rank: int, world_size: int, cfg_json: str) -> dict:
-    """One pooled worker of :func:`run_train_pooled`: ``worker_main`` with a launched worker's environment, its
-    output captured; the process's logging, signal handlers and stop state are put back after it."""
+    """One pooled worker of :func:`run_train_pooled`: ``worker_main`` with ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` set (the rest of the environment is the test process's), its output
+    captured. What a run sets for its process (logging, the stop-signal handlers and state) is put back after
+    it, and tqdm starts no monitor thread (a thread left running retires a pool), for the pool's next call. At
+    world size 1 it runs without a process group, as a launched worker does."""
     import contextlib
     import io
     import logging
     import signal
 
+    import torch.distributed as dist
+    from tqdm.std import tqdm
+
     import chunkzero.workers as workers
     from chunkzero.train_config import TrainConfig
     from torch_backend.train.worker import worker_main
 
+    if world_size == 1:
+        dist.destroy_process_group()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+
+    def loggers() -> list[logging.Logger]:
+        return [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                        if isinstance(lg, logging.Logger))]
+
+    kept = {lg: (lg.handlers[:], lg.level) for lg in loggers()}
     signals = {s: signal.getsignal(s) for s in workers.STOP_SIGNALS}
+    stop_state = workers._stop_signals_owned, workers._outlived
+    monitor_interval, tqdm.monitor_interval = tqdm.monitor_interval, 0  # no monitor thread: one left retires a pool
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             result = worker_main(TrainConfig(**json.loads(cfg_json)))
     finally:
-        for h in root.handlers:
-            if h not in handlers:
-                h.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
+        for lg in loggers():
+            if lg not in kept:  # a library's, made during the run: its console handler back on the real stderr
+                for h in lg.handlers:
+                    if isinstance(h, logging.StreamHandler) and h.stream in (out, err):
+                        h.setStream(sys.stderr)
+                continue
+            handlers, level = kept[lg]
+            for h in lg.handlers:
+                if h not in handlers:
+                    h.close()
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
         for s, h in signals.items():
             signal.signal(s, h)
-        workers._outlived = None
+        workers._stop_signals_owned, workers._outlived = stop_state
+        tqdm.monitor_interval = monitor_interval
     return {"result": json.dumps(result), "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 

@@ -53,7 +53,8 @@ def _check_run(out: Path, steps: int, world_size: int) -> tuple[list[dict], list
 
 @pytest.mark.slow
 def test_train_two_gloo_workers(corpus, tmp_path, held_run):
-    """The main path; ``--out`` holds an earlier run, which ``--overwrite`` replaces."""
+    """The main path's results (its workers on pooled ranks; the launch itself is the subprocess tests'):
+    ``--out`` holds an earlier run, which ``--overwrite`` replaces."""
     out = held_run
     proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "24", "--eval-interval", "12", "--nproc", "2",
                             "--out", str(out), "--overwrite", cwd=tmp_path)
@@ -70,13 +71,39 @@ def test_same_seed_same_world_size_same_losses(corpus, tmp_path):
     args = ["--data", str(corpus), *SMALL, "--steps", "8", "--eval-interval", "4", "--sample-tokens", "0",
             "--seed", "7"]
     losses = []
-    for name in ("a", "b"):
-        proc = run_train_pooled(*args, "--out", str(tmp_path / name), cwd=tmp_path)
+    for name, run in (("a", run_train), ("b", run_train_pooled)):  # a launched run, and one on pooled ranks
+        proc = run(*args, "--out", str(tmp_path / name), cwd=tmp_path)
         assert proc.returncode == 0, describe(proc)
         train, val = read_metrics(tmp_path / name)
         losses.append(([r["loss"] for r in train], [r["val_loss"] for r in val]))
     assert losses[0] == losses[1]
     assert len(set(losses[0][0])) > 1
+
+
+def _process_state(rank: int, world_size: int) -> dict:
+    """What a pooled run sets for its process and must put back: logging, the stop signals' handlers and state."""
+    import logging
+    import signal
+
+    import chunkzero.workers as workers
+
+    root = logging.getLogger()
+    return {"pid": os.getpid(), "handlers": [type(h).__name__ for h in root.handlers], "level": root.level,
+            "signals": [repr(signal.getsignal(s)) for s in workers.STOP_SIGNALS],
+            "stop": repr((workers._stop_signals_owned, workers._outlived))}
+
+
+def test_a_pooled_run_leaves_its_ranks_as_it_found_them(corpus, tmp_path):
+    """The ranks of ``run_train_pooled`` are the pool's (the same processes before and after) and come back
+    with their logging and stop-signal handling as they were, for the pool's next caller."""
+    from torch_backend._testing import run_distributed
+
+    before = run_distributed(_process_state, 2)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "2", "--sample-tokens", "0", "--nproc", "2",
+                            "--out", str(tmp_path / "run"), cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    assert "step 2: train loss" in proc.stderr
+    assert run_distributed(_process_state, 2) == before
 
 
 @pytest.mark.slow
@@ -213,7 +240,7 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
     per_worker = 4 * 32  # --batch-size 4 × --seq-len 32, one micro-batch
     resume = ("--resume", "--allow-change")  # the tokens per step change with the world size
     for nproc, flags, dropped in (("2", (), ("4", "6")), ("1", resume, ("6",)), ("2", resume, ())):
-        proc = run_train_pooled(*args, "--nproc", nproc, *flags, cwd=tmp_path)
+        proc = run_train(*args, "--nproc", nproc, *flags, cwd=tmp_path)
         assert proc.returncode == 0, describe(proc)
         for step in dropped:  # as if the session had died after the checkpoint before
             shutil.rmtree(out / "checkpoints" / step)

@@ -13,16 +13,7 @@ import shutil
 
 import pytest
 
-from .helpers import (
-    SMALL,
-    describe,
-    make_corpus,
-    normwise_rel_err,
-    read_metrics,
-    run_train,
-    run_train_pooled,
-    saved_tensors,
-)
+from .helpers import SMALL, describe, make_corpus, normwise_rel_err, read_metrics, run_train, saved_tensors
 
 STEPS = ["--warmup", "2", "--eval-interval", "2", "--save-interval", "2", "--ema-decay", "0.9"]
 NORM_RTOL = 1e-3
@@ -55,8 +46,8 @@ def runs(tmp_path_factory):
     corpus = make_corpus(tmp / "corpus")
     common = [*SMALL, *STEPS, "--data", str(corpus)]
     torch_out = tmp / "torch"
-    p = run_train_pooled(*common, "--steps", "6", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2), "--out",
-                         str(torch_out), cwd=tmp)
+    p = run_train(*common, "--steps", "6", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2), "--out",
+                  str(torch_out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     jax_out = tmp / "jax"
     p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2),

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from .helpers import SMALL, describe, make_corpus, run_train, run_train_pooled
+from .helpers import SMALL, describe, make_corpus, run_train
 from .test_train_jax import LOSS_TOL, _losses
 
 transformers = pytest.importorskip("transformers")
@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
     outs = {}
     for backend in ("torch", "jax"):
         outs[backend] = tmp / backend
-        p = run_train_pooled(*common, "--backend", backend, "--out", str(outs[backend]), cwd=tmp)
+        p = run_train(*common, "--backend", backend, "--out", str(outs[backend]), cwd=tmp)
         assert p.returncode == 0, describe(p)
     return tmp, common, outs
 
