@@ -71,6 +71,7 @@ def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.
 
     import torch_backend.train.launch as launcher
     from chunkzero.cli import build_parser, main
+    from chunkzero.workers import STOP_SIGNALS
 
     parsed = build_parser().parse_args(["train", *args])
     if parsed.backend != "torch" or parsed.save_interval or parsed.resume:
@@ -108,7 +109,7 @@ def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.
             h.close()
         root.handlers[:] = handlers
         root.setLevel(level)
-    if code in (130, 128 + 15, 128 + 1):  # the command stopped on SIGINT, SIGTERM or SIGHUP: the test run stops
+    if code in {128 + s for s in STOP_SIGNALS}:  # the command stopped on SIGINT, SIGTERM or SIGHUP: the run stops
         raise KeyboardInterrupt(err.getvalue()[-2000:])
     return subprocess.CompletedProcess(["chunkzero", "train", *args], code, out.getvalue(), err.getvalue())
 
