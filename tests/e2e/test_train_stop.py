@@ -25,6 +25,9 @@ RUN_TEMP_PREFIXES = ("chunkzero-", "torchelastic_")
 default log directory, which chunkzero no longer uses (torch's caches, ``torchinductor_*``, are kept on purpose)."""
 STOP_BOUND_S = 60.0
 """The longest the workers may outlive their launcher (the launcher's grace before SIGKILL is 5 s)."""
+TRAINED_ON_BOUND_S = 5.0
+"""The most training time (``metrics.jsonl``'s ``time_s``) the workers may log after their launcher was stopped:
+the launcher's grace. A count of steps would fail on a loaded machine, where a tiny step takes milliseconds."""
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def _train_until_running(engine: str, corpus: Path, tmp_path: Path) -> tuple[sub
 @pytest.mark.parametrize("engine", ["torch", "jax"])
 def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path):
     proc, out, workers = _train_until_running(engine, corpus, tmp_path)
-    steps_at_stop = len(read_metrics(out)[0])
+    time_at_stop_s = read_metrics(out)[0][-1]["time_s"]
     try:
         if how == "kill":
             os.kill(proc.pid, signal.SIGTERM)
@@ -92,8 +95,10 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
                 pass
         proc.wait()
     assert not left, f"workers {left} outlived their launcher ({how})"
-    trained_on = len(read_metrics(out)[0]) - steps_at_stop  # a step in flight may finish; no training goes on
-    assert trained_on <= 2, f"the workers trained {trained_on} more steps after the launcher was stopped ({how})"
+    # a step in flight may finish, and a loaded machine delays the workers' notice; no training goes on
+    trained_on_s = read_metrics(out)[0][-1]["time_s"] - time_at_stop_s
+    assert trained_on_s <= TRAINED_ON_BOUND_S, \
+        f"the workers trained {trained_on_s:.1f} s more after the launcher was stopped ({how})"
     lines = (out / "metrics.jsonl").read_text()
     time.sleep(2)
     assert (out / "metrics.jsonl").read_text() == lines, "something still writes into --out"
