@@ -1,7 +1,9 @@
 """``chunkzero train`` end to end: real processes, real gloo workers, a small real corpus.
 
-Each test launches the command as a user would (``python -m chunkzero.cli train ...``); nothing is
-asserted about wall-clock speed except the bound on stopping after a worker dies (60 s, the issue's).
+Each test runs the command as a user would: ``python -m chunkzero.cli train ...``, a launcher forked from one
+that imported it (``run_train``), or, where only what the run computes and writes is tested, the command in the
+test's process with its workers on the rank pools (``run_train_pooled``). Nothing is asserted about wall-clock
+speed except the bound on stopping after a worker dies (60 s, the issue's).
 """
 
 from __future__ import annotations

@@ -1,0 +1,189 @@
+"""``chunkzero train`` launchers forked from a process that has imported them once: :func:`run_forked`.
+
+Each ``python -m chunkzero.cli train`` run starts a launcher that imports torch and ``torch._dynamo`` (the memory
+plan's ``FakeTensorMode``), or JAX for the JAX engine: about 2.5 s of CPU (1.4 s for JAX) of every end-to-end run,
+before the workers start. Here one server process per engine and test process imports the launcher's modules
+once and forks a launcher for each run. The fork is a process of its own as the command's would be: its own
+session, working directory, environment, standard streams (files, read back as ``subprocess.run`` returns them)
+and exit status; it runs ``chunkzero.cli.main`` and ends as an interpreter does (exit handlers, then exit). Its
+workers are started by the launcher's own code (spawned: fresh interpreters), so nothing of the server reaches
+them. A run that outlives its timeout is killed with its process group (the launcher's session, and the
+workers in it) and raises ``subprocess.TimeoutExpired``.
+
+The server forks only while it is single-threaded in Python and has started no JAX backend: it imports modules
+and waits on its request pipe. It ends at the EOF of that pipe, when its test process ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+_PRELOAD = {
+    "torch": ("torch", "torch._dynamo", "torch_backend.train.launch", "torch_backend.train.resolve",
+              "torch_backend.train.worker", "torch_backend.train.process_exit", "torch_backend.plan",
+              "torch.distributed.launcher.api", "torch.distributed.elastic.multiprocessing", "chunkzero.cli"),
+    "jax": ("jax_backend.train.run", "chunkzero.cli"),
+}
+"""What each engine's launcher imports before its first fork: what ``chunkzero train`` imports before it starts
+workers (``torch._dynamo`` comes with the plan's ``FakeTensorMode``)."""
+
+
+def _child(request: dict) -> None:
+    """In the fork: become the command's process and run it; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(f, fd)
+            os.close(f)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None  # TMPDIR as the environment says
+        os.chdir(request["cwd"])
+        import chunkzero.cli
+
+        sys.argv = [chunkzero.cli.__file__, *request["argv"]]
+        code = chunkzero.cli.main(request["argv"])
+    except SystemExit as e:  # argparse's own checks
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 (an interpreter prints what ends it, then exits 1)
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def serve(engine: str) -> None:
+    """The server: import ``engine``'s launcher, then for each request line on stdin (``{"argv", "cwd", "env",
+    "stdout", "stderr"}``) fork a launcher and answer ``{"pid"}`` at once and ``{"returncode"}`` when it ends."""
+    import importlib
+
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    requests = os.fdopen(os.dup(0), "r")
+    null = os.open(os.devnull, os.O_RDWR)  # nothing of the server's own reaches the replies
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    for name in _PRELOAD[engine]:
+        importlib.import_module(name)
+    for line in requests:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            requests.close()
+            _child(request)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    """What of an environment the server may have read as it imported: all but pytest's per-test variables."""
+    return {k: v for k, v in env.items() if not k.startswith("PYTEST_")}
+
+
+class _Server:
+    def __init__(self, engine: str, env: dict[str, str]):
+        repo = str(Path(__file__).resolve().parents[2])
+        boot = f"import sys; sys.path.insert(0, {repo!r}); from tests.e2e.launcher_fork import serve; serve({engine!r})"
+        self.env = _import_env(env)
+        self.proc = subprocess.Popen([sys.executable, "-c", boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, bufsize=0)
+        self.pending = b""
+
+    def _reply(self, deadline: float) -> dict | None:
+        """The server's next reply line, or ``None`` at ``deadline`` (read from the pipe itself: a buffered
+        reader could hold a second line that ``select`` no longer sees)."""
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                raise RuntimeError(f"the forked launchers' server ended (exit {self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        cmd = ["chunkzero", *argv]
+        with tempfile.TemporaryDirectory(prefix="launcher-fork-") as d:
+            out, err = Path(d) / "stdout", Path(d) / "stderr"
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            deadline = time.monotonic() + timeout
+            pid = None
+            try:
+                pid = self._reply(time.monotonic() + 60)["pid"]
+                reply = self._reply(deadline)
+            except BaseException:  # pytest's own timeout, Ctrl-C: the run and its server go, with no reply owed
+                self.kill(pid)
+                raise
+            if reply is None:
+                self.kill(pid)
+                raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(cmd, reply["returncode"], out.read_text(), err.read_text())
+
+    def kill(self, pid: int | None) -> None:
+        """Kill the launcher ``pid``'s session (it and its workers) and this server."""
+        if pid is not None:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
+        self.proc.wait()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill(None)
+
+
+_servers: dict[str, _Server] = {}
+
+
+def run_forked(argv: list[str], engine: str, cwd: Path, env: dict[str, str],
+               timeout: float) -> subprocess.CompletedProcess:
+    """``chunkzero ARGV`` (a ``train`` command of ``engine``, ``"torch"`` or ``"jax"``) in a launcher forked from
+    this test process's server for ``engine`` (started at the first call, with ``env``); as ``subprocess.run(...,
+    capture_output=True, text=True, timeout=timeout)`` returns it. A run whose environment is not the one the
+    server started with (pytest's per-test variables aside) gets a new server: the imports may have read it."""
+    server = _servers.get(engine)
+    if server is not None and (server.proc.poll() is not None or server.env != _import_env(env)):
+        server.close()  # ended, or what it imported may have read another environment
+        server = None
+    if server is None:
+        server = _servers[engine] = _Server(engine, env)
+    return server.run(argv, cwd, env, timeout)
+
+
+@atexit.register
+def _close_servers() -> None:
+    for server in _servers.values():
+        server.close()
