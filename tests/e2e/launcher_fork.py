@@ -170,10 +170,11 @@ _servers: dict[str, _Server] = {}
 
 def run_forked(argv: list[str], engine: str, cwd: Path, env: dict[str, str],
                timeout: float) -> subprocess.CompletedProcess:
-    """``chunkzero ARGV`` (a ``train`` command of ``engine``, ``"torch"`` or ``"jax"``) in a launcher forked from
-    this test process's server for ``engine`` (started at the first call, with ``env``); as ``subprocess.run(...,
-    capture_output=True, text=True, timeout=timeout)`` returns it. A run whose environment is not the one the
-    server started with (pytest's per-test variables aside) gets a new server: the imports may have read it."""
+    """``chunkzero ARGV`` (a ``train`` command of ``engine``, ``"torch"`` or ``"jax"``, or a torch ``plan``) in a
+    process forked from this test process's server for ``engine`` (started at the first call, with ``env``); as
+    ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` returns it. A run whose environment
+    is not the one the server started with (pytest's per-test variables aside) gets a new server: the imports may
+    have read it."""
     server = _servers.get(engine)
     if server is not None and (server.proc.poll() is not None or server.env != _import_env(env)):
         server.close()  # ended, or what it imported may have read another environment

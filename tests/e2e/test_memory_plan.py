@@ -4,13 +4,13 @@ does not fit, before any worker starts and with ``--out`` untouched."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from chunkzero.memory_plan import MemoryPlan
 
-from .helpers import chunkzero_cmd, clean_env, describe, refused_line, run_train
+from .helpers import clean_env, describe, refused_line, run_train
+from .launcher_fork import run_forked
 
 GPT2_RUN = ["--model", "gpt2", "--nproc", "2", "--batch-size", "2", "--seq-len", "256"]
 """The byte-level GPT-2 shape (86 M parameters) at W = 2, 2 x 256 tokens per rank, fp32 on CPU: half the
@@ -24,8 +24,7 @@ def within(predicted: int, measured: int) -> bool:
 
 
 def plan_json(args: list[str], cwd) -> dict:
-    proc = subprocess.run(chunkzero_cmd("plan", *args, "--json"), cwd=cwd, env=clean_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = run_forked(["plan", *args, "--json"], "torch", cwd, clean_env(), 300)  # as `chunkzero plan` runs
     assert proc.returncode == 0, describe(proc)
     return json.loads(proc.stdout)
 
