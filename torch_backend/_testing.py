@@ -17,8 +17,9 @@ function travels by name and its arguments as the return values do (``Path`` s t
 argument of another type runs on spawned ranks instead. A
 pool is discarded, its processes ended, when a call fails or times out, and its processes exit (as a
 spawned rank would, running their exit hooks) before the call returns when the call left state behind
-that the next one could trip on: JAX imported (``jax.distributed`` starts once per process) or a
-thread still running (an asynchronous checkpoint save). ``fresh=True`` always spawns.
+that the next one could trip on: JAX started (a backend made, or ``jax.distributed``, which starts once per
+process and only before any backend: a checkpoint save at W > 1) or a thread still running (an asynchronous
+checkpoint save). JAX only imported (a checkpoint read) keeps the pool. ``fresh=True`` always spawns.
 
 A rank that ends does so without interpreter finalization
 (:func:`torch_backend.train.process_exit.exit_without_finalization`): gloo's worker threads outlive
@@ -158,6 +159,9 @@ def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> Non
     import torch
 
     _start_rank(rank, env, backend)
+    from tqdm.std import tqdm
+
+    tqdm.monitor_interval = 0  # a progress bar's monitor thread (torch.compile's) outlives it: it would retire us
     fresh_dtype = torch.get_default_dtype()
     threads = torch.get_num_threads()
     while True:
@@ -188,8 +192,18 @@ def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> Non
             break  # the group may be broken: the pool is discarded
         del fn, args, result
         lingering = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
-        conn.send_bytes(json.dumps({"error": None, "retire": "jax" in sys.modules or bool(lingering)}).encode())
+        conn.send_bytes(json.dumps({"error": None, "retire": _jax_started() or bool(lingering)}).encode())
     exit_without_finalization(0)
+
+
+def _jax_started() -> bool:
+    """Whether this process made a JAX backend or started ``jax.distributed`` (after which it cannot start it)."""
+    if "jax" not in sys.modules:
+        return False
+    import jax
+    from jax._src import xla_bridge
+
+    return jax.distributed.is_initialized() or xla_bridge.backends_are_initialized()
 
 
 class _RankPool:

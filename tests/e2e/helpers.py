@@ -134,13 +134,11 @@ def _pooled_worker(rank: int, world_size: int, cfg_json: str) -> dict:
     """One pooled worker of :func:`run_train_pooled`: ``worker_main`` with ``RANK``, ``LOCAL_RANK``,
     ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` set (the rest of the environment is the test process's), its output
     captured. What a run sets for its process (logging, the stop-signal handlers and state) is put back after
-    it, and tqdm starts no monitor thread (a thread left running retires a pool), for the pool's next call. At
-    world size 1 it runs without a process group, as a launched worker does."""
+    it, for the pool's next call. At world size 1 it runs without a process group, as a launched worker does."""
     import logging
     import signal
 
     import torch.distributed as dist
-    from tqdm.std import tqdm
 
     import chunkzero.workers as workers
     from chunkzero.train_config import TrainConfig
@@ -158,7 +156,6 @@ def _pooled_worker(rank: int, world_size: int, cfg_json: str) -> dict:
     kept = {lg: (lg.handlers[:], lg.level) for lg in loggers()}
     signals = {s: signal.getsignal(s) for s in workers.STOP_SIGNALS}
     stop_state = workers._stop_signals_owned, workers._outlived
-    monitor_interval, tqdm.monitor_interval = tqdm.monitor_interval, 0  # no monitor thread: one left retires a pool
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -179,7 +176,6 @@ def _pooled_worker(rank: int, world_size: int, cfg_json: str) -> dict:
         for s, h in signals.items():
             signal.signal(s, h)
         workers._stop_signals_owned, workers._outlived = stop_state
-        tqdm.monitor_interval = monitor_interval
     return {"result": json.dumps(result), "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 

@@ -10,8 +10,9 @@ workers are started by the launcher's own code (spawned: fresh interpreters), so
 them. A run that outlives its timeout is killed with its process group (the launcher's session, and the
 workers in it) and raises ``subprocess.TimeoutExpired``.
 
-The server forks only while it is single-threaded in Python and has started no JAX backend: it imports modules
-and waits on its request pipe. It ends at the EOF of that pipe, when its test process ends.
+The server only imports modules and waits on its request pipe: it starts no thread and no JAX backend of its
+own, so a fork takes no lock held by another thread (as torch's own forked data loader workers rely on). It ends
+at the EOF of that pipe, when its test process ends.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def serve(engine: str) -> None:
         importlib.import_module(name)
     for line in requests:
         request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             replies.close()
@@ -135,10 +138,12 @@ class _Server:
             request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             deadline = time.monotonic() + timeout
-            pid = None
+            pid = reply = None
             try:
-                pid = self._reply(time.monotonic() + 60)["pid"]
-                reply = self._reply(deadline)
+                started = self._reply(deadline)  # the first one waits for the server's imports too
+                if started is not None:
+                    pid = started["pid"]
+                    reply = self._reply(deadline)
             except BaseException:  # pytest's own timeout, Ctrl-C: the run and its server go, with no reply owed
                 self.kill(pid)
                 raise

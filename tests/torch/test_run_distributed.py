@@ -130,3 +130,28 @@ def test_pooled_call_gets_its_arguments_by_value_and_falls_back_to_spawn_for_oth
     spawned = run_distributed(echo_rank, 2, ns)
     assert spawned[0]["args"] == [repr(ns)]
     assert {r["pid"] for r in spawned}.isdisjoint(r["pid"] for r in pooled)
+
+
+def pid_after_jax(rank: int, world: int, how: str) -> int:
+    """This rank's pid, after importing JAX (``"import"``, as a checkpoint read does), also making its CPU backend
+    (``"backend"``), or, with ``"progress"``, after a progress bar (whose monitor thread would outlive it)."""
+    if how == "progress":
+        from tqdm import tqdm
+
+        for _ in tqdm(range(2), disable=False):
+            pass
+        return os.getpid()
+    import jax
+
+    if how == "backend":
+        jax.devices()
+    return os.getpid()
+
+
+@pytest.mark.parametrize(("how", "kept"), [("import", True), ("progress", True), ("backend", False)])
+def test_a_pool_is_kept_after_jax_was_imported_and_retired_once_it_started(how, kept):
+    """JAX imported keeps a pool, and so does a progress bar; a JAX backend made retires it (``jax.distributed``
+    could no longer start in it): the next call runs in the same processes, or in new ones."""
+    first = run_distributed(pid_after_jax, 3, how)
+    second = run_distributed(pid_after_jax, 3, "import")
+    assert (first == second) == kept, (first, second)
