@@ -173,6 +173,9 @@ def rank_main(rank: int, world: int, init_file: str, spec: dict, out_dir: str) -
         json.dump({"peaks": peaks, "info": info, "loss": float(loss)}, f)
     dist.barrier()
     dist.destroy_process_group()
+    from chunkzero.process_exit import exit_without_finalization
+
+    exit_without_finalization(0)  # gloo's threads outlive the group: a finalizing interpreter may abort under them
 
 
 def launcher_main(spec: dict, out_dir: str) -> int:

@@ -197,13 +197,17 @@ def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> Non
 
 
 def _jax_started() -> bool:
-    """Whether this process made a JAX backend or started ``jax.distributed`` (after which it cannot start it)."""
+    """Whether this process made a JAX backend or began to start ``jax.distributed`` (its service or client:
+    it starts once per process, and only before any backend). Unsure (JAX's internals moved): ``True``."""
     if "jax" not in sys.modules:
         return False
-    import jax
-    from jax._src import xla_bridge
+    try:
+        from jax._src import distributed, xla_bridge
 
-    return jax.distributed.is_initialized() or xla_bridge.backends_are_initialized()
+        state = distributed.global_state
+        return state.service is not None or state.client is not None or xla_bridge.backends_are_initialized()
+    except Exception:  # noqa: BLE001 (retiring is always safe)
+        return True
 
 
 class _RankPool:

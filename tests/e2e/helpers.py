@@ -80,8 +80,9 @@ def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.
     For torch runs that neither save nor resume, and tests of what such a run computes and writes, not of its
     processes: the workers' pids, peak RSS (a pooled rank's is its whole life's) and collective timeout
     (``run_distributed``'s ``timeout``, not ``--timeout``) are the pool's. Refused, with an ``AssertionError``: a
-    JAX run (its engine has no torch launcher to stand in for), and a save or a resume (the ranks would import
-    JAX, which retires their pool, and the next test at that world size would pay a new one).
+    JAX run (its engine has no torch launcher to stand in for), and a save or a resume (a save starts
+    ``jax.distributed`` in the ranks, which retires their pool, and the next test at that world size would pay a
+    new one; a resume's reads are not yet shown to leave JAX unstarted).
     """
     import logging
 

@@ -5,10 +5,14 @@ plan's ``FakeTensorMode``), or JAX for the JAX engine: about 2.5 s of CPU (1.4 s
 before the workers start. Here one server process per engine and test process imports the launcher's modules
 once and forks a launcher for each run. The fork is a process of its own as the command's would be: its own
 session, working directory, environment, standard streams (files, read back as ``subprocess.run`` returns them)
-and exit status; it runs ``chunkzero.cli.main`` and ends as an interpreter does (exit handlers, then exit). Its
-workers are started by the launcher's own code (spawned: fresh interpreters), so nothing of the server reaches
-them. A run that outlives its timeout is killed with its process group (the launcher's session, and the
-workers in it) and raises ``subprocess.TimeoutExpired``.
+and exit status; it runs ``chunkzero.cli.main`` and ends as the project's workers do (its threads, exit hooks, a
+flush, then exit without finalization: :func:`chunkzero.process_exit.exit_without_finalization`). Its workers are
+started by the launcher's own code (spawned: fresh interpreters), so nothing of the server reaches them. A run
+that outlives its timeout is killed with its session (the launcher and its workers, whatever their process
+groups) and raises ``subprocess.TimeoutExpired``.
+
+What the imports themselves print (a warning at import) reaches the test's stderr once, from the server, not
+each run's stderr: a test of exactly what a run prints at start-up starts the command itself.
 
 The server only imports modules and waits on its request pipe: it starts no thread and no JAX backend of its
 own, so a fork takes no lock held by another thread (as torch's own forked data loader workers rely on). It ends
@@ -25,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -61,6 +66,7 @@ def _child(request: dict) -> None:
 
         sys.argv = [chunkzero.cli.__file__, *request["argv"]]
         code = chunkzero.cli.main(request["argv"])
+        code = 0 if code is None else code
     except SystemExit as e:  # argparse's own checks
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if isinstance(e.code, str):
@@ -68,12 +74,9 @@ def _child(request: dict) -> None:
     except BaseException:  # noqa: BLE001 (an interpreter prints what ends it, then exits 1)
         traceback.print_exc()
     finally:
-        try:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code if isinstance(code, int) else 1)
+        from chunkzero.process_exit import exit_without_finalization
+
+        exit_without_finalization(code if isinstance(code, int) else 1)  # its threads, exit hooks, flush, exit
 
 
 def serve(engine: str) -> None:
@@ -93,11 +96,16 @@ def serve(engine: str) -> None:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        if threading.active_count() != 1:
+            raise RuntimeError(f"the launchers' server would fork beside threads: {threading.enumerate()}")
         pid = os.fork()
         if pid == 0:
-            replies.close()
-            requests.close()
-            _child(request)
+            try:
+                replies.close()
+                requests.close()
+                _child(request)
+            finally:
+                os._exit(1)
         replies.write(json.dumps({"pid": pid}) + "\n")
         _, status = os.waitpid(pid, 0)
         replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
@@ -116,6 +124,7 @@ class _Server:
         self.proc = subprocess.Popen([sys.executable, "-c", boot], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env, bufsize=0)
         self.pending = b""
+        self.busy = False  # a request sent whose last reply has not been read: the next reply is not ours
 
     def _reply(self, deadline: float) -> dict | None:
         """The server's next reply line, or ``None`` at ``deadline`` (read from the pipe itself: a buffered
@@ -135,39 +144,59 @@ class _Server:
         cmd = ["chunkzero", *argv]
         with tempfile.TemporaryDirectory(prefix="launcher-fork-") as d:
             out, err = Path(d) / "stdout", Path(d) / "stderr"
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            request = (json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out),
+                                   "stderr": str(err)}) + "\n").encode()
             deadline = time.monotonic() + timeout
-            pid = reply = None
+            reply = None
+            self.busy = True
             try:
-                started = self._reply(deadline)  # the first one waits for the server's imports too
-                if started is not None:
-                    pid = started["pid"]
+                while request:
+                    request = request[os.write(self.proc.stdin.fileno(), request):]
+                if self._reply(deadline) is not None:  # {"pid"}; the first one waits for the server's imports too
                     reply = self._reply(deadline)
             except BaseException:  # pytest's own timeout, Ctrl-C: the run and its server go, with no reply owed
-                self.kill(pid)
+                self.kill()
                 raise
             if reply is None:
-                self.kill(pid)
+                self.kill()
                 raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
+            self.busy = False
             return subprocess.CompletedProcess(cmd, reply["returncode"], out.read_text(), err.read_text())
 
-    def kill(self, pid: int | None) -> None:
-        """Kill the launcher ``pid``'s session (it and its workers) and this server."""
-        if pid is not None:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def kill(self) -> None:
+        """Kill this server and the session of any launcher it forked (the launcher and its workers)."""
+        processes = _processes()
+        for launcher in [pid for pid, (ppid, _) in processes.items() if ppid == self.proc.pid]:
+            for pid, (_, sid) in processes.items():
+                if launcher in (pid, sid):  # its session, whatever the groups in it (the JAX workers have one)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         self.proc.kill()
-        self.proc.wait()
+        self.close()
 
     def close(self) -> None:
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.kill(None)
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """``{pid: (parent pid, session id)}`` of every process (``/proc``)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                after_name = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            found[int(entry)] = (int(after_name[1]), int(after_name[3]))  # state, ppid, pgrp, session
+    return found
 
 
 _servers: dict[str, _Server] = {}
@@ -181,8 +210,8 @@ def run_forked(argv: list[str], engine: str, cwd: Path, env: dict[str, str],
     is not the one the server started with (pytest's per-test variables aside) gets a new server: the imports may
     have read it."""
     server = _servers.get(engine)
-    if server is not None and (server.proc.poll() is not None or server.env != _import_env(env)):
-        server.close()  # ended, or what it imported may have read another environment
+    if server is not None and (server.busy or server.proc.poll() is not None or server.env != _import_env(env)):
+        server.kill()  # owes a reply to a run that was given up, ended, or imported in another environment
         server = None
     if server is None:
         server = _servers[engine] = _Server(engine, env)

@@ -25,9 +25,10 @@ RUN_TEMP_PREFIXES = ("chunkzero-", "torchelastic_")
 default log directory, which chunkzero no longer uses (torch's caches, ``torchinductor_*``, are kept on purpose)."""
 STOP_BOUND_S = 60.0
 """The longest the workers may outlive their launcher (the launcher's grace before SIGKILL is 5 s)."""
-TRAINED_ON_BOUND_S = 5.0
+TRAINED_ON_BOUND_S = 2.0
 """The most training time (``metrics.jsonl``'s ``time_s``) the workers may log after their launcher was stopped:
-the launcher's grace. A count of steps would fail on a loaded machine, where a tiny step takes milliseconds."""
+well under the launcher's 5 s grace, so a worker that ignored the stop until it was killed fails. A count of
+steps failed on a loaded machine (3 past a bound of 2), where a tiny step takes tens of milliseconds."""
 
 
 @pytest.fixture(scope="module")
