@@ -1,15 +1,15 @@
 """``chunkzero train`` launchers forked from a process that has imported them once: :func:`run_forked`.
 
 Each ``python -m chunkzero.cli train`` run starts a launcher that imports torch and ``torch._dynamo`` (the memory
-plan's ``FakeTensorMode``), or JAX for the JAX engine: about 2.5 s of CPU (1.4 s for JAX) of every end-to-end run,
-before the workers start. Here one server process per engine and test process imports the launcher's modules
-once and forks a launcher for each run. The fork is a process of its own as the command's would be: its own
-session, working directory, environment, standard streams (files, read back as ``subprocess.run`` returns them)
-and exit status; it runs ``chunkzero.cli.main`` and ends as the project's workers do (its threads, exit hooks, a
-flush, then exit without finalization: :func:`chunkzero.process_exit.exit_without_finalization`). Its workers are
-started by the launcher's own code (spawned: fresh interpreters), so nothing of the server reaches them. A run
-that outlives its timeout is killed with its session (the launcher and its workers, whatever their process
-groups) and raises ``subprocess.TimeoutExpired``.
+plan's ``FakeTensorMode``), or JAX for the JAX engine, before the workers start: forking it instead saves about 2.4
+s of CPU and 3 s of wall time a gpt-tiny run (``benchmarks/bench_launcher_fork.py``). One server process per engine
+and test process imports the launcher's modules once and forks a launcher for each run. The fork is a process of its
+own as the command's would be: its own session, working directory, environment, standard streams (files, read back
+as ``subprocess.run`` returns them) and exit status; it runs ``chunkzero.cli.main`` and ends as the project's
+workers do (its threads, exit hooks, a flush, then exit without finalization:
+:func:`chunkzero.process_exit.exit_without_finalization`). Its workers are started by the launcher's own code
+(spawned: fresh interpreters), so nothing of the server reaches them. A run that outlives its timeout is killed with
+its session (the launcher and its workers, whatever their process groups) and raises ``subprocess.TimeoutExpired``.
 
 What the imports themselves print (a warning at import) reaches the test's stderr once, from the server, not
 each run's stderr: a test of exactly what a run prints at start-up starts the command itself.

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from .helpers import SMALL, chunkzero_cmd, clean_env, make_corpus
+from .helpers import SMALL, alive, chunkzero_cmd, clean_env, make_corpus
 from .launcher_fork import run_forked
 
 
@@ -49,8 +48,7 @@ def test_a_forked_launcher_that_times_out_leaves_no_process_of_its_run(engine, t
     pids = [int(p.read_text()) for p in (out / "pids").glob("*.pid")]
     assert len(pids) == 2, "the run had not started its workers: give it a longer timeout"
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+    while time.monotonic() < deadline and any(map(alive, pids)):
         time.sleep(0.2)
-    left = [pid for pid in pids if Path(f"/proc/{pid}").exists()
-            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    left = [pid for pid in pids if alive(pid)]
     assert not left, f"workers {left} outlived their timed-out run"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SMALL, chunkzero_cmd, clean_env, make_corpus, read_metrics
+from .helpers import SMALL, alive, chunkzero_cmd, clean_env, make_corpus, read_metrics
 
 RUN_TEMP_PREFIXES = ("chunkzero-", "torchelastic_")
 """A run's temp directories: the launchers' (``chunkzero-jax-*``, ``chunkzero-torch-*``), and torch elastic's
@@ -34,14 +34,6 @@ steps failed on a loaded machine (3 past a bound of 2), where a tiny step takes 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     return make_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has stopped; only its parent's wait is missing
 
 
 def _train_until_running(engine: str, corpus: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, list[int]]:
@@ -81,9 +73,9 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
             os.kill(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=STOP_BOUND_S)
         deadline = time.monotonic() + STOP_BOUND_S
-        while time.monotonic() < deadline and any(map(_alive, workers)):
+        while time.monotonic() < deadline and any(map(alive, workers)):
             time.sleep(0.2)
-        left = [pid for pid in workers if _alive(pid)]
+        left = [pid for pid in workers if alive(pid)]
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
