@@ -3,11 +3,10 @@ so that Lightning's own launcher starts the other ranks (it re-runs this script 
 
     python lightning_run.py train OUT          # W = 2: 3 steps (2 micro-batches each), then save OUT/ckpt
     python lightning_run.py resume OUT         # W = 1: fit(ckpt_path=OUT/ckpt) to step 5
-    python lightning_run.py hybrid4 OUT        # W = 4: 5 steps under ZeroStrategy(shard_group_size=2); OUT/hybrid_ckpt
-    python lightning_run.py hybrid_resume2 OUT # W = 2 (flat): fit(ckpt_path=OUT/hybrid_ckpt) to step 6
-    python lightning_run.py ema2 OUT           # W = 2: train's 3 steps with ZeroEMACallback, validation on the
-                                               # EMA; OUT/ema_ckpt
-    python lightning_run.py ema_resume1 OUT    # W = 1: fit(ckpt_path=OUT/ema_ckpt) to step 5, then trainer.validate
+    python lightning_run.py hybrid4 OUT        # W = 4: 5 steps under ZeroStrategy(shard_group_size=2) with
+                                               # ZeroEMACallback, validation on the EMA; OUT/hybrid_ckpt
+    python lightning_run.py hybrid_resume2 OUT # W = 2 (flat): fit(ckpt_path=OUT/hybrid_ckpt) to step 6, then
+                                               # trainer.validate
     python lightning_run.py manual1 OUT        # W = 1: 4 steps with automatic, then manual optimization
 
 Each rank writes OUT/<phase>_rank<r>.pt: the weights (after fit and, for a resume, right after the
@@ -138,12 +137,10 @@ QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False
 PHASES = {  # phase: (devices, max_steps, samples, ZeroStrategy's options, EMA, checkpoint to resume)
     "train": (2, 3, SAMPLES, {}, False, None),
     "resume": (1, 5, SAMPLES, {}, False, "ckpt"),
-    "hybrid4": (4, 5, 80, {"shard_group_size": 2}, False, None),  # 80 = 5 steps x 2 micro-batches x 4 ranks x 2
-    "hybrid_resume2": (2, 6, 80, {}, False, "hybrid_ckpt"),
-    "ema2": (2, 3, SAMPLES, {}, True, None),
-    "ema_resume1": (1, 5, SAMPLES, {}, True, "ema_ckpt"),
+    "hybrid4": (4, 5, 80, {"shard_group_size": 2}, True, None),  # 80 = 5 steps x 2 micro-batches x 4 ranks x 2
+    "hybrid_resume2": (2, 6, 80, {}, True, "hybrid_ckpt"),
 }
-SAVES = {"train": "ckpt", "hybrid4": "hybrid_ckpt", "ema2": "ema_ckpt"}
+SAVES = {"train": "ckpt", "hybrid4": "hybrid_ckpt"}
 
 
 def main(phase: str, out: Path) -> None:
@@ -158,7 +155,7 @@ def main(phase: str, out: Path) -> None:
     loader = DataLoader(Samples(range(samples)), batch_size=BATCH, shuffle=False)
     val_loader = DataLoader(Samples(VAL_IDS), batch_size=BATCH, shuffle=False) if ema else None
     trainer.fit(module, loader, val_loader, ckpt_path=None if resume is None else str(out / resume))
-    if phase == "ema_resume1":
+    if ema and resume is not None:
         trainer.validate(module, val_loader, verbose=False)  # after fit, on the EMA again
     result = {"state": strategy.model.state_dict(), "seen": module.seen, "losses": module.losses, "lrs": module.lrs,
               "world_size": strategy.world_size, "global_step": trainer.global_step, "vals": module.vals,

@@ -10,8 +10,8 @@
 - ``ZeroStrategy(shard_group_size=2)`` at 4 devices takes Lightning's own sampler's batches and equals a
   single-process plain-torch run of the same global batches within fp32 noise over 5 steps (each micro-batch's
   loss and the final weights); its checkpoint records 2 replicas and resumes flat at 2 devices;
-- ``ZeroEMACallback`` equals torch's ``AveragedModel`` with ``get_ema_multi_avg_fn`` on a single-process
-  plain-torch run of the same global batches, at 2 devices and after a resume at 1; validation on the EMA
+- in the same runs, ``ZeroEMACallback`` (a sharded EMA, under hybrid sharding and again after the flat resume)
+  equals torch's ``AveragedModel`` with ``get_ema_multi_avg_fn`` on that plain-torch run; validation on the EMA
   weights gives the AveragedModel's losses, and training goes on from the live weights;
 - the pieces without a Trainer: precision mapping, the optimizer conversion, Lightning's state as JSON.
 """
@@ -172,7 +172,8 @@ def hybrid(tmp_path_factory):
 def test_hybrid_zero_strategy_equals_one_process_torch_at_four_devices(hybrid):
     """4 devices as 2 replicas of 2-rank shard groups against plain torch in one process over the same global
     batches (the gradient averaged over ranks and micro-batches is the full batch's): each rank's micro-batch
-    losses and the weights after 5 steps."""
+    losses and the weights after 5 steps; the EMA callback against ``AveragedModel`` over the same steps, and the
+    validation at the epoch's end on the EMA weights, each rank's share of the validation samples."""
     out, zero = hybrid
     assert [z["world_size"] for z in zero] == [4] * 4 and [z["replicas"] for z in zero] == [2] * 4
     assert zero[0]["global_step"] == 5
@@ -181,12 +182,18 @@ def test_hybrid_zero_strategy_equals_one_process_torch_at_four_devices(hybrid):
     steps = _global_steps(zero)
     probes = [[b for z in zero for b in z["seen"][s * run.ACCUM:(s + 1) * run.ACCUM]] for s in range(len(steps))]
     with _one_thread():
-        model, _, losses = _averaged_reference(steps, probes)
+        live, averaged, losses = _averaged_reference(steps, probes)
+        validation = _check_validation([v for z in zero for v in z["vals"]], averaged, live)
     for rank, z in enumerate(zero):
         want = [losses[s][rank * run.ACCUM + m] for s in range(len(steps)) for m in range(run.ACCUM)]
         assert np.abs(np.subtract(z["losses"], want)).max() < 1e-5, (rank, z["losses"], want)
-    assert _max_diff(zero[0]["state"], model.state_dict()) < 1e-5
+    assert _max_diff(zero[0]["state"], live.state_dict()) < 1e-5  # (validation left the live weights in place)
     assert _max_diff(zero[0]["state"], _initial_state()) > 1e-2  # the weights moved: the comparison can fail
+    assert [z["ema_updates"] for z in zero] == [5] * 4
+    assert _max_diff(zero[0]["ema_state"], averaged.state_dict()) < 1e-5
+    assert _max_diff(zero[0]["ema_state"], live.state_dict()) > 1e-3  # the EMA is not the weights
+    assert validation < 1e-5
+    assert sorted(i for z in zero for ids, _ in z["vals"] for i in ids) == list(run.VAL_IDS)
     meta = read_meta(out / "hybrid_ckpt" / "5")
     assert meta.replicas == 2 and meta.layout.world_size == 2  # each shard once, by replica 0's 2 ranks
 
@@ -199,16 +206,20 @@ def test_hybrid_checkpoint_resumes_flat_at_two_devices(hybrid):
     restored = res[0]["restored"]
     assert res[0]["world_size"] == 2 and res[0]["replicas"] == 1
     assert restored["global_step"] == 5 and restored["optim_steps"] == 5
-    for k, v in zero[0]["state"].items():  # the 4-device hybrid run's weights, exactly
+    for k, v in zero[0]["state"].items():  # the 4-device hybrid run's weights (the live ones, not the EMA), exactly
         assert torch.equal(restored["state"][k], v), k
-    assert res[0]["global_step"] == 6
+    assert res[0]["global_step"] == 6 and res[0]["ema_updates"] == 6
+    with _one_thread():  # the EMA went on from the checkpoint's; trainer.validate after fit used it
+        live, averaged, _ = _averaged_reference(_global_steps(zero) + _global_steps(res))
+        assert _max_diff(res[0]["ema_state"], averaged.state_dict()) < 1e-5
+        assert _check_validation(res[0]["vals"] + res[1]["vals"], averaged, live) < 1e-5
 
 
 def _initial_state() -> dict:
     return Holder().state_dict()
 
 
-# ------------------------------------------------------------------ the EMA callback against AveragedModel
+# ------------------------------------------------------------------ the one-process reference, with the EMA
 
 
 @contextlib.contextmanager
@@ -269,29 +280,6 @@ def _check_validation(vals, ema_model, live_model) -> float:
             assert abs(loss - run.loss_of(live_model, x).item()) > 1e-3  # not the live weights
             worst = max(worst, abs(loss - want))
     return worst
-
-
-@pytest.mark.slow
-def test_ema_callback_equals_averaged_model_at_two_devices_and_after_a_resume_at_one(tmp_path):
-    _script("ema2", tmp_path)
-    ema2 = [_result(tmp_path, f"ema2_rank{r}") for r in (0, 1)]
-    _script("ema_resume1", tmp_path)
-    ema1 = _result(tmp_path, "ema_resume1_rank0")
-    first, second = _global_steps(ema2), _global_steps([ema1])
-    assert len(first) == 3 and len(second) == 2 and ema2[0]["ema_updates"] == 3 and ema1["ema_updates"] == 5
-    with _one_thread():
-        live, averaged, _ = _averaged_reference(first)
-        assert _max_diff(ema2[0]["ema_state"], averaged.state_dict()) < 1e-6
-        assert _max_diff(ema2[0]["state"], live.state_dict()) < 1e-5  # validation left the live weights in place
-        assert _max_diff(ema2[0]["ema_state"], live.state_dict()) > 1e-3  # the EMA is not the weights
-        assert _check_validation(ema2[0]["vals"] + ema2[1]["vals"], averaged, live) < 1e-5
-        assert sorted(i for r in ema2 for ids, _ in r["vals"] for i in ids) == list(run.VAL_IDS)
-
-        for k, v in ema2[0]["state"].items():  # the checkpoint held the live weights, not the EMA
-            assert torch.equal(ema1["restored"]["state"][k], v), k
-        live, averaged, _ = _averaged_reference(first + second)
-        assert _max_diff(ema1["ema_state"], averaged.state_dict()) < 1e-6
-        assert _check_validation(ema1["vals"], averaged, live) < 1e-5  # trainer.validate after fit
 
 
 # ------------------------------------------------------------------ the pieces, without a Trainer
