@@ -118,7 +118,7 @@ def remove_orphaned_launch_dir(launcher_gone: bool = False, *, wait_s: float = 0
     if not (launcher and where):
         return
     deadline = time.monotonic() + wait_s
-    while not (launcher_gone or str(os.getppid()) != launcher or not _running(int(launcher))):
+    while not (launcher_gone or str(os.getppid()) != launcher or not process_running(int(launcher))):
         if time.monotonic() >= deadline:
             return
         time.sleep(0.02)
@@ -254,7 +254,7 @@ def outlive_on_stop(pids: Iterable[int], wait_s: float = OUTLIVE_WAIT_S) -> None
     _outlived = (tuple(int(p) for p in pids if int(p) != os.getpid()), float(wait_s))
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie has ended: only its parent's wait is missing)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -273,7 +273,7 @@ def _running(pid: int) -> bool:
 
 def _wait_until_gone(pids: Sequence[int], wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and any(_running(p) for p in pids):
+    while time.monotonic() < deadline and any(process_running(p) for p in pids):
         time.sleep(0.02)
 
 

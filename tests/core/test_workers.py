@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from chunkzero.workers import LAUNCHER_EXIT_WAIT_S, _running, launch_processes
+from chunkzero.workers import LAUNCHER_EXIT_WAIT_S, launch_processes, process_running
 
 CHILD = r"""
 import os, sys
@@ -149,9 +149,9 @@ def test_pdeathsig_before_the_launcher_is_gone(tmp_path, launcher_lives_s):
     assert launcher.returncode == 0, launcher.stderr
     worker = int(launcher.stdout)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and _running(worker):
+    while time.monotonic() < deadline and process_running(worker):
         time.sleep(0.05)
-    assert not _running(worker)
+    assert not process_running(worker)
     assert launch_dir.exists() is (launcher_lives_s > LAUNCHER_EXIT_WAIT_S)
 
 

@@ -180,15 +180,6 @@ def _pooled_worker(rank: int, world_size: int, cfg_json: str) -> dict:
     return {"result": json.dumps(result), "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie has stopped: only its parent's wait is missing)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

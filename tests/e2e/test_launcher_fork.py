@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from .helpers import SMALL, alive, chunkzero_cmd, clean_env, make_corpus
+from chunkzero.workers import process_running
+
+from .helpers import SMALL, chunkzero_cmd, clean_env, make_corpus
 from .launcher_fork import run_forked
 
 
@@ -48,7 +50,7 @@ def test_a_forked_launcher_that_times_out_leaves_no_process_of_its_run(engine, t
     pids = [int(p.read_text()) for p in (out / "pids").glob("*.pid")]
     assert len(pids) == 2, "the run had not started its workers: give it a longer timeout"
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(map(alive, pids)):
+    while time.monotonic() < deadline and any(map(process_running, pids)):
         time.sleep(0.2)
-    left = [pid for pid in pids if alive(pid)]
+    left = [pid for pid in pids if process_running(pid)]
     assert not left, f"workers {left} outlived their timed-out run"

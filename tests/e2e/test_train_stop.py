@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SMALL, alive, chunkzero_cmd, clean_env, make_corpus, read_metrics
+from chunkzero.workers import process_running
+
+from .helpers import SMALL, chunkzero_cmd, clean_env, make_corpus, read_metrics
 
 RUN_TEMP_PREFIXES = ("chunkzero-", "torchelastic_")
 """A run's temp directories: the launchers' (``chunkzero-jax-*``, ``chunkzero-torch-*``), and torch elastic's
@@ -73,9 +75,9 @@ def test_stopping_the_launcher_stops_every_worker(engine, how, corpus, tmp_path)
             os.kill(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=STOP_BOUND_S)
         deadline = time.monotonic() + STOP_BOUND_S
-        while time.monotonic() < deadline and any(map(alive, workers)):
+        while time.monotonic() < deadline and any(map(process_running, workers)):
             time.sleep(0.2)
-        left = [pid for pid in workers if alive(pid)]
+        left = [pid for pid in workers if process_running(pid)]
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -33,8 +33,10 @@ def test_error_raised_in_forward_or_backward_leaves_the_engine_usable(world):
     run_distributed(recipe_cases.worker_error_in_backward, world, timeout=600)
 
 
-@pytest.mark.parametrize("world", [1, 2])  # compiled code sees whole gathered tensors: W = 3's uneven shards
-def test_torch_compile(world):                # change nothing it compiles, and cost each of its ranks ~10 s of CPU
+# compiled code sees whole gathered tensors: W = 3's uneven shards change nothing it compiles, and cost each of its
+# ranks ~10 s of CPU
+@pytest.mark.parametrize("world", [1, 2])
+def test_torch_compile(world):
     run_distributed(recipe_cases.worker_compile, world, timeout=900)
 
 
