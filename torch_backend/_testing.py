@@ -17,9 +17,11 @@ function travels by name and its arguments as the return values do (``Path`` s t
 argument of another type runs on spawned ranks instead. A
 pool is discarded, its processes ended, when a call fails or times out, and its processes exit (as a
 spawned rank would, running their exit hooks) before the call returns when the call left state behind
-that the next one could trip on: JAX started (a backend made, or ``jax.distributed``, which starts once per
-process and only before any backend: a checkpoint save at W > 1) or a thread still running (an asynchronous
-checkpoint save). JAX only imported (a checkpoint read) keeps the pool. ``fresh=True`` always spawns.
+that the next one could trip on: JAX in a state a later checkpoint save cannot use (a backend made at W > 1
+without ``jax.distributed``, which starts once per process and only before any backend; or ``jax.distributed``
+started other than by a save of this rank and world size) or a thread still running (an asynchronous
+checkpoint save). JAX imported (a checkpoint read) or started by a save (which later saves of the same ranks
+reuse, as a training job's saves do) keeps the pool. ``fresh=True`` always spawns.
 
 A rank that ends does so without interpreter finalization
 (:func:`torch_backend.train.process_exit.exit_without_finalization`): gloo's worker threads outlive
@@ -191,21 +193,34 @@ def _pool_rank(rank: int, world_size: int, conn, env: dict, backend: str) -> Non
             conn.send_bytes(json.dumps({"error": traceback.format_exc()}).encode())
             break  # the group may be broken: the pool is discarded
         del fn, args, result
-        lingering = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
-        conn.send_bytes(json.dumps({"error": None, "retire": _jax_started() or bool(lingering)}).encode())
+        lingering = [t for t in threading.enumerate()
+                     if t not in threads_before and t.is_alive() and not t.name.startswith(_IDLE_THREAD_PREFIXES)]
+        retire = _jax_unusable(rank, world_size) or bool(lingering)
+        conn.send_bytes(json.dumps({"error": None, "retire": retire}).encode())
     exit_without_finalization(0)
 
 
-def _jax_started() -> bool:
-    """Whether this process made a JAX backend or began to start ``jax.distributed`` (its service or client:
-    it starts once per process, and only before any backend). Unsure (JAX's internals moved): ``True``."""
+_IDLE_THREAD_PREFIXES = ("metadata_store",)
+"""Threads that outlive a call without leaving work behind: Orbax's metadata store keeps a one-thread executor
+for each checkpoint write manager (which :mod:`chunkzero.checkpoint.orbax_store` caches per root), idle once
+the save it wrote for is committed. A save still in flight has threads of its own, which retire the pool."""
+
+
+def _jax_unusable(rank: int, world_size: int) -> bool:
+    """Whether this process's JAX state could trip a later call's checkpoint save: a backend made at W > 1
+    without ``jax.distributed`` (which then can no longer start), or ``jax.distributed`` started other than by
+    :func:`torch_backend.checkpoint.parallel_write.process_mesh` as rank ``rank`` of ``world_size`` (whose
+    runtime later saves of these ranks reuse). Unsure (JAX's internals moved): ``True``."""
     if "jax" not in sys.modules:
         return False
     try:
         from jax._src import distributed, xla_bridge
 
         state = distributed.global_state
-        return state.service is not None or state.client is not None or xla_bridge.backends_are_initialized()
+        if state.service is not None or state.client is not None:
+            runtime = getattr(sys.modules.get("torch_backend.checkpoint.parallel_write"), "_RUNTIME", None)
+            return runtime is None or (runtime.rank, runtime.world_size) != (rank, world_size)
+        return world_size > 1 and xla_bridge.backends_are_initialized()
     except Exception:  # noqa: BLE001 (retiring is always safe)
         return True
 

@@ -132,9 +132,10 @@ def test_pooled_call_gets_its_arguments_by_value_and_falls_back_to_spawn_for_oth
     assert {r["pid"] for r in spawned}.isdisjoint(r["pid"] for r in pooled)
 
 
-def pid_after_jax(rank: int, world: int, how: str) -> int:
+def pid_after_jax(rank: int, world: int, how: str, root: str, step: int) -> int:
     """This rank's pid, after importing JAX (``"import"``, as a checkpoint read does), also making its CPU backend
-    (``"backend"``), or, with ``"progress"``, after a progress bar (whose monitor thread would outlive it)."""
+    (``"backend"``), saving step ``step`` of a checkpoint under ``root`` (``"save"``: ``jax.distributed``
+    started, or reused), or, with ``"progress"``, after a progress bar (whose monitor thread would outlive it)."""
     if how == "progress":
         from tqdm import tqdm
 
@@ -145,13 +146,29 @@ def pid_after_jax(rank: int, world: int, how: str) -> int:
 
     if how == "backend":
         jax.devices()
+    if how == "save":
+        import numpy as np
+
+        from chunkzero.checkpoint import CheckpointMeta
+        from chunkzero.layout import ChunkLayout, TensorSpec
+        from torch_backend.checkpoint.sharded import write_shards
+
+        layout = ChunkLayout.build([TensorSpec("w", (8,))], 8, world)
+        shards = {c.index: np.full(layout.shard_numel(c.index), rank, np.float32) for c in layout.chunks}
+        write_shards(root, CheckpointMeta(step=step, layout=layout), rank, shards)
     return os.getpid()
 
 
-@pytest.mark.parametrize(("how", "kept"), [("import", True), ("progress", True), ("backend", False)])
-def test_a_pool_is_kept_after_jax_was_imported_and_retired_once_it_started(how, kept):
-    """JAX imported keeps a pool, and so does a progress bar; a JAX backend made retires it (``jax.distributed``
-    could no longer start in it): the next call runs in the same processes, or in new ones."""
-    first = run_distributed(pid_after_jax, 3, how)
-    second = run_distributed(pid_after_jax, 3, "import")
+@pytest.mark.parametrize(("how", "kept"), [("import", True), ("progress", True), ("save", True), ("backend", False)])
+def test_a_pool_is_kept_while_a_later_save_can_run_in_it(how, kept, tmp_path):
+    """JAX imported keeps a pool, and so do a progress bar and a checkpoint save (``jax.distributed`` started for
+    these ranks, which their next save reuses); a JAX backend made without it retires the pool
+    (``jax.distributed`` could no longer start in it). The next call, a save, runs in the same processes, or in
+    new ones."""
+    from torch_backend.checkpoint.sharded import checkpoint_steps
+
+    own = {"POOL_CASE": how}  # a pool of its own: not one an earlier case left JAX started in
+    first = run_distributed(pid_after_jax, 3, how, str(tmp_path), 1, env=own)
+    second = run_distributed(pid_after_jax, 3, "save", str(tmp_path), 2, env=own)
     assert (first == second) == kept, (first, second)
+    assert checkpoint_steps(tmp_path) == ([1, 2] if how == "save" else [2])
