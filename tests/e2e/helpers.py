@@ -1,6 +1,6 @@
 """Running ``chunkzero train`` as a user would, for the end-to-end tests: with its launcher a process of its own
-(:func:`run_train`), or, for a torch run that neither saves nor resumes, with its workers on the test run's rank
-pools (:func:`run_train_pooled`)."""
+(:func:`run_train`), or, for a torch run whose processes the test does not look at, with its workers on the test
+run's rank pools (:func:`run_train_pooled`)."""
 
 from __future__ import annotations
 
@@ -77,12 +77,11 @@ def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.
     ``worker_main``, as a launched one does; its output comes back in the result's ``stdout`` and ``stderr``,
     between the command's lines. A stop signal that reached the command raises ``KeyboardInterrupt`` here.
 
-    For torch runs that neither save nor resume, and tests of what such a run computes and writes, not of its
-    processes: the workers' pids, peak RSS (a pooled rank's is its whole life's) and collective timeout
-    (``run_distributed``'s ``timeout``, not ``--timeout``) are the pool's. Refused, with an ``AssertionError``: a
-    JAX run (its engine has no torch launcher to stand in for), and a save or a resume (a save starts
-    ``jax.distributed`` in the ranks, which retires their pool, and the next test at that world size would pay a
-    new one; a resume's reads are not yet shown to leave JAX unstarted).
+    For torch runs, and tests of what a run computes and writes, not of its processes: the workers' pids, peak
+    RSS (a pooled rank's is its whole life's), collective timeout (``run_distributed``'s ``timeout``, not
+    ``--timeout``) and checkpoint runtime (``jax.distributed``, started by the pool's first save at W > 1 and
+    reused by its later ones, with that save's timeout) are the pool's, and what native code prints is not
+    captured. A JAX run (its engine has no torch launcher to stand in for) runs as :func:`run_train` runs it.
     """
     import logging
 
@@ -90,9 +89,8 @@ def run_train_pooled(*args: str, cwd: Path, timeout: float = 300) -> subprocess.
     from chunkzero.cli import build_parser, main
     from chunkzero.workers import STOP_SIGNALS
 
-    parsed = build_parser().parse_args(["train", *args])
-    if parsed.backend != "torch" or parsed.save_interval or parsed.resume:
-        raise AssertionError("run_train_pooled is for torch runs that neither save nor resume: use run_train")
+    if build_parser().parse_args(["train", *args]).backend != "torch":
+        return run_train(*args, cwd=cwd, timeout=timeout)
 
     def pooled_launch(entrypoint, launch_args, nproc, timeout_s=None):
         from torch_backend._testing import run_distributed

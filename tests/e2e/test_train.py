@@ -96,13 +96,13 @@ def _process_state(rank: int, world_size: int) -> dict:
 
 
 def test_a_pooled_run_leaves_its_ranks_as_it_found_them(corpus, tmp_path):
-    """The ranks of ``run_train_pooled`` are the pool's (the same processes before and after) and come back
-    with their logging and stop-signal handling as they were, for the pool's next caller."""
+    """The ranks of ``run_train_pooled`` are the pool's (the same processes before and after, a save included)
+    and come back with their logging and stop-signal handling as they were, for the pool's next caller."""
     from torch_backend._testing import run_distributed
 
     before = run_distributed(_process_state, 2)
     proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "2", "--sample-tokens", "0", "--nproc", "2",
-                            "--out", str(tmp_path / "run"), cwd=tmp_path)
+                            "--save-interval", "2", "--out", str(tmp_path / "run"), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert "step 2: train loss" in proc.stderr
     assert run_distributed(_process_state, 2) == before
@@ -242,7 +242,7 @@ def test_cumulative_counters_continue_across_resumes_at_other_world_sizes(corpus
     per_worker = 4 * 32  # --batch-size 4 × --seq-len 32, one micro-batch
     resume = ("--resume", "--allow-change")  # the tokens per step change with the world size
     for nproc, flags, dropped in (("2", (), ("4", "6")), ("1", resume, ("6",)), ("2", resume, ())):
-        proc = run_train(*args, "--nproc", nproc, *flags, cwd=tmp_path)
+        proc = run_train_pooled(*args, "--nproc", nproc, *flags, cwd=tmp_path)
         assert proc.returncode == 0, describe(proc)
         for step in dropped:  # as if the session had died after the checkpoint before
             shutil.rmtree(out / "checkpoints" / step)

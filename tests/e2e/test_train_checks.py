@@ -19,7 +19,7 @@ import pytest
 
 from chunkzero.train_config import TrainConfig, lr_at
 
-from .helpers import SMALL, describe, make_corpus, read_metrics, refused_line, run_train
+from .helpers import SMALL, describe, make_corpus, read_metrics, refused_line, run_train, run_train_pooled
 from .test_train_edges import tree_hash
 
 BACKENDS = ["torch", "jax"]
@@ -36,8 +36,8 @@ def checkpointed(corpus, tmp_path_factory) -> Path:
     """4 steps of gpt-tiny on 1 torch worker, checkpointed at steps 2 and 4."""
     tmp = tmp_path_factory.mktemp("checkpointed")
     out = tmp / "run"
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "4", "--save-interval", "2", "--eval-interval", "4",
-                     "--sample-tokens", "0", "--nproc", "1", "--out", str(out), cwd=tmp)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "4", "--save-interval", "2", "--eval-interval",
+                            "4", "--sample-tokens", "0", "--nproc", "1", "--out", str(out), cwd=tmp)
     assert proc.returncode == 0, describe(proc)
     return out
 
@@ -91,9 +91,9 @@ def test_a_resume_that_changes_the_data_stream_is_refused_before_any_worker(case
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_allow_change_continues_names_the_change_and_records_it(backend, corpus, checkpointed, tmp_path):
     out = _copy(checkpointed, tmp_path)
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "5", "--eval-interval", "5", "--sample-tokens", "0",
-                     "--nproc", "1", "--batch-size", "8", "--resume", "--allow-change", "--backend", backend,
-                     "--out", str(out), cwd=tmp_path)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "5", "--eval-interval", "5", "--sample-tokens",
+                            "0", "--nproc", "1", "--batch-size", "8", "--resume", "--allow-change", "--backend",
+                            backend, "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     change = ["--batch-size 8 (was 4)", "256 tokens per step (was 128)"]
     named = [line for line in proc.stderr.splitlines() if "--allow-change" in line]
@@ -163,7 +163,7 @@ def test_resume_step_resumes_from_an_older_step(backend, corpus, checkpointed, t
     line = refused_line([*args, "--steps", "2", "--resume-step", "2"], backend, monkeypatch, capsys)
     assert "is at step 2, and --steps 2 is the run's total" in line, line
     assert tree_hash(out) == before
-    proc = run_train(*args, "--resume-step", "2", "--save-interval", "2", "--backend", backend, cwd=tmp_path)
+    proc = run_train_pooled(*args, "--resume-step", "2", "--save-interval", "2", "--backend", backend, cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert [s["step"] for s in _sessions(out)] == [0, 2]
     # the abandoned step 4 is kept aside, and this run saved its own step 4
@@ -188,9 +188,9 @@ def test_keep_after_a_first_run_that_ended_in_its_warmup_reaches_the_peak(backen
     out = tmp_path / "run"
     args = ["--data", str(corpus), *SMALL, "--warmup", "6", "--eval-interval", "100", "--sample-tokens", "0",
             "--nproc", "1", "--backend", backend, "--out", str(out)]
-    proc = run_train(*args, "--steps", "2", "--save-interval", "2", cwd=tmp_path)
+    proc = run_train_pooled(*args, "--steps", "2", "--save-interval", "2", cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
-    proc = run_train(*args, "--steps", "10", "--resume", cwd=tmp_path)
+    proc = run_train_pooled(*args, "--steps", "10", "--resume", cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     lrs = {r["step"]: r["lr"] for r in read_metrics(out)[0]}
     cfg = TrainConfig(steps=10, warmup=6, lr=LR)

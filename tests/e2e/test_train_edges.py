@@ -19,7 +19,7 @@ import pytest
 
 from chunkzero.train_config import TrainConfig, lr_at
 
-from .helpers import SMALL, describe, read_metrics, refused_line, run_train
+from .helpers import SMALL, describe, read_metrics, refused_line, run_train_pooled
 
 STEPS = 4
 WARMUP, LR = 2, 3e-3  # SMALL's
@@ -41,8 +41,8 @@ def checkpointed(corpus, tmp_path_factory) -> Path:
     """A finished run of ``STEPS`` steps on 1 worker with its checkpoint at step ``STEPS``."""
     tmp = tmp_path_factory.mktemp("checkpointed")
     out = tmp / "run"
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", str(STEPS), "--save-interval", str(STEPS),
-                     "--eval-interval", str(STEPS), "--nproc", "1", "--out", str(out), cwd=tmp)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", str(STEPS), "--save-interval", str(STEPS),
+                            "--eval-interval", str(STEPS), "--nproc", "1", "--out", str(out), cwd=tmp)
     assert proc.returncode == 0, describe(proc)
     return out
 
@@ -101,8 +101,8 @@ def test_resume_to_more_steps_keeps_or_stretches_the_schedule(schedule, corpus, 
     shutil.copytree(checkpointed, out)
     saved = _lrs(out)
     choice = [] if schedule == "keep" else ["--schedule", "stretch"]
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "6", "--eval-interval", "6", "--nproc", "1",
-                     "--resume", "--out", str(out), *choice, cwd=tmp_path)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "6", "--eval-interval", "6", "--nproc", "1",
+                            "--resume", "--out", str(out), *choice, cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     lrs = _lrs(out)
     assert [lrs[s] for s in range(1, STEPS + 1)] == [saved[s] for s in range(1, STEPS + 1)]

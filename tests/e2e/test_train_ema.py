@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from .helpers import SMALL, clean_env, describe, read_metrics, run_train
+from .helpers import SMALL, describe, read_metrics, run_train_pooled
 
 
 @pytest.mark.slow
@@ -20,11 +20,10 @@ def test_train_with_ema_evaluates_both_and_resumes(corpus, tmp_path):
     out = tmp_path / "run"
     args = ["--data", str(corpus), *SMALL, "--eval-interval", "2", "--sample-tokens", "0", "--save-interval", "4",
             "--ema-decay", "0.5", "--out", str(out)]
-    proc = run_train(*args, "--steps", "4", "--nproc", "2", cwd=tmp_path, env=clean_env())
+    proc = run_train_pooled(*args, "--steps", "4", "--nproc", "2", cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert read_meta(out / "checkpoints" / "4").ema.to_dict() == {"decay": 0.5, "update_count": 4, "warmup": False}
-    proc = run_train(*args, "--steps", "6", "--nproc", "1", "--resume", "--allow-change", cwd=tmp_path,
-                     env=clean_env())
+    proc = run_train_pooled(*args, "--steps", "6", "--nproc", "1", "--resume", "--allow-change", cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert read_meta(out / "checkpoints" / "6").ema.update_count == 6
     _, val = read_metrics(out)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SMALL, describe, read_metrics, run_train
+from .helpers import SMALL, describe, read_metrics, run_train_pooled
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +19,8 @@ def ema_run(corpus, tmp_path_factory) -> Path:
     """2 steps on 1 worker with a warmed-up EMA of decay 0.5, checkpointed at step 2, with a sample."""
     tmp = tmp_path_factory.mktemp("ema_run")
     out = tmp / "run"
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "2", "--save-interval", "2", "--eval-interval", "2",
-                     "--ema-decay", "0.5", "--ema-warmup", "--nproc", "1", "--out", str(out), cwd=tmp)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "2", "--save-interval", "2", "--eval-interval",
+                            "2", "--ema-decay", "0.5", "--ema-warmup", "--nproc", "1", "--out", str(out), cwd=tmp)
     assert proc.returncode == 0, describe(proc)
     return out
 
@@ -35,9 +35,9 @@ def test_resume_with_another_ema_decay_uses_this_runs(corpus, ema_run, tmp_path)
     assert json.loads((out / "config.json").read_text())["ema_warmup"] is True
     sample = (out / "sample.txt").read_text()
     assert sample.strip()
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "3", "--save-interval", "3", "--eval-interval", "3",
-                     "--ema-decay", "0.9", "--sample-tokens", "0", "--nproc", "1", "--resume", "--out", str(out),
-                     cwd=tmp_path)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "3", "--save-interval", "3", "--eval-interval",
+                            "3", "--ema-decay", "0.9", "--sample-tokens", "0", "--nproc", "1", "--resume", "--out",
+                            str(out), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert read_meta(out / "checkpoints" / "3").ema.to_dict() == {"decay": 0.9, "update_count": 3, "warmup": False}
     assert "--ema-decay 0.9 (the checkpoint's: 0.5), --ema-warmup off (the checkpoint's: on): this run's setting " \
@@ -55,8 +55,8 @@ def test_resume_with_another_ema_decay_uses_this_runs(corpus, ema_run, tmp_path)
 def test_resume_without_ema_decay_drops_the_ema_once_and_reports_no_stale_ema_loss(corpus, ema_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(ema_run, out)
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "3", "--eval-interval", "3", "--sample-tokens", "0",
-                     "--nproc", "2", "--resume", "--allow-change", "--out", str(out), cwd=tmp_path)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "3", "--eval-interval", "3", "--sample-tokens",
+                            "0", "--nproc", "2", "--resume", "--allow-change", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     dropped = [line for line in proc.stderr.splitlines() if "the EMA is dropped" in line]
     assert len(dropped) == 1 and "holds an EMA of the weights (decay 0.5, 2 updates)" in dropped[0], proc.stderr
@@ -77,8 +77,8 @@ def test_jax_resume_drops_the_ema_with_one_warning(corpus, ema_run, tmp_path):
     does, and says how to keep it."""
     out = tmp_path / "run"
     shutil.copytree(ema_run, out)
-    proc = run_train("--data", str(corpus), *SMALL, "--steps", "3", "--eval-interval", "3", "--sample-tokens", "0",
-                     "--backend", "jax", "--nproc", "1", "--resume", "--out", str(out), cwd=tmp_path)
+    proc = run_train_pooled("--data", str(corpus), *SMALL, "--steps", "3", "--eval-interval", "3", "--sample-tokens",
+                            "0", "--backend", "jax", "--nproc", "1", "--resume", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     dropped = [line for line in proc.stderr.splitlines() if "the EMA is dropped" in line]
     assert len(dropped) == 1 and "holds an EMA of the weights (decay 0.5, 2 updates)" in dropped[0], proc.stderr

@@ -13,7 +13,16 @@ import shutil
 
 import pytest
 
-from .helpers import SMALL, describe, make_corpus, normwise_rel_err, read_metrics, run_train, saved_tensors
+from .helpers import (
+    SMALL,
+    describe,
+    make_corpus,
+    normwise_rel_err,
+    read_metrics,
+    run_train,
+    run_train_pooled,
+    saved_tensors,
+)
 
 STEPS = ["--warmup", "2", "--eval-interval", "2", "--save-interval", "2", "--ema-decay", "0.9"]
 NORM_RTOL = 1e-3
@@ -46,8 +55,8 @@ def runs(tmp_path_factory):
     corpus = make_corpus(tmp / "corpus")
     common = [*SMALL, *STEPS, "--data", str(corpus)]
     torch_out = tmp / "torch"
-    p = run_train(*common, "--steps", "6", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2), "--out",
-                  str(torch_out), cwd=tmp)
+    p = run_train_pooled(*common, "--steps", "6", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2), "--out",
+                         str(torch_out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     jax_out = tmp / "jax"
     p = run_train(*common, "--steps", "6", "--backend", "jax", "--nproc", "2", "--batch-size", str(GLOBAL_BATCH // 2),
@@ -102,8 +111,8 @@ def test_switch_torch_jax_torch(runs):
                   "--batch-size", str(GLOBAL_BATCH // 4), "--resume", "--out", str(out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     shutil.rmtree(out / "checkpoints" / "6")  # torch resumes from JAX's checkpoint 4 (and trains 5-6 again)
-    p = run_train(*common, "--steps", "6", "--nproc", "3", "--batch-size", str(GLOBAL_BATCH // 3), "--resume",
-                  "--out", str(out), cwd=tmp)
+    p = run_train_pooled(*common, "--steps", "6", "--nproc", "3", "--batch-size", str(GLOBAL_BATCH // 3), "--resume",
+                         "--out", str(out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     (t_train, t_val), (s_train, s_val) = _losses(torch_out), _losses(out)
     assert sorted(s_train) == list(range(1, 7))

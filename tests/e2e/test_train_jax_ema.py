@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
-from .helpers import SMALL, describe, read_metrics, run_train, saved_tensors
+from .helpers import SMALL, describe, read_metrics, run_train, run_train_pooled, saved_tensors
 
 ARGS = [*SMALL, "--sample-tokens", "0", "--eval-interval", "2", "--save-interval", "2"]
 EMA_ATOL = 1e-6
@@ -74,8 +74,8 @@ def test_jax_reports_the_ema_and_torch_resumes_it(corpus, jax_run, tmp_path):
 
     out = tmp_path / "run"
     shutil.copytree(jax_run, out)
-    p = run_train("--data", str(corpus), *ARGS, "--steps", "3", "--ema-decay", "0.9", "--nproc", "2", "--resume",
-                  "--out", str(out), cwd=tmp_path)
+    p = run_train_pooled("--data", str(corpus), *ARGS, "--steps", "3", "--ema-decay", "0.9", "--nproc", "2", "--resume",
+                         "--out", str(out), cwd=tmp_path)
     assert p.returncode == 0, describe(p)
     assert read_meta(out / "checkpoints" / "3").ema.update_count == 3
     assert _check_next_ema_kept(out / "checkpoints", 2, 0.9) > 100 * EMA_ATOL
@@ -94,7 +94,7 @@ def test_torch_ema_resumes_on_jax(corpus, tmp_path):
 
     out = tmp_path / "run"
     common = ["--data", str(corpus), *ARGS, "--ema-decay", "0.9", "--out", str(out)]
-    p = run_train(*common, "--steps", "2", "--nproc", "2", cwd=tmp_path)
+    p = run_train_pooled(*common, "--steps", "2", "--nproc", "2", cwd=tmp_path)
     assert p.returncode == 0, describe(p)
     root = out / "checkpoints"
 

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from .helpers import SMALL, describe, make_corpus, run_train
+from .helpers import SMALL, describe, make_corpus, run_train, run_train_pooled
 from .test_train_jax import LOSS_TOL, _losses
 
 transformers = pytest.importorskip("transformers")
@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
     outs = {}
     for backend in ("torch", "jax"):
         outs[backend] = tmp / backend
-        p = run_train(*common, "--backend", backend, "--out", str(outs[backend]), cwd=tmp)
+        p = run_train_pooled(*common, "--backend", backend, "--out", str(outs[backend]), cwd=tmp)
         assert p.returncode == 0, describe(p)
     return tmp, common, outs
 
@@ -123,7 +123,7 @@ def test_hf_checkpoint_resumes_in_the_other_engine(runs, source, backend):
     out = tmp / f"{source}-to-{backend}"
     shutil.copytree(outs[source], out)
     shutil.rmtree(out / "checkpoints" / "3")
-    p = run_train(*common, "--backend", backend, "--resume", "--out", str(out), cwd=tmp)
+    p = run_train_pooled(*common, "--backend", backend, "--resume", "--out", str(out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     (r_train, r_val), (s_train, s_val) = _losses(outs[source]), _losses(out)
     assert s_train[3] == pytest.approx(r_train[3], abs=LOSS_TOL), (s_train[3], r_train[3])

@@ -71,7 +71,7 @@ def test_jax_llama_checkpoint_resumes_on_torch_at_another_world_size(runs):
     out = tmp / "switch"
     shutil.copytree(outs["jax"], out)
     shutil.rmtree(out / "checkpoints" / "6")
-    p = run_train(*_args(corpus, model, 3), "--nproc", "3", "--resume", "--out", str(out), cwd=tmp)
+    p = run_train_pooled(*_args(corpus, model, 3), "--nproc", "3", "--resume", "--out", str(out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     (t_train, t_val), (s_train, s_val) = _losses(outs["torch"]), _losses(out)
     print(f"JAX → torch W = 3 vs plain torch: max |train loss difference| "

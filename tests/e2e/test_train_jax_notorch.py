@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .helpers import SMALL, chunkzero_cmd, clean_env, describe, make_corpus, read_metrics, run_train
+from .helpers import SMALL, chunkzero_cmd, clean_env, describe, make_corpus, read_metrics, run_train, run_train_pooled
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +61,8 @@ def test_jax_job_runs_without_torch_and_torch_continues_it(no_torch):
     assert p.returncode == 0, describe(p)
     assert p.stdout.split()[-2:] == ["1", "False"]
 
-    p = run_train(*common, "--backend", "torch", "--nproc", "3", "--steps", "6", "--batch-size", "4", "--resume",
-                  "--out", str(out), cwd=tmp)
+    p = run_train_pooled(*common, "--backend", "torch", "--nproc", "3", "--steps", "6", "--batch-size", "4", "--resume",
+                         "--out", str(out), cwd=tmp)
     assert p.returncode == 0, describe(p)
     train, _ = read_metrics(out)
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
