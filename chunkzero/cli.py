@@ -42,6 +42,11 @@ def _outcome(results: list[dict]) -> tuple[int, str | None]:
 
 # ================================================================================================ train
 
+TORCHRUN_REPORT_GRACE_S = 1.0
+"""Under torchrun, how long a rank other than 0 waits before it exits with the run's error (every rank has it, from
+the ranks' exchange of verdicts): torchrun's agent stops the other ranks as soon as one exits with an error, and rank 0
+prints the run's one line."""
+
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """One argument per option field of :class:`chunkzero.train_config.TrainConfig`, in its groups: the
     flag, default, choices, metavar and help come from the field (the help ends with the default), and
@@ -134,8 +139,11 @@ def cmd_train(args: argparse.Namespace, *, on_step_end: Sequence[Callable] = ())
         import os
 
         code, message = _outcome([worker_main(cfg, hooks)])
-        if code != EXIT_OK and os.environ.get("RANK") == "0":
-            fail(prog, message)
+        if code != EXIT_OK:
+            if os.environ.get("RANK") == "0":
+                fail(prog, message)
+            else:  # torchrun's agent stops every rank once one exits with an error: rank 0 prints first
+                time.sleep(TORCHRUN_REPORT_GRACE_S)
         exit_without_finalization_at_exit(code)  # gloo's threads may still run: no finalization under them
         return code
 
