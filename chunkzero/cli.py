@@ -47,6 +47,7 @@ TORCHRUN_REPORT_GRACE_S = 1.0
 the ranks' exchange of verdicts): torchrun's agent stops the other ranks as soon as one exits with an error, and rank 0
 prints the run's one line."""
 
+
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """One argument per option field of :class:`chunkzero.train_config.TrainConfig`, in its groups: the
     flag, default, choices, metavar and help come from the field (the help ends with the default), and
