@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from .helpers import SMALL, describe, make_corpus, run_train
+from .helpers import SMALL, describe, make_corpus, run_train_pooled
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +26,9 @@ def _strict(line: str) -> dict:
 def test_non_finite_loss_stops_at_the_skip_limit_and_saves_nothing_non_finite(tmp_path, backend):
     corpus = make_corpus(tmp_path / "corpus")
     out = tmp_path / "run"
-    p = run_train("--data", str(corpus), *SMALL, "--backend", backend, "--nproc", "2", "--lr", "1e6", "--warmup", "0",
-                  "--max-norm", "0", "--steps", "40", "--save-interval", "10", "--eval-interval", "100",
-                  "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
+    p = run_train_pooled("--data", str(corpus), *SMALL, "--backend", backend, "--nproc", "2", "--lr", "1e6",
+                         "--warmup", "0", "--max-norm", "0", "--steps", "40", "--save-interval", "10",
+                         "--eval-interval", "100", "--sample-tokens", "0", "--out", str(out), cwd=tmp_path)
     assert p.returncode == 1, describe(p)
     records = [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
