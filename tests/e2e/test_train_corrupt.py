@@ -12,7 +12,17 @@ import subprocess
 
 import pytest
 
-from .helpers import SMALL, chunkzero_cmd, clean_env, describe, flip_saved_bit, make_corpus, read_metrics, run_train
+from .helpers import (
+    SMALL,
+    chunkzero_cmd,
+    clean_env,
+    describe,
+    flip_saved_bit,
+    make_corpus,
+    read_metrics,
+    run_train,
+    run_train_pooled,
+)
 
 
 @pytest.mark.slow
@@ -29,7 +39,7 @@ def test_corrupted_jax_checkpoint_is_refused_everywhere(tmp_path):
     flip_saved_bit(out / "checkpoints" / "10", ("optim", "exp_avg_sq", "chunk_0000"))
     trained = read_metrics(out)[0]
     for engine in ("jax", "torch"):
-        p = run_train(*common, "--backend", engine, "--steps", "15", "--resume", cwd=tmp_path)
+        p = run_train_pooled(*common, "--backend", engine, "--steps", "15", "--resume", cwd=tmp_path)
         assert p.returncode not in (0, None), describe(p)
         last = p.stderr.strip().splitlines()[-1]
         assert "array 'optim.exp_avg_sq.chunk_0000'" in last and "/checkpoints/10/state" in last, describe(p)
