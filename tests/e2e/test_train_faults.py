@@ -15,7 +15,7 @@ import pytest
 from chunkzero.checkpoint import list_steps
 from chunkzero.checkpoint.steps import remove_uncommitted
 
-from .helpers import SMALL, chunkzero_cmd, clean_env, describe, make_corpus, run_train
+from .helpers import SMALL, chunkzero_cmd, clean_env, describe, make_corpus, run_train, run_train_pooled
 
 RUN = [*SMALL, "--nproc", "2", "--eval-interval", "100", "--sample-tokens", "0"]
 
@@ -38,12 +38,13 @@ def test_remove_uncommitted_removes_only_orbax_temporaries(tmp_path):
 def test_a_resume_removes_the_temporaries_of_a_killed_save(corpus, tmp_path):
     """``kill -9`` during a save leaves ``N.orbax-checkpoint-tmp``; the next start of the run removes it."""
     out = tmp_path / "run"
-    p = run_train("--data", str(corpus), *RUN, "--steps", "2", "--save-interval", "2", "--out", str(out), cwd=tmp_path)
+    p = run_train_pooled("--data", str(corpus), *RUN, "--steps", "2", "--save-interval", "2", "--out", str(out),
+                         cwd=tmp_path)
     assert p.returncode == 0, describe(p)
     stale = out / "checkpoints" / "3.orbax-checkpoint-tmp"
     (stale / "state").mkdir(parents=True)  # what a save killed before its commit leaves
-    p = run_train("--data", str(corpus), *RUN, "--steps", "4", "--save-interval", "2", "--resume", "--out", str(out),
-                  cwd=tmp_path)
+    p = run_train_pooled("--data", str(corpus), *RUN, "--steps", "4", "--save-interval", "2", "--resume", "--out",
+                         str(out), cwd=tmp_path)
     assert p.returncode == 0, describe(p)
     assert not stale.exists()
     assert list_steps(out / "checkpoints") == [2, 4]
