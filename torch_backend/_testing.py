@@ -218,8 +218,10 @@ def _jax_unusable(rank: int, world_size: int) -> bool:
 
         state = distributed.global_state
         if state.service is not None or state.client is not None:
-            runtime = getattr(sys.modules.get("torch_backend.checkpoint.parallel_write"), "_RUNTIME", None)
-            return runtime is None or (runtime.rank, runtime.world_size) != (rank, world_size)
+            from .checkpoint.parallel_write import current_process_mesh
+
+            mesh = current_process_mesh()
+            return mesh is None or (mesh.rank, mesh.world_size) != (rank, world_size)
         return world_size > 1 and xla_bridge.backends_are_initialized()
     except Exception:  # noqa: BLE001 (retiring is always safe)
         return True

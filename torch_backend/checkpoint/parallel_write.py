@@ -36,7 +36,7 @@ from chunkzero.errors import CheckpointError
 from chunkzero.layout import REPLICA_AXIS, SHARD_AXIS
 from chunkzero.workers import reclaim_stop_signals
 
-__all__ = ["ProcessMesh", "process_mesh", "write_shards"]
+__all__ = ["ProcessMesh", "current_process_mesh", "process_mesh", "write_shards"]
 
 
 class ProcessMesh:
@@ -87,6 +87,12 @@ class ProcessMesh:
 
 _RUNTIME: ProcessMesh | None = None
 _RUNTIME_LOCK = threading.Lock()
+
+
+def current_process_mesh() -> ProcessMesh | None:
+    """This process's mesh once :func:`process_mesh` has started it (its ``rank`` and ``world_size`` are the only
+    ones later saves may use), else ``None``. Starts nothing."""
+    return _RUNTIME
 
 
 def _free_port(host: str) -> int:
