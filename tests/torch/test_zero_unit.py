@@ -24,6 +24,49 @@ def test_collectives_use_the_current_names():
     assert collectives.default_backend("cuda:0") == "nccl"
 
 
+class _FakeWork:
+    """A collective's work handle that completes after ``polls`` calls of ``is_completed`` (never: ``None``)."""
+
+    def __init__(self, polls, error=None):
+        self.polls, self.error, self.asked, self.waited = polls, error, 0, 0
+
+    def is_completed(self):
+        self.asked += 1
+        if self.asked > 100_000:
+            raise AssertionError("polled past HOST_SPIN_S")
+        return self.polls is not None and self.asked >= self.polls
+
+    def wait(self):
+        self.waited += 1
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_host_wait_polls_then_waits_once():
+    """Note [spin, then block]: the work is polled until done, then waited for once (the wait raises)."""
+    work = _FakeWork(polls=5)
+    collectives.wait_on_host(work)
+    assert (work.asked, work.waited) == (5, 1)
+    failed = _FakeWork(polls=1, error=RuntimeError("peer closed"))
+    with pytest.raises(RuntimeError, match="peer closed"):
+        collectives.Pending(failed).wait()
+    assert failed.waited == 1
+
+
+def test_a_host_wait_stops_polling_after_its_budget(monkeypatch):
+    """A work that never completes is polled for HOST_SPIN_S only, then blocked on (where the process
+    group's timeout applies): never a spin without end."""
+    monkeypatch.setattr(collectives, "HOST_SPIN_S", 0.0)
+    work = _FakeWork(polls=None)
+    collectives.wait_on_host(work)
+    assert work.asked <= 1 and work.waited == 1
+    monkeypatch.setattr(collectives, "HOST_SPIN_S", 0.005)
+    work = _FakeWork(polls=None)
+    collectives.wait_on_host(work)
+    assert work.asked >= 1 and work.waited == 1
+
+
 def test_single_process_without_process_group_matches_torch():
     """No torch.distributed init: W=1, every chunk resident; 3 Adam steps equal plain torch exactly.
 

@@ -17,9 +17,10 @@ Chunks are flat 1-D buffers, so the only collectives needed are the flat ones:
 
 The three chunk collectives take ``async_op``: with ``True`` they return at once a :class:`Pending`
 whose :meth:`Pending.wait` completes them. On gloo the work runs on the process group's background
-threads; on CUDA the collective is issued from a dedicated communication stream that first waits
-for the compute stream (everything queued where the inputs were written), and ``wait()`` makes the
-*current* stream wait for it — FSDP2's pattern.
+threads and the host waits for it (:func:`wait_on_host`: it polls, then blocks); on CUDA the
+collective is issued from a dedicated communication stream that first waits for the compute stream
+(everything queued where the inputs were written), and ``wait()`` makes the *current* stream wait for
+it — FSDP2's pattern.
 
 **Streams.** Every cross-stream hand-over goes through the stream layer of
 :mod:`torch_backend.zero.streams` (re-exported here): a collective's buffers are allocated on the
@@ -40,6 +41,8 @@ a single-rank no-op (gather copies, reductions leave the data as is).
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -82,6 +85,7 @@ __all__ = [
     "uses_streams",
     "reduce_hybrid",
     "reduce_scatter_avg",
+    "wait_on_host",
     "world_group",
 ]
 
@@ -143,11 +147,36 @@ class Pending:
             if self._issue_stream is not None:
                 stream_layer().wait_work(work, self._issue_stream)
             else:
-                work.wait()
+                wait_on_host(work)
         epilogue, self._epilogue = self._epilogue, None
         if epilogue is not None:
             epilogue()
         self._keep = ()
+
+
+HOST_SPIN_S = 1e-3
+"""Seconds a host wait for a collective polls it before blocking (Note [spin, then block])."""
+
+_yield_core = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def wait_on_host(work) -> None:
+    """Wait on this thread for ``work`` (a ``torch.distributed`` work handle): poll it for up to
+    :data:`HOST_SPIN_S`, yielding the core between polls, then block in ``work.wait()``, which raises the
+    collective's error or its process group's timeout (Note [spin, then block])."""
+    deadline = time.perf_counter() + HOST_SPIN_S
+    while not work.is_completed() and time.perf_counter() < deadline:
+        _yield_core()
+    work.wait()
+
+
+# Note [spin, then block]. A gloo collective completes on gloo's own threads, which then wake the
+# thread blocked in ``wait()``. Where cores go idle while every thread waits (a VM's halted vCPU),
+# that wake-up is slow: at one chunk per GPT-2 block most of the engine's waits are on exchanges the
+# peer has already sent. So a host wait first polls the work, yielding the core between polls (gloo's
+# threads run on it meanwhile), and blocks only after HOST_SPIN_S: a long wait (a slow peer) costs
+# at most that much CPU, and the process group's timeout still ends a wait that never completes
+# (``benchmarks/bench_launch.py``; ``docs/benchmarks.md``, launch-bound step).
 
 
 _DONE = Pending()
@@ -435,15 +464,21 @@ def agree(votes: torch.Tensor, group, *, async_op: bool = False) -> Pending:
     is there after ``wait()``."""
     if _world(group) == 1:
         return _DONE
-    return _finish(
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group, async_op=async_op), None, (votes,), async_op
-    )
+    work = dist.all_reduce(votes, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if async_op:
+        return Pending(work, None, (votes,))
+    wait_on_host(work)
+    return _DONE
 
 
 def all_reduce_sum(tensor: torch.Tensor, group) -> None:
     """Sum ``tensor`` over the ranks, in place (used for squared norms and overflow flags)."""
-    if _world(group) > 1:
+    if _world(group) == 1:
+        return
+    if tensor.device.type != "cpu":  # queued on the device's stream: the host does not wait
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return
+    wait_on_host(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
 
 def broadcast_from_first(tensor: torch.Tensor, group) -> None:
