@@ -36,8 +36,8 @@ class ChunkGradient:
             the reductions are finished), or ``None``.
     """
 
-    __slots__ = ("_chunk", "_grad_nbytes", "_in_grad", "_spans", "_streams", "_to_host", "_whole", "_written", "buffer",
-                 "reductions", "sq_norm")
+    __slots__ = ("_chunk", "_device", "_grad_nbytes", "_in_grad", "_spans", "_streams", "_to_host", "_view_specs",
+                 "_whole", "_written", "buffer", "reductions", "sq_norm")
 
     def __init__(self, chunk):
         self._chunk = chunk
@@ -53,6 +53,10 @@ class ChunkGradient:
         """Reductions issued and not yet added into ``master.grad``: ``(pending, output shard)``."""
         self._to_host: list[tuple[torch.Tensor, object, torch.Tensor]] = []
         self._spans = {t.name: (t.offset, t.offset + t.numel) for t in chunk.tensors}
+        self._view_specs = [(t.name, t.shape, torch.empty(t.shape, device="meta").stride(), t.offset)
+                            for t in chunk.tensors]
+        """Per tensor: ``(name, shape, contiguous strides, offset)`` of its view of the buffer."""
+        self._device = str(chunk.device)
         whole = [t.name for t in chunk.tensors if t.offset == 0 and t.offset + t.numel == chunk.size]
         self._whole = whole[0] if whole else None
         """The tensor that is the whole chunk (no padding), whose gradient is adopted as the buffer."""
@@ -83,16 +87,17 @@ class ChunkGradient:
         view = self._in_grad.get(name)
         if view is None or view is not grad:
             return False
-        self._chunk.tracker.transient("autograd_grads", view.device, self._grad_nbytes[name])  # summed, dropped
+        self._chunk.tracker.transient("autograd_grads", self._device, self._grad_nbytes[name])  # summed, dropped
         return True
 
     def _give_views(self) -> None:
         """Point each trainable parameter's empty ``.grad`` at its view of the (zeroed) buffer."""
         buf, params = self.buffer, self._chunk.params
-        for name, (start, end) in self._spans.items():
+        base = buf.storage_offset()  # (an adopted gradient may start inside its storage)
+        for name, shape, stride, offset in self._view_specs:
             p = params[name]
             if p.grad is None and p.requires_grad and name not in self._in_grad:
-                view = buf[start:end].view(p.shape)
+                view = buf.as_strided(shape, stride, base + offset)
                 p.grad = view
                 self._in_grad[name] = view
 

@@ -256,13 +256,13 @@ def _exchange_halves(output: torch.Tensor, shard: torch.Tensor, group, async_op:
     """gloo's all-gather at two ranks (Note [gather as an exchange]): this rank's shard is copied into
     its half of ``output`` and the other half is received straight into place, one all-to-all."""
     rank, n = dist.get_rank(group), shard.numel()
-    other = output[(1 - rank) * n : (2 - rank) * n]
+    other = output.narrow(0, (1 - rank) * n, n)
     splits = [0, n] if rank == 0 else [n, 0]
     issued: list = []
     with _issue_context(output, async_op, issued):
         work = dist.all_to_all_single(other, shard, output_split_sizes=splits, input_split_sizes=splits,
                                       group=group, async_op=async_op)
-        output[rank * n : (rank + 1) * n].copy_(shard)
+        output.narrow(0, rank * n, n).copy_(shard)
     return _finish(work, None, (output, shard), async_op, issued)
 
 
@@ -341,7 +341,7 @@ def _exchange_and_sum(output, full, group, world: int, epilogue, async_op: bool,
     issued: list = []
     if world == 2:
         rank, n = dist.get_rank(group), output.numel()
-        mine, other = full[rank * n : (rank + 1) * n], full[(1 - rank) * n : (2 - rank) * n]
+        mine, other = full.narrow(0, rank * n, n), full.narrow(0, (1 - rank) * n, n)
         splits = [0, n] if rank == 0 else [n, 0]
         with _issue_context(output, async_op, issued):
             work = dist.all_to_all_single(output, other, output_split_sizes=splits, input_split_sizes=splits,

@@ -30,6 +30,19 @@ shards for a gather, the full chunk assembled at construction and by checkpoint 
 ``fp32_gradients`` (the reduced fp32 gradient shards, ``master.grad``)."""
 
 
+_DEVICE_NAMES: dict = {}
+
+
+def _device_name(device) -> str:
+    """``str(device)``, made once per device (``str`` of a ``torch.device`` formats it each call)."""
+    if type(device) is str:
+        return device
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
+
+
 class AllocationTracker:
     """Bytes allocated by the engine, now and at their peak, per device and kind.
 
@@ -53,7 +66,7 @@ class AllocationTracker:
 
     def add(self, kind: str, device, nbytes: int) -> int:
         """Count ``nbytes`` of ``kind`` on ``device`` as allocated; returns the key :meth:`free` takes."""
-        dev = str(device)
+        dev = _device_name(device)
         self._next += 1
         key = self._next
         self._entries[key] = (dev, kind, int(nbytes))
@@ -86,7 +99,7 @@ class AllocationTracker:
     def transient(self, kind: str, device, nbytes: int) -> None:
         """Count ``nbytes`` of ``kind`` on ``device`` as allocated for a moment (a tensor handed over and
         dropped at once): the peaks see it, the current bytes do not. One call, no ledger entry."""
-        dev, n = str(device), int(nbytes)
+        dev, n = _device_name(device), int(nbytes)
         peak = self.peak.setdefault(dev, {})
         now = self.current.get(dev, {}).get(kind, 0) + n
         if now > peak.get(kind, 0):
