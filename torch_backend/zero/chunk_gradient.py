@@ -36,7 +36,7 @@ class ChunkGradient:
             the reductions are finished), or ``None``.
     """
 
-    __slots__ = ("_chunk", "_device", "_grad_nbytes", "_in_grad", "_spans", "_streams", "_to_host", "_view_specs",
+    __slots__ = ("_chunk", "_grad_nbytes", "_in_grad", "_spans", "_streams", "_to_host", "_view_specs",
                  "_whole", "_written", "buffer", "reductions", "sq_norm")
 
     def __init__(self, chunk):
@@ -56,7 +56,6 @@ class ChunkGradient:
         self._view_specs = [(t.name, t.shape, torch.empty(t.shape, device="meta").stride(), t.offset)
                             for t in chunk.tensors]
         """Per tensor: ``(name, shape, contiguous strides, offset)`` of its view of the buffer."""
-        self._device = str(chunk.device)
         whole = [t.name for t in chunk.tensors if t.offset == 0 and t.offset + t.numel == chunk.size]
         self._whole = whole[0] if whole else None
         """The tensor that is the whole chunk (no padding), whose gradient is adopted as the buffer."""
@@ -87,7 +86,7 @@ class ChunkGradient:
         view = self._in_grad.get(name)
         if view is None or view is not grad:
             return False
-        self._chunk.tracker.transient("autograd_grads", self._device, self._grad_nbytes[name])  # summed, dropped
+        self._chunk.tracker.transient("autograd_grads", self._chunk.device, self._grad_nbytes[name])  # summed, dropped
         return True
 
     def _give_views(self) -> None:
