@@ -55,8 +55,11 @@ class _LiveBytes(TorchDispatchMode):
     def drop(self, tensor: torch.Tensor) -> None:
         """Stop counting ``tensor``'s storage, also in the samples since it was created: a parameter's
         gradient, which ZeroDDP moves into its chunk's buffer (the plan counts that buffer)."""
-        key = StorageWeakRef(tensor.untyped_storage()).cdata
-        self.skip.add(key)
+        storage = tensor.untyped_storage()
+        key = StorageWeakRef(storage).cdata
+        if key not in self.skip:  # skipped while it lives: a later storage may take its address
+            self.skip.add(key)
+            weakref.finalize(storage, self.skip.discard, key)
         n, created = self.live.pop(key, (0, len(self.samples)))
         self.bytes -= n
         for i in range(created, len(self.samples)):
