@@ -53,11 +53,6 @@ DDP_BUCKET_CAP_BYTES = 25 * 2**20
 """``torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)``: 25 MiB gradient buckets."""
 DDP_FIRST_BUCKET_BYTES = 2**20
 """torch DDP's first bucket cap (``dist._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB)."""
-REDUCE_IN_FLIGHT_BYTES = 4 * 2**20
-"""Full-chunk gradient bytes that ZeroDDP's reductions in flight may hold beyond the ``max(1, prefetch)``
-reductions always allowed (:func:`completes_oldest_reduction`): 4 MiB, where chunks are small enough that
-each reduction is latency-bound (DDP starts its first bucket at 1 MiB for the same reason), and too little to
-matter beside the memory of any model that needs ZeRO."""
 
 
 def _precision(precision: str) -> tuple[int, int, int]:
@@ -171,26 +166,6 @@ def _peak_gathered(
     ordered = sorted(unit_numels, reverse=True)
     held = sum(ordered) if not reshard_after_forward else sum(ordered[: 1 + prefetch])
     return held * b_param + ordered[0] * b_grad
-
-
-def completes_oldest_reduction(in_flight: int, in_flight_bytes: int, next_bytes: int, prefetch: int) -> bool:
-    """Whether ZeroDDP completes its oldest reduction in flight before it issues the next (the torch engine's
-    scheduler and the memory plan follow this one rule).
-
-    Args:
-        in_flight: reductions in flight; in_flight_bytes: the full-chunk gradient buffers they hold, bytes.
-        next_bytes: the gradient buffer of the reduction to issue, bytes.
-        prefetch: ZeroDDP's ``prefetch``; ``0``: reductions are synchronous, one at a time.
-
-    Returns:
-        ``True`` once ``max(1, prefetch)`` are in flight and the next would take their buffers past
-        :data:`REDUCE_IN_FLIGHT_BYTES` (``prefetch=0``: once one is). Small chunks' reductions
-        (latency-bound) thus stay in flight together, while large chunks' keep the gradient memory at
-        ``max(1, prefetch)`` buffers.
-    """
-    if prefetch == 0:
-        return in_flight >= 1
-    return in_flight >= prefetch and in_flight_bytes + next_bytes > REDUCE_IN_FLIGHT_BYTES
 
 
 def _check_prefetch(prefetch) -> int:
@@ -432,7 +407,7 @@ def format_cost_table(costs: Iterable[StrategyCost]) -> str:
 
 
 __all__ = [
-    "DDP_BUCKET_CAP_BYTES", "OPTIMIZER_STATES", "PRECISION_BYTES", "REDUCE_IN_FLIGHT_BYTES", "StrategyCost",
-    "chunk_zero3_cost", "compare_strategies", "completes_oldest_reduction", "ddp_buckets", "ddp_cost",
-    "format_cost_table", "fsdp_cost", "fsdp_shard_numel", "zero_paper_model_state_bytes", "zero_paper_wire_bytes",
+    "DDP_BUCKET_CAP_BYTES", "OPTIMIZER_STATES", "PRECISION_BYTES", "StrategyCost", "chunk_zero3_cost",
+    "compare_strategies", "ddp_buckets", "ddp_cost", "format_cost_table", "fsdp_cost", "fsdp_shard_numel",
+    "zero_paper_model_state_bytes", "zero_paper_wire_bytes",
 ]

@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .cost import FP32_BYTES, PRECISION_BYTES, completes_oldest_reduction
+from .cost import FP32_BYTES, PRECISION_BYTES
 from .errors import ConfigError
 from .layout import ChunkLayout
 
@@ -202,15 +202,14 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def _gradient_buffers(layout: ChunkLayout, trace: ActivationTrace, prefetch: int, b_grad: int,
+def _gradient_buffers(layout: ChunkLayout, trace: ActivationTrace, in_flight: int, b_grad: int,
                       overlap: bool) -> tuple[list[int], list[int], list[int]]:
     """After each traced op, the bytes of full-chunk gradient buffers held and of their reductions' receive
     buffers, and the trainable chunks not yet complete: a chunk's buffer from its first gradient's arrival;
-    once all its tensors' gradients arrived it is reduced (and its gathered buffer released), the oldest
-    reduction in flight completing (freeing its buffers) when another starts as the engine's rule says
-    (:func:`~chunkzero.cost.completes_oldest_reduction`), where they ``overlap`` the next chunk's gradients
-    (NCCL); else (gloo on CPU) those beyond the rule's byte budget complete before the next chunk's buffer is
-    taken; the rest complete at the end of the backward."""
+    once all its tensors' gradients arrived it is reduced (and its gathered buffer released), up to
+    ``in_flight`` reductions at once (the oldest completes, freeing its buffers, when another starts) where
+    they ``overlap`` the next chunk's gradients (NCCL), else (gloo on CPU) before the next chunk's buffer is
+    taken; the last complete at the end of the backward."""
     remaining = {c.index: len(layout.chunk_tensors(c.index)) for c in layout.chunks if c.requires_grad}
     size = {c.index: c.size * b_grad for c in layout.chunks}
     held, reducing, out_held, out_ex, out_open = 0, [], [], [], []
@@ -220,17 +219,15 @@ def _gradient_buffers(layout: ChunkLayout, trace: ActivationTrace, prefetch: int
         while nxt is not None and nxt[0] <= i:
             c = layout.tensor(nxt[1]).chunk
             if remaining[c] == len(layout.chunk_tensors(c)):
-                # gloo: the round that starts this chunk waits for the reductions in flight past the budget
-                while not overlap and reducing and completes_oldest_reduction(
-                        len(reducing), sum(size[r] for r in reducing), 0, 1):
-                    held -= size[reducing.pop(0)]
+                if not overlap:  # the round that starts this chunk waits for the reductions in flight
+                    held -= sum(size[r] for r in reducing)
+                    reducing.clear()
                 held += size[c]
             remaining[c] -= 1
             if remaining[c] == 0:
-                while reducing and completes_oldest_reduction(len(reducing), sum(size[r] for r in reducing), size[c],
-                                                              prefetch):
-                    held -= size[reducing.pop(0)]
                 reducing.append(c)
+                if len(reducing) > in_flight:
+                    held -= size[reducing.pop(0)]
             nxt = next(events, None)
         out_held.append(held)
         out_ex.append(sum(size[c] for c in reducing))
@@ -297,7 +294,7 @@ def plan_memory(layout: ChunkLayout, trace: ActivationTrace, settings: PlanSetti
     sharded = [c.size for c in layout.chunks if not c.keep_gathered]
     gathered_max = min(len(sharded), s.prefetch + GATHERED_EXTRA_CHUNKS)
     full_grads = sum(c.size for c in trainable) * b_grad
-    buffers, exchanges, still_open = _gradient_buffers(layout, trace, s.prefetch, b_grad, overlap=cuda)
+    buffers, exchanges, still_open = _gradient_buffers(layout, trace, max(1, s.prefetch), b_grad, overlap=cuda)
     exchanges = exchanges if not cuda and w > 1 else [0] * len(exchanges)  # gloo's all-to-all receive buffer
     # the fp32 gradient shards of the parameters whose gradients arrived, moment by moment
     shard_fraction = sum(layout.shard_numel(c.index) for c in trainable) / max(1, sum(c.utilized for c in trainable))

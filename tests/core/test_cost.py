@@ -187,17 +187,3 @@ def test_bad_arguments(call, match):
     specs = [TensorSpec("w", (4,))]
     with pytest.raises(ConfigError, match=match):
         call(ChunkLayout.build(specs, 4, 2), specs)
-
-
-def test_reductions_in_flight_rule():
-    """Asynchronous (prefetch ≥ 1): the oldest completes only once ``prefetch`` are in flight and the next
-    would take their buffers past the byte budget; synchronous (prefetch 0): always once one is."""
-    from chunkzero.cost import REDUCE_IN_FLIGHT_BYTES as budget
-    from chunkzero.cost import completes_oldest_reduction as completes
-
-    assert not completes(0, 0, 2 * budget, 1)            # nothing in flight: nothing to complete
-    assert not completes(3, budget - 10, 10, 1)          # small buffers: up to the budget stay in flight
-    assert completes(3, budget - 10, 11, 1)              # one byte past it: the oldest completes
-    assert completes(1, budget, budget, 1)               # large chunks: one in flight at prefetch 1
-    assert not completes(1, budget, budget, 2)           # ... two at prefetch 2
-    assert completes(1, 0, 0, 0)                         # synchronous reductions: one at a time

@@ -175,18 +175,3 @@ def test_refusal_is_one_line_with_the_figures_and_the_settings():
     assert f"{p.peak_bytes_per_rank / 2**30:.2f} GiB per rank" in line and "0.93 GiB available" in line
     assert "--batch-size" in line and "--force" in line
     assert "no setting tried fits" in refusal(p, 1, 1, "x", [])
-
-
-@pytest.mark.parametrize("overlap", [True, False], ids=["nccl", "gloo"])
-def test_small_chunks_reductions_stay_in_flight_together(overlap, monkeypatch):
-    """Both chunks' 8,000-byte fp32 gradient buffers fit the byte budget for reductions in flight
-    (``chunkzero.cost.completes_oldest_reduction``), so at the last gradient both are held, both reductions
-    in flight, as the engine keeps them; with no budget the count bound (prefetch 1) leaves one."""
-    from chunkzero import cost
-    from chunkzero.memory_plan import _gradient_buffers
-
-    held, exchanging, _ = _gradient_buffers(LAYOUT, trace(), 1, 4, overlap)
-    assert held[-1] == exchanging[-1] == 2 * 8000
-    monkeypatch.setattr(cost, "REDUCE_IN_FLIGHT_BYTES", 0)
-    held, exchanging, _ = _gradient_buffers(LAYOUT, trace(), 1, 4, overlap)
-    assert held[-1] == exchanging[-1] == 8000

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from chunkzero import cost
 from torch_backend import ZeroDDP
 
 WIDTH = 64
@@ -43,21 +42,14 @@ def backward_peaks(model: ZeroDDP, x: torch.Tensor) -> dict[str, int]:
     return dict(model.memory_report().peak_allocated.get("cpu", {}))
 
 
-def worker_gradient_bound(rank: int, world: int, in_flight_bytes: int | None = None):
+def worker_gradient_bound(rank: int, world: int):
     """At W ranks with prefetch 1: the peak of full gradient chunks alive during the backward (being
     accumulated, waiting, or reducing) and of exchange buffers; the gradients' agreement with a
-    single-process reference is checked by the caller from the returned mean gradient.
-    ``in_flight_bytes``: :data:`chunkzero.cost.REDUCE_IN_FLIGHT_BYTES` for this backward (default: as set)."""
-    budget = cost.REDUCE_IN_FLIGHT_BYTES
-    if in_flight_bytes is not None:
-        cost.REDUCE_IN_FLIGHT_BYTES = in_flight_bytes
-    try:
-        model = ZeroDDP(Stack(), chunk_size=2 * LAYER_NUMEL, prefetch=1)
-        torch.manual_seed(1)
-        x = torch.randn(world * 4, WIDTH)[rank * 4 : (rank + 1) * 4]
-        peaks = backward_peaks(model, x)
-    finally:  # (a pooled rank runs later tests)
-        cost.REDUCE_IN_FLIGHT_BYTES = budget
+    single-process reference is checked by the caller from the returned mean gradient."""
+    model = ZeroDDP(Stack(), chunk_size=2 * LAYER_NUMEL, prefetch=1)
+    torch.manual_seed(1)
+    x = torch.randn(world * 4, WIDTH)[rank * 4 : (rank + 1) * 4]
+    peaks = backward_peaks(model, x)
     grads = [model.grad_shard(c.index).clone() for c in model.chunks]
     return {"peaks": peaks, "chunk_bytes": chunk_bytes(model), "chunks": len(model.chunks),
             "grads": [g.tolist() for g in grads]}

@@ -50,10 +50,10 @@ def test_tracer_records_the_saved_activation_bytes_at_each_access():
     trace = model.auto_placement.trace
     assert trace.access_order == (0, 1, 2, 3, 3, 2, 1) and trace.forward_accesses == n_layers
     assert list(trace.non_model_bytes) == want + want[:0:-1]
-    # transient: the accessed chunk's gathered buffer; no gradient buffer, since one rank alone completes
-    # each chunk's reduction at once (nothing is in flight) and the next chunk's buffer comes after its access
+    # transient: the accessed chunk's gathered buffer at least, gradient buffers in backward
     chunk_bytes = (d * d + d) * 4
-    assert list(trace.transient_bytes) == [chunk_bytes] * len(trace.access_order)
+    assert all(b >= chunk_bytes for b in trace.transient_bytes)
+    assert max(trace.transient_bytes[n_layers:]) > max(trace.transient_bytes[:n_layers])
 
 
 class _Chain(nn.Module):

@@ -27,9 +27,8 @@ order), re-recorded whenever the order changes; a chunk used out of that order i
 
 With ``prefetch > 0`` all-gathers and reduce-scatters are issued asynchronously (gloo work handles;
 CUDA: a communication stream, see :mod:`torch_backend.zero.collectives`) so the prefetched gathers and
-the reductions of finished chunks overlap the computation; ``max(1, prefetch)`` reductions are in flight
-(the oldest is completed before the next is issued), more only while their gradient buffers are small
-(Note [reductions in flight]), which bounds the gradient memory. The prefetch votes
+the reductions of finished chunks overlap the computation; at most ``max(1, prefetch)`` reductions
+are in flight (the oldest is completed before the next is issued), which bounds the gradient memory. The prefetch votes
 are asynchronous too: a vote cast at chunk ``k``'s first use is decided at the next chunk's, so it
 asks for the chunks up to ``prefetch + 1`` ahead, and the gathers it decides are issued a chunk ahead
 of their use (``late_gathers`` counts those issued only at their use).
@@ -44,8 +43,6 @@ import enum
 from collections import deque
 
 import torch
-
-from chunkzero.cost import completes_oldest_reduction
 
 from . import collectives
 from .chunks import Chunk
@@ -191,9 +188,6 @@ class Scheduler:
         self.orders = {FORWARD: AccessOrder(), BACKWARD: AccessOrder(), OUTSIDE: AccessOrder()}
         self.ready: set[int] = set()
         self._reducing: deque[int] = deque()
-        self._reducing_bytes = 0
-        """The full-chunk gradient buffers the reductions in :attr:`_reducing` hold, bytes."""
-        self._grad_bytes = [c.size * c.dtype.itemsize for c in chunks]
         self.rounds = 0
         """Rounds (vote all-reduces) so far."""
         self._pending: tuple[Votes, collectives.Pending, set[int]] | None = None
@@ -389,7 +383,7 @@ class Scheduler:
             if c.gather_in_flight:
                 c.finish_gather()
         while self._reducing:
-            self._complete_oldest_reduction()
+            self.chunks[self._reducing.popleft()].gradient.finish_reduces()
         for c in self.chunks:
             if c.gradient is not None:
                 c.gradient.finish_host_gradients()
@@ -397,31 +391,14 @@ class Scheduler:
     def _reduce(self, index: int) -> None:
         self.ready.discard(index)
         c = self.chunks[index]
-        # the oldest reductions are completed before the next is issued: max(1, prefetch) stay in flight,
-        # more only while their gradient buffers are small (Note [reductions in flight])
-        while self._reducing and completes_oldest_reduction(len(self._reducing), self._reducing_bytes,
-                                                            self._grad_bytes[index], self.prefetch):
-            self._complete_oldest_reduction()
-        async_op = self.async_op and self.world_size > 1
-        c.gradient.begin_reduce(async_op=async_op)
+        # the oldest reductions are completed before the next is issued, so that at most
+        # max(1, prefetch) are ever in flight (their gradient buffers included)
+        while len(self._reducing) >= max(1, self.prefetch):
+            self.chunks[self._reducing.popleft()].gradient.finish_reduces()
+        c.gradient.begin_reduce(async_op=self.async_op and self.world_size > 1)
         self._reducing.append(index)
-        self._reducing_bytes += self._grad_bytes[index]
-        while self._reducing and not async_op:  # (one rank alone: nothing is in flight)
-            self._complete_oldest_reduction()
-
-    def _complete_oldest_reduction(self) -> None:
-        index = self._reducing.popleft()
-        self._reducing_bytes -= self._grad_bytes[index]
-        self.chunks[index].gradient.finish_reduces()
-
-    # Note [reductions in flight]. A reduction in flight holds its chunk's full gradient buffer until it
-    # completes, so the number in flight bounds the backward's gradient memory: ``max(1, prefetch)``
-    # buffers, as FSDP2 keeps one reduce-scatter in flight. But where chunks are small (one per block of
-    # a small model) each reduction is latency-bound, and waiting for the previous one before issuing the
-    # next put one collective's latency on the backward's path per chunk. So small chunks' reductions
-    # stay in flight together while their buffers total at most ``chunkzero.cost.REDUCE_IN_FLIGHT_BYTES``
-    # (4 MiB), completed at the end of the backward; large chunks' keep the count bound. The
-    # memory plan follows the same rule (``chunkzero.cost.completes_oldest_reduction``).
+        while self._reducing and not self.async_op:
+            self.chunks[self._reducing.popleft()].gradient.finish_reduces()
 
     # ------------------------------------------------------------------ rounds
     def _round(self, *, want=(), done: bool = False, used: torch.Tensor | None = None, wait: bool = True,
