@@ -102,9 +102,12 @@ def test_a_dropped_gradient_is_skipped_only_while_it_lives():
 
     mode = _LiveBytes(set())
     grad = torch.empty(10)
+    alias = torch.empty(0).set_(grad.untyped_storage())  # shares the storage, not the tensor: outlives it
     key = StorageWeakRef(grad.untyped_storage()).cdata
     mode.drop(grad)
-    assert key in mode.skip
     del grad
+    gc.collect()
+    assert key in mode.skip  # the storage still lives (a finalizer on the tensor would have let go here)
+    del alias
     gc.collect()
     assert key not in mode.skip
